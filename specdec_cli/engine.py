@@ -1,0 +1,447 @@
+"""The speculative decoding engine: draft → score → verify → commit, block after block (docs §7).
+
+One block, with K draft rows (every draft config's ``num_drafts`` samples) and L draft tokens:
+
+1. each draft model extends its K_j rows by L tokens, one batched forward per position,
+   sampling from the shared :func:`~specdec_cli.sampling.probs_from_logits` law it records;
+2. the target scores all K × (L+1) positions in one forward;
+3. the verifier walks positions t = 1..L over the rows still alive, keeping the rows whose
+   token equals its output, and stops at the first position where none survives; a row that
+   survives all L earns a bonus token from q at position L+1;
+4. every model keeps the cache row that agrees longest with the committed tokens and crops it.
+
+An autoregressive run is the same loop with no drafts (L = 0: each block is one target
+forward and its "bonus" token), so baseline and speculative runs share sampler and stopping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import UsageError
+from .models import LoadedModel, check_same_tokenizer, derive_early_exit_draft, load_model, shared_vocab_size
+from .recipe import DraftConfig, Recipe
+from .sampling import SamplingParams, probs_from_logits, sample
+from .stats import GenerationResult, SampleStats
+from .verifiers import Verifier, VerifierRegistry
+
+BlockCallback = Callable[[int, int, list[int], list[bool]], None]
+"""on_block(prompt_index, sample_index, new_token_ids, accepted_mask) after each committed block."""
+
+AUTOREGRESSIVE = "none"
+"""Verifier name meaning "no speculation": the target decodes alone."""
+
+
+class _Runner:
+    """One model's view of the sequence being decoded: its KV cache and the ids the cache holds.
+
+    Rows are the K draft continuations of one block; between blocks there is a single row.
+    With ``use_cache=False`` every forward recomputes the whole sequence (the reference that
+    tests cache rollback against).
+    """
+
+    def __init__(self, loaded: LoadedModel, vocab_size: int, use_cache: bool):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.vocab_size = vocab_size
+        self.use_cache = use_cache
+        self.device = loaded.device
+        self.cache: Any = None
+        self.cached_ids = torch.empty(1, 0, dtype=torch.long, device=self.device)  # [rows, n]
+        self.encoder_output: Any = None
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.cache = None
+        self.cached_ids = torch.empty(1, 0, dtype=torch.long, device=self.device)  # [1, 0]
+        self.encoder_output = None
+        if self.loaded.is_encoder_decoder:
+            # The encoder runs once per prompt; every decoder forward reuses its output.
+            encoder_input = torch.tensor([prompt_ids], device=self.device)  # [1, prompt]
+            self.encoder_output = self.model.get_encoder()(input_ids=encoder_input)
+
+    @property
+    def rows(self) -> int:
+        return self.cached_ids.shape[0]
+
+    @property
+    def cached_length(self) -> int:
+        return self.cached_ids.shape[1]
+
+    def fan_out(self, rows: int) -> None:
+        """Repeat the single committed row ``rows`` times (the K drafts of a block)."""
+        if rows == self.rows:
+            return
+        self.cached_ids = self.cached_ids.repeat(rows, 1)  # [rows, n]
+        if self.cache is not None:
+            self.cache.batch_repeat_interleave(rows)
+        if self.encoder_output is not None:
+            hidden = self.encoder_output.last_hidden_state  # [1, source, d]
+            self.encoder_output.last_hidden_state = hidden.repeat(rows, 1, 1)  # [rows, source, d]
+
+    def keep_longest_match(self, committed: list[int]) -> None:
+        """Keep the row whose cached ids agree longest with ``committed``; crop it to that prefix.
+
+        At least the last committed token stays uncached: its logits are the next block's first.
+        """
+        n = min(self.cached_length, len(committed))
+        reference = torch.tensor(committed[:n], device=self.device)  # [n]
+        agrees = (self.cached_ids[:, :n] == reference).long().cumprod(-1)  # [rows, n]
+        match = agrees.sum(-1)  # [rows]
+        row = int(match.argmax())
+        keep = min(int(match[row]), len(committed) - 1)
+        if self.rows > 1:
+            self.cached_ids = self.cached_ids[row : row + 1]  # [1, n]
+            if self.cache is not None:
+                self.cache.batch_select_indices(torch.tensor([row], device=self.device))
+            if self.encoder_output is not None:
+                hidden = self.encoder_output.last_hidden_state  # [rows, source, d]
+                self.encoder_output.last_hidden_state = hidden[row : row + 1]  # [1, source, d]
+        if keep < self.cached_length:
+            if self.cache is not None:
+                self.cache.crop(keep - self.cached_length)  # negative: tokens to remove
+            self.cached_ids = self.cached_ids[:, :keep]  # [1, keep]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[rows, m, vocab]`` for ``tokens`` ``[rows, m]`` appended after the cached ids."""
+        if self.use_cache:
+            inputs, cache = tokens, self.cache  # [rows, m]
+        else:
+            inputs, cache = torch.cat([self.cached_ids, tokens], dim=1), None  # [rows, n + m]
+        kwargs: dict[str, Any] = {"use_cache": self.use_cache, "past_key_values": cache}
+        if self.loaded.is_encoder_decoder:
+            kwargs.update(encoder_outputs=self.encoder_output, decoder_input_ids=inputs)
+        else:
+            kwargs.update(input_ids=inputs)
+        output = self.model(**kwargs)
+        if self.use_cache:
+            self.cache = output.past_key_values
+        self.cached_ids = torch.cat([self.cached_ids, tokens], dim=1)  # [rows, n + m]
+        return output.logits[:, -tokens.shape[1] :, : self.vocab_size]  # [rows, m, vocab]
+
+
+@dataclass
+class _DraftGroup:
+    """One draft model and the sampling settings of each of its rows (configs × num_drafts)."""
+
+    runner: _Runner
+    row_params: list[SamplingParams]
+    name: str
+
+    def rows_by_params(self) -> list[tuple[SamplingParams, list[int]]]:
+        """Rows that share sampling settings, so each settings' law is computed in one call."""
+        grouped: dict[SamplingParams, list[int]] = {}
+        for row, params in enumerate(self.row_params):
+            grouped.setdefault(params, []).append(row)
+        return list(grouped.items())
+
+
+class SpeculativeDecoder:
+    """Generates with a target, zero or more drafts and a verifier; returns results with stats.
+
+    Build one with :meth:`from_recipe`. With no drafts (``verifier.name: none``) it decodes
+    autoregressively with the target alone.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafts: Sequence[tuple[LoadedModel, Sequence[SamplingParams]]],
+        verifier: Verifier | None,
+        recipe: Recipe,
+    ):
+        self.recipe = recipe
+        self.target = target
+        self.verifier = verifier
+        self.vocab_size = shared_vocab_size(target, [d for d, _ in drafts])
+        use_cache = recipe.speculation.kv_cache
+        self.target_runner = _Runner(target, self.vocab_size, use_cache)
+        self.draft_groups = [_DraftGroup(_Runner(d, self.vocab_size, use_cache), list(p), d.name) for d, p in drafts]
+        self.num_drafts = sum(len(g.row_params) for g in self.draft_groups)
+        generation = recipe.generation
+        self.target_params = SamplingParams(generation.temperature, generation.top_k, generation.top_p)
+        self.draft_length = recipe.speculation.draft_length if self.draft_groups else 0
+        self.eos_ids = _eos_ids(target)
+        self.device = target.device
+        _check_draft_count(verifier, self.num_drafts)
+
+    # ----------------------------------------------------------------------- building
+
+    @classmethod
+    def from_recipe(
+        cls, recipe: Recipe, autoregressive: bool = False, registry: VerifierRegistry | None = None
+    ) -> "SpeculativeDecoder":
+        """Load the recipe's models and verifier (drafts are skipped when decoding autoregressively)."""
+        autoregressive = autoregressive or recipe.verifier.name.strip().lower() == AUTOREGRESSIVE
+        verifier = None
+        if not autoregressive:
+            if not recipe.drafts:
+                raise UsageError("the recipe has no draft: add a 'draft:' section, or use --autoregressive")
+            verifier = (registry or VerifierRegistry()).create(recipe.verifier.name, recipe.verifier.params)
+            _check_draft_count(verifier, len(recipe.drafts) * recipe.speculation.num_drafts)  # before slow loads
+        target = load_model(recipe.target, "target")
+        drafts = [] if autoregressive else _load_drafts(recipe, target)
+        return cls(target, drafts, verifier, recipe)
+
+    # ----------------------------------------------------------------------- generation
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a prompt (through the chat template when the recipe asks for it)."""
+        require_text(prompt)
+        tokenizer = self.target.tokenizer
+        if self.recipe.generation.chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise UsageError("--chat was given but the target's tokenizer has no chat template")
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(prompt).input_ids
+        if not ids:
+            raise UsageError("the prompt encodes to no tokens; give some text to continue")
+        context = self.target.context_length
+        if context is not None and not self.target.is_encoder_decoder:
+            needed = len(ids) + self.recipe.generation.max_new_tokens + self.draft_length
+            if needed > context:
+                raise UsageError(
+                    f"the prompt has {len(ids)} tokens; with max_new_tokens {self.recipe.generation.max_new_tokens} "
+                    f"(and {self.draft_length} draft tokens) that exceeds the model's context of {context}; "
+                    "shorten the prompt or lower --max-new-tokens"
+                )
+        return ids
+
+    def generate(
+        self, prompts: Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None
+    ) -> list[GenerationResult]:
+        """``num_samples`` independent samples for each prompt, in order (prompt-major)."""
+        encoded = [self.encode_prompt(p) for p in prompts]  # all checked before any model runs
+        results = []
+        for prompt_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            for sample_index in range(num_samples):
+                seed = sample_seed(self.recipe.seed, prompt_index, sample_index)
+                callback = None
+                if on_block is not None:
+                    callback = lambda new, mask, p=prompt_index, s=sample_index: on_block(p, s, new, mask)  # noqa: E731
+                tokens, mask, stats = self.generate_ids(ids, seed, callback)
+                text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
+                results.append(GenerationResult(prompt, prompt_index, sample_index, tokens, text, stats, mask))
+        return results
+
+    @torch.inference_mode()
+    def generate_ids(
+        self, prompt_ids: list[int], seed: int, on_block: Callable[[list[int], list[bool]], None] | None = None
+    ) -> tuple[list[int], list[bool], SampleStats]:
+        """Generate after ``prompt_ids`` → (new token ids, accepted mask, stats)."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        decoder_start = _decoder_start(self.target) if self.target.is_encoder_decoder else list(prompt_ids)
+        for runner in self._runners():
+            runner.start(prompt_ids)
+        committed = list(decoder_start)
+        start = len(committed)
+        stats = SampleStats(prompt_tokens=len(prompt_ids))
+        mask: list[bool] = []
+        max_new = self.recipe.generation.max_new_tokens
+        wall_start = time.perf_counter()
+        while True:
+            remaining = max_new - (len(committed) - start)
+            # Never overshoot: a block commits at most L + 1 tokens.
+            draft_length = min(self.draft_length, remaining - 1)
+            new_tokens, accepted = self._block(committed, draft_length, generator, stats)
+            stats.record_block(draft_length, sum(accepted))
+            eos_at = next((i for i, t in enumerate(new_tokens) if t in self.eos_ids), None)
+            if eos_at is not None:
+                new_tokens, accepted = new_tokens[: eos_at + 1], accepted[: eos_at + 1]
+            committed += new_tokens
+            mask += accepted
+            if on_block is not None:
+                on_block(new_tokens, accepted)
+            if eos_at is not None or len(committed) - start >= max_new:
+                stats.stop_reason = "eos" if eos_at is not None else "max_new_tokens"
+                break
+        _synchronize(self.device)
+        stats.wall_time_s = time.perf_counter() - wall_start
+        stats.new_tokens = len(committed) - start
+        return committed[start:], mask, stats
+
+    def _runners(self) -> list[_Runner]:
+        return [self.target_runner] + [g.runner for g in self.draft_groups]
+
+    def _block(
+        self, committed: list[int], draft_length: int, generator: torch.Generator, stats: SampleStats
+    ) -> tuple[list[int], list[bool]]:
+        """One draft → score → verify round; returns the tokens to commit and which were accepted drafts."""
+        with _timed(self.device, stats, "draft_time_s"):
+            draft_tokens, draft_probs = self._draft(committed, draft_length, generator, stats)
+            # draft_tokens [K, L], draft_probs [K, L, vocab]; K = 1 and L = 0 without drafts
+        rows = draft_tokens.shape[0]
+        with _timed(self.device, stats, "target_time_s"):
+            runner = self.target_runner
+            runner.fan_out(rows)
+            pending = _pending(runner, committed, rows)  # [K, pending]
+            logits = runner.forward(torch.cat([pending, draft_tokens], dim=1))[:, -(draft_length + 1) :]
+            target_probs = probs_from_logits(logits, self.target_params, "target")  # [K, L+1, vocab]
+            stats.target_forwards += 1
+        with _timed(self.device, stats, "verify_time_s"):
+            new_tokens, accepted = self._verify(target_probs, draft_probs, draft_tokens, generator)
+            committed_after = committed + new_tokens
+            for each in self._runners():
+                each.keep_longest_match(committed_after)
+        return new_tokens, accepted
+
+    def _draft(
+        self, committed: list[int], draft_length: int, generator: torch.Generator, stats: SampleStats
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft tokens ``[K, L]`` and the laws they were sampled from ``[K, L, vocab]``."""
+        if not self.draft_groups:
+            empty = torch.empty(1, 0, dtype=torch.long, device=self.device)  # [1, 0]
+            return empty, torch.empty(1, 0, self.vocab_size, device=self.device)
+        tokens, laws = [], []
+        for group in self.draft_groups:
+            rows = len(group.row_params)
+            runner = group.runner
+            runner.fan_out(rows)
+            group_tokens = torch.empty(rows, draft_length, dtype=torch.long, device=self.device)  # [K_j, L]
+            group_laws = torch.empty(rows, draft_length, self.vocab_size, device=self.device)  # [K_j, L, vocab]
+            step_input = _pending(runner, committed, rows)  # [K_j, pending]
+            rows_by_params = group.rows_by_params()
+            for t in range(draft_length):
+                logits = runner.forward(step_input)[:, -1].to(self.device)  # [K_j, vocab]
+                stats.draft_forwards += 1
+                for params, same in rows_by_params:
+                    group_laws[same, t] = probs_from_logits(logits[same], params, group.name)
+                group_tokens[:, t] = sample(group_laws[:, t], generator)
+                step_input = group_tokens[:, t : t + 1].to(runner.device)  # [K_j, 1]
+            tokens.append(group_tokens)
+            laws.append(group_laws)
+        return torch.cat(tokens), torch.cat(laws)
+
+    def _verify(
+        self,
+        target_probs: torch.Tensor,
+        draft_probs: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        generator: torch.Generator,
+    ) -> tuple[list[int], list[bool]]:
+        """Walk the block's positions (docs §7) → (tokens to commit, accepted-draft mask).
+
+        target_probs [K, L+1, vocab], draft_probs [K, L, vocab], draft_tokens [K, L].
+        """
+        draft_length = draft_tokens.shape[1]
+        alive = torch.arange(draft_tokens.shape[0], device=self.device)  # [K']: rows still matching
+        new_tokens: list[int] = []
+        accepted: list[bool] = []
+        for t in range(draft_length):
+            # Alive rows share the committed prefix, so their q_t are equal: read the first.
+            token, _ = self.verifier.select(
+                target_probs[alive[0], t],  # [vocab]
+                draft_probs[alive, t],  # [K', vocab]
+                draft_tokens[alive, t],  # [K']
+                generator,
+            )
+            alive = alive[draft_tokens[alive, t] == token]
+            new_tokens.append(int(token))
+            accepted.append(len(alive) > 0)
+            if len(alive) == 0 or new_tokens[-1] in self.eos_ids:
+                return new_tokens, accepted
+        bonus = sample(target_probs[alive[0], draft_length], generator)  # a row survived every position
+        return new_tokens + [int(bonus)], accepted + [False]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_draft_count(verifier: Verifier | None, num_drafts: int) -> None:
+    limit = None if verifier is None else verifier.max_drafts
+    if limit is not None and num_drafts > limit:
+        raise UsageError(
+            f"verifier '{verifier.name}' takes at most {limit} draft(s) per position but the recipe gives "
+            f"{num_drafts} (num_drafts × draft configs); lower --num-drafts or pick a multi-draft verifier"
+        )
+
+
+def require_text(prompt: str) -> None:
+    if not prompt.strip():
+        raise UsageError("the prompt is empty; give some text to continue")
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A per-sample seed, so a sample does not depend on which samples ran before it."""
+    digest = hashlib.sha256(f"{seed}:{prompt_index}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def draft_sampling_params(recipe: Recipe, draft: DraftConfig) -> SamplingParams:
+    """A draft's sampling law: its own settings where given, the target's otherwise."""
+    generation = recipe.generation
+    return SamplingParams(
+        temperature=generation.temperature if draft.temperature is None else draft.temperature,
+        top_k=generation.top_k if draft.top_k is None else draft.top_k,
+        top_p=generation.top_p if draft.top_p is None else draft.top_p,
+    )
+
+
+def _load_drafts(recipe: Recipe, target: LoadedModel) -> list[tuple[LoadedModel, list[SamplingParams]]]:
+    """Each distinct draft model once, with the sampling settings of all its rows.
+
+    Configs that differ only in sampling settings share one model and one batched forward.
+    """
+    groups: dict[DraftConfig, tuple[LoadedModel, list[SamplingParams]]] = {}
+    for draft in recipe.drafts:
+        key = dataclasses.replace(draft, temperature=None, top_k=None, top_p=None)
+        if key not in groups:
+            if draft.early_exit is not None:
+                loaded = derive_early_exit_draft(target, draft.early_exit)
+            else:
+                loaded = load_model(draft, "draft")
+                check_same_tokenizer(target, loaded)
+            groups[key] = (loaded, [])
+        groups[key][1].extend([draft_sampling_params(recipe, draft)] * recipe.speculation.num_drafts)
+    return list(groups.values())
+
+
+def _eos_ids(model: LoadedModel) -> set[int]:
+    eos = getattr(model.model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = model.tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def _decoder_start(model: LoadedModel) -> list[int]:
+    config = model.model.config
+    start = getattr(model.model.generation_config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(config, "decoder_start_token_id", None)
+    if start is None:
+        start = config.pad_token_id
+    return [int(start)]
+
+
+def _pending(runner: _Runner, committed: list[int], rows: int) -> torch.Tensor:
+    """Committed ids the runner has not cached yet, for each of its ``rows`` → ``[rows, pending]``."""
+    ids = torch.tensor(committed[runner.cached_length :], device=runner.device)  # [pending]
+    return ids.expand(rows, -1)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def _timed(device: torch.device, stats: SampleStats, field_name: str):
+    """Add the region's wall time to ``stats.<field_name>``, synchronising CUDA on both sides."""
+    _synchronize(device)
+    start = time.perf_counter()
+    yield
+    _synchronize(device)
+    setattr(stats, field_name, getattr(stats, field_name) + time.perf_counter() - start)

