@@ -1,0 +1,68 @@
+"""The `specdec` command: a thin typer app; each subcommand lives in `commands/`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from . import __version__
+from .commands.generate import generate
+from .commands.verifiers import verifiers
+from .errors import SpecdecError
+
+app = typer.Typer(
+    name="specdec",
+    help="Speculative decoding: generate with exact, pluggable verifiers; measure acceptance and speed.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command()(generate)
+app.command()(verifiers)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"specdec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks for errors.")] = False,
+) -> None:
+    """Speculative decoding: generate with exact, pluggable verifiers; measure acceptance and speed."""
+
+
+def _quiet_libraries() -> None:
+    """Keep library chatter (download bars, deprecation notes) off the user's terminal."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: user errors become one line and an exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    _quiet_libraries()
+    try:
+        app(args=args, prog_name="specdec")
+    except SpecdecError as error:
+        if "--debug" in args:
+            raise
+        Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt:
+        Console(stderr=True).print("interrupted")
+        sys.exit(130)

@@ -1,0 +1,118 @@
+"""Options every model-running subcommand shares, and how they become a recipe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ..errors import UsageError
+from ..recipe import Recipe, apply_overrides, build_recipe, read_recipe_file
+
+RecipeOption = Annotated[
+    Optional[str],
+    typer.Option("--recipe", "-r", help="Recipe YAML file, or the name of a shipped recipe. Default: 'default'."),
+]
+SetOption = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="Override any recipe key: --set generation.top_k=50 (value read as YAML). Repeatable."),
+]
+VerifierOption = Annotated[
+    Optional[str], typer.Option(help="Verifier plugin name (case-insensitive), or 'none' for the target alone.")
+]
+KlOption = Annotated[
+    Optional[float], typer.Option("--kl", help="KL bound D in nats for the 'mentored' verifier (verifier.params.kl).")
+]
+NumDraftsOption = Annotated[Optional[int], typer.Option(help="K: draft sequences sampled per draft config.")]
+DraftLengthOption = Annotated[Optional[int], typer.Option(help="L: tokens each draft proposes per block.")]
+MaxNewTokensOption = Annotated[Optional[int], typer.Option(help="Most tokens to generate per sample.")]
+TemperatureOption = Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 = greedy.")]
+TopKOption = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens; 0 = off.")]
+TopPOption = Annotated[Optional[float], typer.Option(help="Nucleus sampling mass in (0, 1]; 1 = off.")]
+SeedOption = Annotated[Optional[int], typer.Option(help="Random seed (same seed and device give the same output).")]
+DeviceOption = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N for every model.")]
+DtypeOption = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 for every model.")]
+
+
+@dataclass
+class RecipeOptions:
+    """The recipe file plus the command-line flags that override it."""
+
+    recipe: str | None = None
+    sets: list[str] = field(default_factory=list)
+    verifier: str | None = None
+    kl: float | None = None
+    num_drafts: int | None = None
+    draft_length: int | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    chat: bool | None = None
+
+    def resolve(self) -> Recipe:
+        """Read the recipe, apply the named flags, then ``--set`` (most specific last), validate."""
+        data = read_recipe_file(self.recipe)
+        assignments: list[str] = []
+        if self.verifier is not None:
+            current = str((data.get("verifier") or {}).get("name", "")).lower()
+            if current != self.verifier.lower():
+                # Parameters written for another verifier would not apply to this one.
+                data["verifier"] = {"name": self.verifier, "params": {}}
+        named: dict[str, Any] = {
+            "verifier.params.kl": self.kl,
+            "speculation.num_drafts": self.num_drafts,
+            "speculation.draft_length": self.draft_length,
+            "generation.max_new_tokens": self.max_new_tokens,
+            "generation.temperature": self.temperature,
+            "generation.top_k": self.top_k,
+            "generation.top_p": self.top_p,
+            "generation.chat": self.chat,
+            "seed": self.seed,
+        }
+        for setting in ("device", "dtype"):
+            value = getattr(self, setting)
+            if value is not None:
+                named.update({f"{model}.{setting}": value for model in _model_paths(data)})
+        assignments += [f"{path}={_yaml_scalar(value)}" for path, value in named.items() if value is not None]
+        return build_recipe(apply_overrides(data, assignments + list(self.sets)))
+
+
+def _model_paths(data: dict[str, Any]) -> list[str]:
+    paths = ["target"]
+    if isinstance(data.get("draft"), dict):
+        paths.append("draft")
+    if isinstance(data.get("drafts"), list):
+        paths += [f"drafts.{i}" for i in range(len(data["drafts"]))]
+    return paths
+
+
+def _yaml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def read_prompts(prompt: str | None, prompt_file: Path | None, stdin: Any) -> list[str]:
+    """Prompts from the argument, a file (one per non-empty line; '-' = stdin) or piped stdin."""
+    if prompt is not None and prompt_file is not None:
+        raise UsageError("give a prompt argument or --prompt-file, not both")
+    if prompt is not None:
+        return [prompt]
+    if prompt_file is not None:
+        try:
+            text = stdin.read() if str(prompt_file) == "-" else prompt_file.read_text()
+        except OSError as error:
+            raise UsageError(f"cannot read --prompt-file '{prompt_file}': {error.strerror}") from None
+        prompts = [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise UsageError(f"--prompt-file '{prompt_file}' has no prompts (one prompt per non-empty line)")
+        return prompts
+    if stdin is not None and not stdin.isatty():
+        return [stdin.read()]
+    raise UsageError('give a prompt: specdec generate "Your prompt", --prompt-file FILE, or pipe text to stdin')

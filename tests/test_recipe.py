@@ -1,0 +1,112 @@
+"""Recipes: reading, validation with field paths, overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_cli.commands.common import RecipeOptions
+from specdec_cli.errors import RecipeError
+from specdec_cli.recipe import apply_overrides, build_recipe, load_recipe, read_recipe_file, shipped_recipe_names
+
+BASE = {"target": {"model": "some/target"}, "draft": {"model": "some/draft"}}
+
+
+def test_defaults_and_single_draft_become_a_list():
+    recipe = build_recipe(BASE)
+    assert recipe.drafts[0].model == "some/draft"
+    assert recipe.verifier.name == "speculative"
+    assert (recipe.speculation.draft_length, recipe.speculation.num_drafts) == (4, 1)
+    assert recipe.generation.temperature == 1.0 and recipe.seed == 0
+
+
+def test_several_drafts_with_their_own_temperature():
+    recipe = build_recipe({"target": {"model": "t"}, "drafts": [{"model": "d"}, {"model": "d", "temperature": 1.5}]})
+    assert [d.temperature for d in recipe.drafts] == [None, 1.5]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"speculation": {"draft_lenght": 3}}, r"unknown key 'speculation.draft_lenght'; did you mean 'draft_length'"),
+        ({"generaton": {}}, r"unknown key 'generaton'; did you mean 'generation'"),
+        ({"speculation": {"draft_length": 0}}, r"speculation.draft_length: must be >= 1"),
+        ({"speculation": {"num_drafts": 0}}, r"speculation.num_drafts: must be >= 1"),
+        ({"speculation": {"draft_length": "four"}}, r"speculation.draft_length: expected an integer, got str 'four'"),
+        ({"generation": {"temperature": -0.5}}, r"generation.temperature: must be >= 0"),
+        ({"generation": {"top_p": 0}}, r"generation.top_p: must be in \(0, 1\]"),
+        ({"generation": {"top_p": 1.5}}, r"generation.top_p: must be in \(0, 1\]"),
+        ({"generation": {"top_k": True}}, r"generation.top_k: expected an integer"),
+        ({"draft": {"model": "d", "temperature": -1}}, r"drafts.0.temperature: must be >= 0"),
+        ({"target": {"model": "t", "dtype": "float8"}}, r"target.dtype: must be one of"),
+        ({"target": {"model": "t", "device": "gpu"}}, r"target.device: must be auto, cpu, cuda"),
+        ({"target": {"dtype": "auto"}}, r"target.model: is required"),
+        ({"draft": {"early_exit": 3, "model": "d"}}, r"drafts.0: give either 'model' or 'early_exit'"),
+        ({"drafts": [{"model": "d"}]}, r"either 'draft:' .* or 'drafts:'"),
+        ({"seed": 1.5}, r"seed: expected an integer"),
+    ],
+)
+def test_bad_values_name_their_field(change, message):
+    with pytest.raises(RecipeError, match=message):
+        build_recipe({**BASE, **change})
+
+
+def test_missing_target():
+    with pytest.raises(RecipeError, match="no 'target:' section"):
+        build_recipe({"draft": {"model": "d"}})
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("target:\n  model: x\ndraft: {model: [unclosed\n")
+    with pytest.raises(RecipeError, match=r"YAML syntax error in .*broken.yaml at line \d+"):
+        read_recipe_file(path)
+
+
+def test_missing_and_unreadable_recipe(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file 'nope.yaml' not found.*shipped recipes: .*default"):
+        read_recipe_file("nope.yaml")
+    with pytest.raises(RecipeError, match="cannot read recipe file"):
+        read_recipe_file(tmp_path)  # a directory
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(RecipeError, match="must be a YAML mapping"):
+        read_recipe_file(tmp_path / "list.yaml")
+
+
+def test_overrides_parse_yaml_values_and_index_lists():
+    data = {"target": {"model": "t"}, "drafts": [{"model": "d"}, {"model": "d"}]}
+    out = apply_overrides(data, ["generation.top_k=50", "drafts.1.temperature=1.5", "verifier.params.kl=0.2"])
+    assert out["generation"]["top_k"] == 50
+    assert out["drafts"][1]["temperature"] == 1.5
+    assert out["verifier"]["params"] == {"kl": 0.2}
+    assert "generation" not in data  # the input is not modified
+    with pytest.raises(RecipeError, match="--set expects key.path=value"):
+        apply_overrides(data, ["generation.top_k"])
+    with pytest.raises(RecipeError, match="index from 0 to 1"):
+        apply_overrides(data, ["drafts.5.temperature=1"])
+
+
+def test_command_line_flags_override_the_recipe(write_recipe):
+    path = write_recipe({**BASE, "verifier": {"name": "mentored", "params": {"kl": 0.5}}})
+    options = RecipeOptions(
+        recipe=str(path), temperature=0.0, top_k=5, num_drafts=2, device="cpu", dtype="float32",
+        sets=["generation.top_p=0.9", "seed=7"], verifier="speculative",
+    )  # fmt: skip
+    recipe = options.resolve()
+    assert recipe.generation.temperature == 0.0 and recipe.generation.top_k == 5 and recipe.generation.top_p == 0.9
+    assert recipe.speculation.num_drafts == 2 and recipe.seed == 7
+    assert recipe.target.device == recipe.drafts[0].device == "cpu"
+    assert recipe.drafts[0].dtype == "float32"
+    # A different verifier drops the parameters written for the old one; --kl sets its own.
+    assert recipe.verifier.name == "speculative" and recipe.verifier.params == {}
+    assert RecipeOptions(recipe=str(path), kl=0.1).resolve().verifier.params == {"kl": 0.1}
+
+
+@pytest.mark.parametrize("name", shipped_recipe_names())
+def test_shipped_recipes_are_valid(name):
+    recipe = load_recipe(name)
+    assert recipe.target.model and recipe.drafts
+
+
+def test_the_default_recipe_is_the_offline_gguf():
+    assert load_recipe().target.model.endswith(".gguf")
+    assert len(shipped_recipe_names()) >= 4
