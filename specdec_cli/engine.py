@@ -171,6 +171,9 @@ class SpeculativeDecoder:
         self.eos_ids = _eos_ids(target)
         self.device = target.device
         _check_draft_count(verifier, self.num_drafts)
+        different_drafts = len(drafts) > 1 or len({p for _, ps in drafts for p in ps}) > 1
+        if verifier is not None and verifier.identical_drafts and different_drafts:
+            raise UsageError(_IDENTICAL_DRAFTS_MESSAGE.format(name=verifier.name))
 
     # ----------------------------------------------------------------------- building
 
@@ -185,7 +188,7 @@ class SpeculativeDecoder:
             if not recipe.drafts:
                 raise UsageError("the recipe has no draft: add a 'draft:' section, or use --autoregressive")
             verifier = (registry or VerifierRegistry()).create(recipe.verifier.name, recipe.verifier.params)
-            _check_draft_count(verifier, len(recipe.drafts) * recipe.speculation.num_drafts)  # before slow loads
+            _check_drafts(verifier, recipe)  # before the slow model loads
         target = load_model(recipe.target, "target")
         drafts = [] if autoregressive else _load_drafts(recipe, target)
         return cls(target, drafts, verifier, recipe)
@@ -356,6 +359,18 @@ class SpeculativeDecoder:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+_IDENTICAL_DRAFTS_MESSAGE = (
+    "verifier '{name}' needs identical drafts (one draft config sampled --num-drafts times), but the recipe's "
+    "drafts differ; use one draft config, or a verifier for different drafts (specinfer, is-lp, is-truncated)"
+)
+
+
+def _check_drafts(verifier: Verifier, recipe: Recipe) -> None:
+    _check_draft_count(verifier, len(recipe.drafts) * recipe.speculation.num_drafts)
+    if verifier.identical_drafts and len(set(recipe.drafts)) > 1:
+        raise UsageError(_IDENTICAL_DRAFTS_MESSAGE.format(name=verifier.name))
 
 
 def _check_draft_count(verifier: Verifier | None, num_drafts: int) -> None:

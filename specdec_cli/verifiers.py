@@ -29,13 +29,15 @@ class VerifierParameterError(UsageError, TypeError):
 class Verifier(ABC):
     """Base class of every verifier. All methods are batched over leading dimensions ``[...]``.
 
-    Subclasses set ``name``, ``lossless`` and ``max_drafts`` (``None`` = any number) and take
-    their parameters as keyword-only constructor arguments with defaults.
+    Subclasses set ``name``, ``lossless`` and ``max_drafts`` (``None`` = any number), optionally
+    ``identical_drafts``, and take their parameters as keyword-only constructor arguments with defaults.
     """
 
     name: ClassVar[str]
     lossless: ClassVar[bool]
     max_drafts: ClassVar[int | None]
+    identical_drafts: ClassVar[bool] = False
+    """True for schemes defined only for K samples of one draft law (SpecTr)."""
 
     def __new__(cls, *args: Any, **params: Any) -> "Verifier":
         # Checked here, not in __init__, so that every construction path (stevedore's

@@ -14,7 +14,7 @@ import torch
 
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.recipe import build_recipe
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.sampling import SamplingParams, probs_from_logits
 from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
 from tests.conftest import tiny_recipe
 
@@ -163,3 +163,81 @@ def test_early_exit_draft_shares_the_target_weights(tiny_models):
         torch.testing.assert_close(draft(ids).logits, expected)
     tokens, _, _ = decoder.generate_ids(ids[0].tolist(), 0)
     assert tokens
+
+
+MULTI_DRAFT_CASES = [
+    (name, num_drafts, distinct)
+    for name in ("specinfer", "spectr", "is-lp", "is-truncated")
+    for num_drafts in (1, 2, 3)
+    for distinct in (False, True)
+    if not (distinct and (name == "spectr" or num_drafts == 1))
+]
+
+
+def _multi_draft_recipe(models, name: str, num_drafts: int, distinct: bool, **generation) -> dict:
+    recipe = tiny_recipe(models, "llama", verifier={"name": name}, generation=generation)
+    draft = recipe.pop("draft")
+    if distinct:  # drafts that differ only in temperature (the multi-draft paper's non-identical drafts)
+        recipe["drafts"] = [{**draft, "temperature": 0.7 + 0.4 * k} for k in range(num_drafts)]
+    else:
+        recipe["drafts"] = [draft]
+        recipe["speculation"] = {**recipe["speculation"], "num_drafts": num_drafts}
+    return recipe
+
+
+@pytest.mark.parametrize(("name", "num_drafts", "distinct"), MULTI_DRAFT_CASES)
+def test_multi_draft_verifiers_keep_the_target_law(tiny_models, name, num_drafts, distinct):
+    depth, samples = 2, 700
+    recipe = _multi_draft_recipe(tiny_models, name, num_drafts, distinct, max_new_tokens=depth, temperature=1.0)
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    assert decoder.num_drafts == num_drafts
+    prompt_ids = decoder.encode_prompt(PROMPT)
+    law = exact_sequence_law(decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
+    counts = Counter(tuple(decoder.generate_ids(prompt_ids, seed)[0]) for seed in range(samples))
+    assert chi_square_p_value(counts, law) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["specinfer", "spectr", "is-lp", "is-truncated", "mentored"])
+def test_multi_draft_greedy_equals_target_greedy(tiny_models, name):
+    recipe = _multi_draft_recipe(tiny_models, name, 1 if name == "mentored" else 3, False,
+                                 max_new_tokens=30, temperature=0.0)  # fmt: skip
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    prompt_ids = decoder.encode_prompt("d c b a e")
+    tokens, _, _ = decoder.generate_ids(prompt_ids, seed=0)
+    assert tokens == _transformers_greedy(decoder, prompt_ids, 30)
+
+
+@pytest.mark.parametrize(("name", "distinct"), [("specinfer", True), ("spectr", False)])
+def test_engine_acceptance_matches_the_verifiers_closed_form(tiny_models, name, distinct):
+    """With K = 3 drafts, how often the engine accepts at the first position is the exact value."""
+    recipe = _multi_draft_recipe(tiny_models, name, 3, distinct, max_new_tokens=2)
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    prompt_ids = decoder.encode_prompt(PROMPT)
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        target = decoder.target.model(ids).logits[0, -1, : decoder.vocab_size]
+        draft = decoder.draft_groups[0].runner.model(ids).logits[0, -1, : decoder.vocab_size]
+    q = probs_from_logits(target, decoder.target_params).double()
+    p = torch.stack([probs_from_logits(draft, params) for params in decoder.draft_groups[0].row_params]).double()
+    expected = float(decoder.verifier.acceptance_probability(q, p))
+    samples = 3000
+    accepted = sum(decoder.generate_ids(prompt_ids, seed)[2].accepted_per_position[:1] == [1] for seed in range(samples))
+    assert abs(accepted / samples - expected) < 4 * (expected * (1 - expected) / samples) ** 0.5
+    single = float(decoder.verifier.acceptance_probability(q, p[:1]))
+    assert expected > single  # three drafts do accept more often than one
+
+
+def test_spectr_refuses_drafts_of_different_temperatures(tiny_models):
+    from specdec_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="needs identical drafts"):
+        SpeculativeDecoder.from_recipe(build_recipe(_multi_draft_recipe(tiny_models, "spectr", 2, True)))
+
+
+def test_mentored_accepts_at_least_as_often_as_speculative(tiny_models):
+    rates = []
+    for verifier in ({"name": "speculative"}, {"name": "mentored", "params": {"kl": 0.5}}):
+        decoder = _decoder(tiny_models, "llama", verifier=verifier, generation={"max_new_tokens": 30})
+        results = decoder.generate(["a b c", "d e"], num_samples=10)
+        rates.append(sum(r.stats.accepted_tokens for r in results) / sum(r.stats.drafted_tokens for r in results))
+    assert rates[1] > rates[0]

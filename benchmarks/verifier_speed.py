@@ -1,0 +1,122 @@
+"""Time one block's verification for every verifier, next to one target forward of the default model.
+
+One verification = the engine's walk over L positions with K candidates each (``select`` per
+position, all drafts alive: the worst case). Laws are random, peaked like a language model's;
+is-lp needs a bounded draft support, so its laws are cut to their 50 most likely tokens
+(as top-k 50 sampling would). Runs on the CPU, and on CUDA too when a GPU is present.
+
+    python benchmarks/verifier_speed.py > benchmarks/results/verifier_speed_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+
+from specdec_cli import SpeculativeDecoder, load_recipe, load_verifier
+
+VERIFIERS = {
+    "speculative": {},
+    "mentored": {"kl": 0.1},
+    "specinfer": {},
+    "spectr": {},
+    "is-lp": {},
+    "is-truncated": {},
+}
+
+
+def peaked_laws(rows: int, vocab: int, generator: torch.Generator, top_k: int = 0) -> torch.Tensor:
+    logits = torch.randn(rows, vocab, generator=generator) * 3  # [rows, V]
+    if top_k:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits.softmax(-1)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_verification(name, params, vocab, num_drafts, draft_length, device, repeats) -> float:
+    verifier = load_verifier(name, params)
+    generator = torch.Generator().manual_seed(0)
+    top_k = 50 if name == "is-lp" else 0
+    target = peaked_laws(draft_length, vocab, generator, top_k).to(device)  # [L, V]
+    draft = peaked_laws(draft_length, vocab, generator, top_k).to(device)  # [L, V]
+    drafts = draft.unsqueeze(1).expand(-1, num_drafts, -1)  # [L, K, V]: identical drafts
+    tokens = torch.multinomial(draft, num_drafts, replacement=True, generator=generator).to(device)  # [L, K]
+    sampler = torch.Generator(device=device).manual_seed(1)
+    times = []
+    for repeat in range(repeats + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        for t in range(draft_length):
+            verifier.select(target[t], drafts[t], tokens[t], sampler)
+        synchronize(device)
+        if repeat:  # the first run warms up
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_target_forward(device: str, num_drafts: int, draft_length: int, repeats: int) -> float:
+    decoder = SpeculativeDecoder.from_recipe(load_recipe("default", [f"target.device={device}"]), autoregressive=True)
+    model = decoder.target.model
+    context = torch.randint(0, 1000, (1, 64), device=model.device)
+    times = []
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):
+            cache = model(context, use_cache=True).past_key_values
+            cache.batch_repeat_interleave(num_drafts)
+            block = torch.randint(0, 1000, (num_drafts, draft_length + 1), device=model.device)
+            synchronize(device)
+            start = time.perf_counter()
+            model(block, past_key_values=cache, use_cache=True)
+            synchronize(device)
+            if repeat:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--vocab", default="32000,50257,128256")
+    args = parser.parse_args()
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    print(f"command: python {' '.join(sys.argv)}")
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} CPU threads{gpu}; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}; median of {args.repeats}\n")
+    for device in devices:
+        print(f"## {device}\n")
+        print("| verifier | V | K | L | verification ms | ÷ target forward |")
+        print("|---|---|---|---|---|---|")
+        forwards = {}
+        for vocab in [int(v) for v in args.vocab.split(",")]:
+            for num_drafts in (1, 2, 4):
+                for draft_length in (4, 8):
+                    key = (num_drafts, draft_length)
+                    if key not in forwards:
+                        forwards[key] = time_target_forward(device, num_drafts, draft_length, args.repeats)
+                    for name, params in VERIFIERS.items():
+                        verifier = load_verifier(name, params)
+                        if verifier.max_drafts is not None and num_drafts > verifier.max_drafts:
+                            continue
+                        seconds = time_verification(name, params, vocab, num_drafts, draft_length, device, args.repeats)
+                        print(f"| {name} | {vocab} | {num_drafts} | {draft_length} | {1000 * seconds:.2f} | "
+                              f"{seconds / forwards[key]:.3f} |", flush=True)
+        print("\ntarget forward of the default model (SmolLM2-135M, K rows × L+1 tokens after a 64-token prefix):\n")
+        for (num_drafts, draft_length), seconds in sorted(forwards.items()):
+            print(f"- K={num_drafts}, L={draft_length}: {1000 * seconds:.1f} ms")
+        print()
+
+
+if __name__ == "__main__":
+    main()

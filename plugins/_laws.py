@@ -1,0 +1,54 @@
+"""Small pieces of probability shared by the built-in verifiers (pure tensor functions)."""
+
+from __future__ import annotations
+
+import torch
+
+TINY = torch.finfo(torch.float64).tiny
+
+
+def normalized_excess(target: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
+    """(target - proposal)+ normalised ``[..., V]``; ``target`` itself where the excess is empty.
+
+    An empty excess means the candidate is accepted with probability 1, so that row is never
+    sampled; returning ``target`` keeps it a valid law without a division by zero.
+    """
+    excess = (target - proposal).clamp_min(0)  # [..., V]
+    mass = excess.sum(-1, keepdim=True)  # [..., 1]
+    return torch.where(mass > 0, excess / mass.clamp_min(TINY), target)
+
+
+def ratio_acceptance(target: torch.Tensor, proposal: torch.Tensor, x: torch.Tensor, scale=1.0) -> torch.Tensor:
+    """min(1, target(x) / (scale · proposal(x))) for candidates ``x`` ``[..., k]`` → ``[..., k]``.
+
+    proposal(x) > 0 for a candidate drawn from it; the floor only guards unused rows.
+    """
+    target_x, proposal_x = target.gather(-1, x), proposal.gather(-1, x)  # [..., k]
+    return (target_x / (scale * proposal_x).clamp_min(TINY)).clamp(max=1.0)
+
+
+def one_hot_mass(law: torch.Tensor, x: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """``law`` plus ``mass`` ``[..., 1]`` on token ``x`` ``[..., 1]``."""
+    return law.scatter_add(-1, x, mass)
+
+
+def first_accepted(
+    uniforms: torch.Tensor,
+    accepts: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    residual: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate k is accepted when ``uniforms[..., k] < accepts[..., k]``; the first accepted one is
+    the output, otherwise a draw from ``residual`` ``[..., V]`` → (token ``[...]``, accepted ``[...]``).
+    """
+    taken = uniforms < accepts  # [..., K]
+    first = taken.long().argmax(-1, keepdim=True)  # [..., 1]
+    fallback = torch.multinomial(residual.reshape(-1, residual.shape[-1]), 1, generator=generator)  # [rows, 1]
+    accepted = taken.any(-1)  # [...]
+    token = torch.where(accepted, draft_tokens.gather(-1, first).squeeze(-1), fallback.reshape(accepted.shape))
+    return token, accepted
+
+
+def uniforms_like(accepts: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    return torch.rand(accepts.shape, generator=generator, device=accepts.device, dtype=accepts.dtype)

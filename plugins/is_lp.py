@@ -1,0 +1,35 @@
+"""IS-LP: importance-weighted sampling with the exact selection LP (Khisti et al., §3, Theorems 1, 3, 4).
+
+For K = 2 drafts the LP over all pair weights reaches the optimal acceptance of *any* lossless
+rule (identical drafts: Theorem 3's P* = 1 + min_S [q(S) - p(S)^2]; different drafts:
+Theorem 4). K > 2 uses successive pairwise selection (Remark 4), lossless but not claimed
+optimal. The LP has m(m-1) weights for a draft support of m tokens, so the support is bounded
+by ``max_support``: restrict it with top-k / top-p sampling, or use ``is-truncated``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec_cli.errors import UsageError
+
+from ._importance import ImportanceSampling
+
+
+class ImportanceSamplingLP(ImportanceSampling):
+    name = "is-lp"
+
+    def __init__(self, *, max_support: int = 64):
+        if max_support < 1:
+            raise ValueError(f"is-lp: max_support must be >= 1, got {max_support}")
+        self.max_support = int(max_support)
+
+    def free_tokens(self, order, support):
+        free = order[support[order]]  # every token some draft can propose, in rank order
+        if len(free) > self.max_support:
+            raise UsageError(
+                f"is-lp: the drafts put mass on {len(free)} tokens, more than max_support={self.max_support} "
+                "allows for the exact LP; restrict sampling (e.g. --top-k 20), raise max_support "
+                "(--set verifier.params.max_support=N), or use is-truncated"
+            )
+        return free

@@ -1,0 +1,63 @@
+"""Third-party verifier plugins: installed with pip, listed, run end to end; broken ones reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_recipe
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "verifier-plugin"
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory) -> Path:
+    """The example plugin package installed with pip into its own folder."""
+    site = tmp_path_factory.mktemp("plugin-site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(EXAMPLE)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return site
+
+
+def _specdec(args: list[str], site: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "specdec_cli", *args], capture_output=True, text=True, env=env)
+
+
+def test_installed_plugin_is_listed(plugin_site):
+    result = _specdec(["verifiers", "--json"], plugin_site)
+    assert result.returncode == 0, result.stderr
+    listed = {v["name"]: v for v in json.loads(result.stdout)["verifiers"]}
+    assert listed["lenient"]["package"] == "specdec-lenient 0.1.0"
+    assert listed["lenient"]["parameters"] == {"leniency": 1.0} and listed["lenient"]["lossless"] is False
+    assert {"speculative", "mentored", "specinfer", "spectr", "is-lp", "is-truncated"} <= set(listed)
+
+
+def test_installed_plugin_runs_in_generate(plugin_site, tiny_models, write_recipe):
+    recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 20})))
+    rates = []
+    for leniency in ("1.0", "3.0"):
+        result = _specdec(["generate", "-r", recipe, "--verifier", "Lenient", "--json", "--num-samples", "8",
+                           "--set", f"verifier.params.leniency={leniency}", "a b c"], plugin_site)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        samples = json.loads(result.stdout)["samples"]
+        rates.append(sum(s["stats"]["accepted_tokens"] for s in samples) / sum(s["stats"]["drafted_tokens"] for s in samples))
+    assert rates[1] > rates[0]  # the plugin's parameter reached it
+
+
+def test_plugin_that_fails_to_load_is_reported(tmp_path):
+    dist = tmp_path / "broken_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[specdec.verifiers]\nbroken = no_such_module:Verifier\n")
+    result = _specdec(["verifiers"], tmp_path)
+    assert result.returncode == 0
+    assert "failed to load" in result.stdout and "broken" in result.stdout and "no_such_module" in result.stdout

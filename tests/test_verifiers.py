@@ -1,0 +1,299 @@
+"""Every built-in verifier, checked by exact enumeration on tiny vocabularies (docs §1-6)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from specdec_cli.errors import UsageError
+from specdec_cli.testing import (
+    adversarial_distribution_pairs,
+    candidate_acceptance,
+    enumerate_output_law,
+    optimal_acceptance,
+    random_distributions,
+)
+from specdec_cli.verifiers import load_verifier
+
+LOSSLESS = ["speculative", "specinfer", "spectr", "is-lp", "is-truncated"]
+MULTI_DRAFT = ["specinfer", "spectr", "is-lp", "is-truncated"]
+
+
+def _drafts_for(name: str, target: torch.Tensor, draft: torch.Tensor, num_drafts: int, generator) -> list:
+    """Identical drafts always; for schemes that allow it, also drafts with different laws."""
+    cases = [draft.expand(num_drafts, -1)]
+    if name != "spectr" and num_drafts > 1:
+        others = random_distributions(generator, (num_drafts - 1, len(draft)))
+        cases.append(torch.cat([draft.unsqueeze(0), others]))
+    return cases
+
+
+def _cases(vocab: int, count: int = 6):
+    generator = torch.Generator().manual_seed(vocab)
+    random = [tuple(random_distributions(generator, (2, vocab))) for _ in range(count)]
+    return random + adversarial_distribution_pairs(vocab), generator
+
+
+@pytest.mark.parametrize("name", LOSSLESS + ["mentored-kl0", "is-truncated-tiny-alphabet"])
+@pytest.mark.parametrize("vocab", [2, 3, 4, 6])
+def test_lossless_output_law_is_the_target(name, vocab):
+    verifier = _verifier(name)
+    cases, generator = _cases(vocab)
+    max_drafts = verifier.max_drafts or 3
+    for num_drafts in range(1, max_drafts + 1):
+        if vocab == 6 and num_drafts == 3 and name.startswith("is-"):
+            continue  # 216 tuples × an LP each round: covered at smaller vocabularies
+        for target, draft in cases:
+            for drafts in _drafts_for(verifier.name, target, draft, num_drafts, generator):
+                law = enumerate_output_law(verifier, target, drafts)
+                torch.testing.assert_close(law, target, rtol=0, atol=1e-9)
+
+
+def _verifier(name: str):
+    if name == "mentored-kl0":
+        return load_verifier("mentored", {"kl": 0.0})
+    if name == "is-truncated-tiny-alphabet":
+        return load_verifier("is-truncated", {"s": 1, "alphabet": 2})
+    return load_verifier(name)
+
+
+@pytest.mark.parametrize("name", ["speculative", "specinfer", "spectr", "mentored"])
+@pytest.mark.parametrize("num_drafts", [1, 2, 3])
+def test_closed_form_acceptance_is_exact(name, num_drafts):
+    verifier = load_verifier(name, {"kl": 0.1} if name == "mentored" else {})
+    if verifier.max_drafts is not None and num_drafts > verifier.max_drafts:
+        pytest.skip("single-draft verifier")
+    cases, generator = _cases(4)
+    for target, draft in cases:
+        for drafts in _drafts_for(name, target, draft, num_drafts, generator):
+            enumerated = candidate_acceptance(verifier, target, drafts)
+            assert float(verifier.acceptance_probability(target, drafts)) == pytest.approx(enumerated, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", ["is-lp", "is-truncated"])
+def test_importance_sampling_acceptance_is_a_lower_bound(name):
+    verifier = load_verifier(name)
+    cases, generator = _cases(4)
+    for target, draft in cases:
+        for drafts in _drafts_for(name, target, draft, 2, generator):
+            reported = float(verifier.acceptance_probability(target, drafts))
+            assert 0 <= reported <= candidate_acceptance(verifier, target, drafts) + 1e-9
+
+
+@pytest.mark.parametrize("name", MULTI_DRAFT + ["mentored-kl0"])
+def test_one_draft_reduces_to_speculative_sampling(name):
+    verifier, speculative = _verifier(name), load_verifier("speculative")
+    cases, _ = _cases(5)
+    for target, draft in cases:
+        drafts = draft.unsqueeze(0)
+        for x in torch.nonzero(draft).flatten():
+            torch.testing.assert_close(
+                verifier.conditional(target, drafts, x.view(1)), speculative.conditional(target, drafts, x.view(1))
+            )
+        torch.testing.assert_close(
+            verifier.acceptance_probability(target, drafts), speculative.acceptance_probability(target, drafts)
+        )
+
+
+# --------------------------------------------------------------------------- optimality (Khisti et al.)
+
+
+def _brute_force_optimum(target: torch.Tensor, draft: torch.Tensor, exponent: int = 2) -> float:
+    """Theorem 3 by enumeration of subsets: 1 + min_S [q(S) - p(S)^K]."""
+    vocab = len(target)
+    best = 0.0
+    for mask in itertools.product([0, 1], repeat=vocab):
+        chosen = torch.tensor(mask, dtype=torch.bool)
+        best = min(best, float(target[chosen].sum() - draft[chosen].sum() ** exponent))
+    return 1 + best
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 5, 6])
+def test_optimum_prefix_formula_matches_subset_enumeration(vocab):
+    cases, _ = _cases(vocab, count=20)
+    for target, draft in cases:
+        for exponent in (2, 3):
+            assert optimal_acceptance(target, draft, exponent) == pytest.approx(
+                _brute_force_optimum(target, draft, exponent), abs=1e-12
+            )
+
+
+@pytest.mark.parametrize("vocab", [3, 4, 5])
+def test_is_lp_reaches_theorem_3_and_no_scheme_exceeds_it(vocab):
+    cases, _ = _cases(vocab, count=10)
+    verifiers = {name: load_verifier(name) for name in MULTI_DRAFT}
+    for target, draft in cases:
+        drafts = draft.expand(2, -1)
+        optimum = optimal_acceptance(target, draft, 2)
+        reached = {name: candidate_acceptance(v, target, drafts) for name, v in verifiers.items()}
+        assert float(verifiers["is-lp"].acceptance_probability(target, drafts)) == pytest.approx(optimum, abs=1e-7)
+        for name, value in reached.items():
+            assert value <= optimum + 1e-7, name
+
+
+@pytest.mark.parametrize("q2", [1 / 9, 0.2, 1 / 3, 0.45, 5 / 9])
+def test_example_1_of_the_multi_draft_paper(q2):
+    """p uniform on 3 tokens, q = (1/3, q2, 2/3 - q2): acceptance 1 for q2 in [1/9, 5/9] (Figure 2)."""
+    draft = torch.full((3,), 1 / 3, dtype=torch.float64)
+    target = torch.tensor([1 / 3, q2, 2 / 3 - q2], dtype=torch.float64)
+    drafts = draft.expand(2, -1)
+    assert optimal_acceptance(target, draft, 2) == pytest.approx(1.0, abs=1e-12)
+    assert candidate_acceptance(load_verifier("is-lp"), target, drafts) == pytest.approx(1.0, abs=1e-7)
+    for name in ("spectr", "specinfer"):
+        reached = candidate_acceptance(load_verifier(name), target, drafts)
+        assert (reached == pytest.approx(1.0, abs=1e-9)) == (abs(q2 - 1 / 3) < 1e-12), name
+
+
+def test_example_1_outside_the_interval_is_below_one():
+    draft = torch.full((3,), 1 / 3, dtype=torch.float64)
+    target = torch.tensor([1 / 3, 0.05, 2 / 3 - 0.05], dtype=torch.float64)
+    assert optimal_acceptance(target, draft, 2) < 1 - 1e-3
+
+
+@pytest.mark.parametrize("s", [1, 2, 3])
+def test_is_truncated_meets_its_bound(s):
+    """P_trunc ≥ P* − Σ_{ranked below s} (q_i − p_i²)+  (Khisti et al. §4), identical drafts."""
+    cases, _ = _cases(6, count=15)
+    verifier = load_verifier("is-truncated", {"s": s, "alphabet": 6})
+    for target, draft in cases:
+        score = target - draft**2
+        below = score.sort(descending=True).values[s:]
+        bound = optimal_acceptance(target, draft, 2) - float(below.clamp_min(0).sum())
+        assert float(verifier.acceptance_probability(target, draft.expand(2, -1))) >= bound - 1e-7
+
+
+# --------------------------------------------------------------------------- mentored decoding
+
+
+def _kl(target: torch.Tensor, law: torch.Tensor) -> float:
+    support = target > 0
+    return float((target[support] * (target[support] / law[support]).log()).sum())
+
+
+def _mentored_optimum(target, draft, bound) -> float:
+    """max Σ p_i r_i s.t. KL(q ‖ p∘r + σ) ≤ D, 0 ≤ r ≤ 1, σ ≥ 0, Σσ = 1 − Σ p r: scipy SLSQP."""
+    import numpy as np
+    from scipy.optimize import minimize
+
+    q, p = target.numpy(), draft.numpy()
+    vocab = len(q)
+
+    def output(z):
+        return p * z[:vocab] + z[vocab:]
+
+    constraints = [
+        {"type": "eq", "fun": lambda z: z[vocab:].sum() - (1 - (p * z[:vocab]).sum())},
+        {"type": "ineq", "fun": lambda z: bound - float((q * np.log(q / np.maximum(output(z), 1e-300))).sum())},
+    ]
+    start = np.concatenate([np.minimum(1, q / p), np.maximum(q - p, 0)])
+    result = minimize(
+        lambda z: -(p * z[:vocab]).sum(), start, method="SLSQP", constraints=constraints,
+        bounds=[(0, 1)] * vocab + [(0, 1)] * vocab, options={"ftol": 1e-12, "maxiter": 500},
+    )  # fmt: skip
+    return -result.fun
+
+
+@pytest.mark.parametrize("bound", [0.01, 0.05, 0.2])
+def test_mentored_meets_its_kl_bound_with_optimal_acceptance(bound):
+    generator = torch.Generator().manual_seed(11)
+    tolerance = 1e-3
+    verifier = load_verifier("mentored", {"kl": bound, "tolerance": tolerance})
+    for _ in range(6):
+        target, draft = random_distributions(generator, (2, 5), sparsity=0.0)
+        law = enumerate_output_law(verifier, target, draft.unsqueeze(0))
+        divergence = _kl(target, law)
+        assert divergence <= bound * (1 + tolerance) + 1e-12
+        assert float(verifier.output_kl(target, draft.unsqueeze(0))) == pytest.approx(divergence, abs=1e-9)
+        acceptance = float(verifier.acceptance_probability(target, draft.unsqueeze(0)))
+        if _kl(target, draft) <= bound:
+            assert acceptance == pytest.approx(1.0)
+            continue
+        assert acceptance >= _mentored_optimum(target, draft, bound * (1 - tolerance)) - 1e-6
+        assert acceptance <= _mentored_optimum(target, draft, bound * (1 + tolerance)) + 1e-6
+
+
+def test_mentored_acceptance_grows_with_the_bound_and_zero_is_speculative():
+    generator = torch.Generator().manual_seed(5)
+    target, draft = random_distributions(generator, (2, 6))
+    drafts = draft.unsqueeze(0)
+    values = [float(load_verifier("mentored", {"kl": d}).acceptance_probability(target, drafts))
+              for d in (0.0, 0.01, 0.05, 0.1, 0.5, 5.0)]  # fmt: skip
+    assert values == sorted(values)
+    assert values[0] == pytest.approx(float(torch.minimum(target, draft).sum()), abs=1e-12)
+    assert values[-1] == pytest.approx(1.0) or math.isinf(_kl(target, draft))
+
+
+def test_mentored_rejects_bad_parameters():
+    with pytest.raises(ValueError, match="kl must be >= 0"):
+        load_verifier("mentored", {"kl": -1})
+    with pytest.raises(UsageError, match="valid parameters: kl, tolerance"):
+        load_verifier("mentored", {"kll": 0.1})
+
+
+# --------------------------------------------------------------------------- sampling and batching
+
+
+@pytest.mark.parametrize("name", LOSSLESS + ["mentored"])
+def test_select_samples_the_conditional_law(name):
+    from scipy.stats import chisquare
+
+    verifier = load_verifier(name, {"kl": 0.2} if name == "mentored" else {})
+    num_drafts = 1 if verifier.max_drafts == 1 else 2
+    target = torch.tensor([0.1, 0.5, 0.25, 0.15, 0.0], dtype=torch.float64)
+    draft = torch.tensor([0.4, 0.1, 0.1, 0.2, 0.2], dtype=torch.float64)
+    candidates = torch.tensor([0, 3][:num_drafts])  # both likely to be rejected
+    law = verifier.conditional(target, draft.expand(num_drafts, -1), candidates)
+    n = 6000 if name.startswith("is-") else 20000
+    generator = torch.Generator().manual_seed(3)
+    tokens, accepted = verifier.select(
+        target.expand(n, -1), draft.expand(n, num_drafts, -1), candidates.expand(n, -1), generator
+    )
+    observed = torch.bincount(tokens, minlength=5)
+    support = law > 1e-12
+    assert observed[~support].sum() == 0
+    assert chisquare(observed[support].numpy(), (law[support] / law[support].sum() * n).numpy()).pvalue > 1e-3
+    assert torch.equal(accepted, (tokens.unsqueeze(-1) == candidates).any(-1))
+
+
+@pytest.mark.parametrize("name", LOSSLESS + ["mentored"])
+def test_batched_equals_one_at_a_time(name):
+    verifier = load_verifier(name, {"kl": 0.1} if name == "mentored" else {})
+    num_drafts = 1 if verifier.max_drafts == 1 else 2
+    generator = torch.Generator().manual_seed(8)
+    target = random_distributions(generator, (3, 2, 5))  # [batch, positions, V]
+    draft = random_distributions(generator, (3, 2, 1, 5)).expand(-1, -1, num_drafts, -1)  # [batch, pos, K, V]
+    tokens = torch.multinomial(draft.reshape(-1, 5), 1, generator=generator).reshape(3, 2, num_drafts)
+    batched = verifier.conditional(target, draft, tokens)  # [3, 2, V]
+    acceptance = verifier.acceptance_probability(target, draft)  # [3, 2]
+    for b, t in itertools.product(range(3), range(2)):
+        torch.testing.assert_close(batched[b, t], verifier.conditional(target[b, t], draft[b, t], tokens[b, t]))
+        torch.testing.assert_close(acceptance[b, t], verifier.acceptance_probability(target[b, t], draft[b, t]))
+
+
+def test_spectr_refuses_different_drafts():
+    target, first, second = random_distributions(torch.Generator().manual_seed(1), (3, 4))
+    with pytest.raises(UsageError, match="spectr needs identical drafts"):
+        load_verifier("spectr").conditional(target, torch.stack([first, second]), torch.tensor([0, 1]))
+
+
+def test_is_lp_refuses_supports_beyond_its_bound():
+    target, draft = random_distributions(torch.Generator().manual_seed(1), (2, 10), sparsity=0.0)
+    with pytest.raises(UsageError, match="more than max_support=4"):
+        load_verifier("is-lp", {"max_support": 4}).acceptance_probability(target, draft.expand(2, -1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", LOSSLESS + ["mentored"])
+def test_cpu_and_cuda_agree(name):
+    verifier = load_verifier(name, {"kl": 0.1} if name == "mentored" else {})
+    num_drafts = 1 if verifier.max_drafts == 1 else 2
+    generator = torch.Generator().manual_seed(2)
+    target = random_distributions(generator, (4, 6))
+    draft = random_distributions(generator, (4, 1, 6)).expand(-1, num_drafts, -1)
+    tokens = torch.multinomial(draft.reshape(-1, 6), 1, generator=generator).reshape(4, num_drafts)
+    on_cpu = verifier.conditional(target, draft, tokens)
+    on_gpu = verifier.conditional(target.cuda(), draft.cuda(), tokens.cuda()).cpu()
+    torch.testing.assert_close(on_cpu, on_gpu)
