@@ -1,7 +1,7 @@
 """Time one block's verification for every verifier, next to one target forward of the default model.
 
-One verification = the engine's walk over L positions with K candidates each (``select`` per
-position, all drafts alive: the worst case). Laws are random, peaked like a language model's;
+One verification = what the engine does per block: ``prepare`` with all L positions, then
+``select`` at each position with K candidates (all drafts alive: the worst case). Laws are random, peaked like a language model's;
 is-lp needs a bounded draft support, so its laws are cut to their 50 most likely tokens
 (as top-k 50 sampling would). Runs on the CPU, and on CUDA too when a GPU is present.
 
@@ -57,6 +57,7 @@ def time_verification(name, params, vocab, num_drafts, draft_length, device, rep
     for repeat in range(repeats + 1):
         synchronize(device)
         start = time.perf_counter()
+        verifier.prepare(target, drafts)  # as the engine does once per block
         for t in range(draft_length):
             verifier.select(target[t], drafts[t], tokens[t], sampler)
         synchronize(device)

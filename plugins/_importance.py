@@ -84,6 +84,12 @@ class ImportanceSampling(Verifier):
 
     # ----------------------------------------------------------------------- planning
 
+    def prepare(self, target_probs, draft_probs):
+        """Solve every position's LPs in one call per stage; ``select`` then finds them in a cache."""
+        self._prepared = {}
+        plans, _ = self._plans(target_probs, draft_probs)
+        self._prepared = {plan.key: plan for plan in plans}
+
     def _plans(self, target_probs: torch.Tensor, draft_probs: torch.Tensor):
         """One plan per distinct (q, p_1..p_K) row, and each row's plan index."""
         vocab, num_drafts = target_probs.shape[-1], draft_probs.shape[-2]
@@ -91,10 +97,15 @@ class ImportanceSampling(Verifier):
             [target_probs.reshape(-1, 1, vocab), draft_probs.reshape(-1, num_drafts, vocab)], dim=1
         ).double().cpu()  # [N, K+1, V]
         unique, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [U, K+1, V], [N]
-        plans = [_Plan(row[0], row[1:], self.alphabet_size(vocab)) for row in unique]
-        for stage in range(num_drafts - 1):
-            pairs = [(plan.selected_law(), plan.drafts[stage + 1], plan.scheme_target) for plan in plans]
-            for plan, selection in zip(plans, self._solve_stage(pairs)):
+        prepared = getattr(self, "_prepared", {})
+        plans = []
+        for row in unique:
+            key = row.numpy().tobytes()  # exact content: a cached plan is reused only for identical laws
+            plans.append(prepared.get(key) or _Plan(row[0], row[1:], self.alphabet_size(vocab), key))
+        unsolved = [plan for plan in plans if len(plan.stages) < num_drafts - 1]
+        for stage in range(num_drafts - 1 if unsolved else 0):
+            pairs = [(plan.selected_law(), plan.drafts[stage + 1], plan.scheme_target) for plan in unsolved]
+            for plan, selection in zip(unsolved, self._solve_stage(pairs)):
                 plan.stages.append(selection)
         return plans, inverse
 
@@ -111,7 +122,8 @@ class ImportanceSampling(Verifier):
 class _Plan:
     """Everything about one row: its target, drafts, alphabet and selection stages."""
 
-    def __init__(self, target: torch.Tensor, drafts: torch.Tensor, alphabet: int):
+    def __init__(self, target: torch.Tensor, drafts: torch.Tensor, alphabet: int, key: bytes):
+        self.key = key
         self.target = target  # [V]
         self.drafts = drafts  # [K, V]
         inside = torch.zeros_like(target, dtype=torch.bool)

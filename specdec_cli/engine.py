@@ -338,6 +338,8 @@ class SpeculativeDecoder:
         target_probs [K, L+1, vocab], draft_probs [K, L, vocab], draft_tokens [K, L].
         """
         draft_length = draft_tokens.shape[1]
+        if draft_length:
+            self.verifier.prepare(target_probs[0, :draft_length], draft_probs.transpose(0, 1))  # [L, V], [L, K, V]
         alive = torch.arange(draft_tokens.shape[0], device=self.device)  # [K']: rows still matching
         new_tokens: list[int] = []
         accepted: list[bool] = []

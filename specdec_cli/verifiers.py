@@ -77,6 +77,14 @@ class Verifier(ABC):
         accepted = (draft_tokens == token.unsqueeze(-1)).any(-1)  # [...]
         return token, accepted
 
+    def prepare(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> None:
+        """Optional: called once per block with every position's laws, before ``select`` walks them.
+
+        target_probs ``[L, V]``, draft_probs ``[L, K, V]`` (all drafts alive). Schemes that solve a
+        problem per position (the importance-sampling LPs) solve them here in one batched call;
+        the default does nothing.
+        """
+
     @abstractmethod
     def acceptance_probability(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
         """P(output ∈ candidates) when ``x_k ~ draft_probs[..., k, :]`` independently → ``[...]``."""

@@ -297,3 +297,26 @@ def test_cpu_and_cuda_agree(name):
     on_cpu = verifier.conditional(target, draft, tokens)
     on_gpu = verifier.conditional(target.cuda(), draft.cuda(), tokens.cuda()).cpu()
     torch.testing.assert_close(on_cpu, on_gpu)
+
+
+@pytest.mark.parametrize("name", ["is-lp", "is-truncated"])
+def test_prepare_solves_a_block_at_once_without_changing_results(name, monkeypatch):
+    import specdec_plugins._importance as importance
+
+    generator = torch.Generator().manual_seed(4)
+    target = random_distributions(generator, (3, 6))  # [L, V]
+    draft = random_distributions(generator, (3, 1, 6)).expand(-1, 2, -1)  # [L, K, V]
+    tokens = torch.multinomial(draft[:, 0], 2, replacement=True, generator=generator)  # [L, K]
+
+    def draws(verifier):
+        sampler = torch.Generator().manual_seed(9)
+        return [verifier.select(target[t], draft[t], tokens[t], sampler)[0].item() for t in range(3)]
+
+    unprepared = draws(load_verifier(name))
+    prepared_verifier = load_verifier(name)
+    prepared_verifier.prepare(target, draft)
+    calls = []
+    original = importance.solve_pair_selections
+    monkeypatch.setattr(importance, "solve_pair_selections", lambda *a: calls.append(a) or original(*a))
+    assert draws(prepared_verifier) == unprepared
+    assert calls == []  # every position's LP came from prepare
