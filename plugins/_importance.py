@@ -98,10 +98,13 @@ class ImportanceSampling(Verifier):
         ).double().cpu()  # [N, K+1, V]
         unique, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [U, K+1, V], [N]
         prepared = getattr(self, "_prepared", {})
+        # One candidate needs no selection LP, so no alphabet truncation either: the scheme is then
+        # exactly speculative sampling, as every multi-draft scheme must be with one draft (docs §7).
+        alphabet = self.alphabet_size(vocab) if num_drafts > 1 else vocab
         plans = []
         for row in unique:
             key = row.numpy().tobytes()  # exact content: a cached plan is reused only for identical laws
-            plans.append(prepared.get(key) or _Plan(row[0], row[1:], self.alphabet_size(vocab), key))
+            plans.append(prepared.get(key) or _Plan(row[0], row[1:], alphabet, key))
         unsolved = [plan for plan in plans if len(plan.stages) < num_drafts - 1]
         for stage in range(num_drafts - 1 if unsolved else 0):
             pairs = [(plan.selected_law(), plan.drafts[stage + 1], plan.scheme_target) for plan in unsolved]

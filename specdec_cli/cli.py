@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from . import __version__
+from .commands.acceptance import acceptance
 from .commands.generate import generate
 from .commands.verifiers import verifiers
 from .errors import SpecdecError
@@ -22,6 +23,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command()(generate)
+app.command()(acceptance)
 app.command()(verifiers)
 
 

@@ -169,6 +169,8 @@ class SpeculativeDecoder:
         self.target_params = SamplingParams(generation.temperature, generation.top_k, generation.top_p)
         self.draft_length = recipe.speculation.draft_length if self.draft_groups else 0
         self.eos_ids = _eos_ids(target)
+        self.decoder_start = _decoder_start(target) if target.is_encoder_decoder else []
+        """Decoder-side ids before the first generated token (encoder-decoder models only)."""
         self.device = target.device
         _check_draft_count(verifier, self.num_drafts)
         different_drafts = len(drafts) > 1 or len({p for _, ps in drafts for p in ps}) > 1
@@ -190,7 +192,7 @@ class SpeculativeDecoder:
             verifier = (registry or VerifierRegistry()).create(recipe.verifier.name, recipe.verifier.params)
             _check_drafts(verifier, recipe)  # before the slow model loads
         target = load_model(recipe.target, "target")
-        drafts = [] if autoregressive else _load_drafts(recipe, target)
+        drafts = [] if autoregressive else load_drafts(recipe, target)
         return cls(target, drafts, verifier, recipe)
 
     # ----------------------------------------------------------------------- generation
@@ -244,7 +246,7 @@ class SpeculativeDecoder:
     ) -> tuple[list[int], list[bool], SampleStats]:
         """Generate after ``prompt_ids`` → (new token ids, accepted mask, stats)."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        decoder_start = _decoder_start(self.target) if self.target.is_encoder_decoder else list(prompt_ids)
+        decoder_start = self.decoder_start if self.target.is_encoder_decoder else list(prompt_ids)
         for runner in self._runners():
             runner.start(prompt_ids)
         committed = list(decoder_start)
@@ -405,7 +407,7 @@ def draft_sampling_params(recipe: Recipe, draft: DraftConfig) -> SamplingParams:
     )
 
 
-def _load_drafts(recipe: Recipe, target: LoadedModel) -> list[tuple[LoadedModel, list[SamplingParams]]]:
+def load_drafts(recipe: Recipe, target: LoadedModel) -> list[tuple[LoadedModel, list[SamplingParams]]]:
     """Each distinct draft model once, with the sampling settings of all its rows.
 
     Configs that differ only in sampling settings share one model and one batched forward.

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .sampling import SamplingParams, probs_from_logits
+from .theory import optimal_acceptance  # noqa: F401  (re-exported for plugin authors)
 
 TINY_VOCAB = ["<pad>", "</s>", "<unk>", "a", "b", "c", "d", "e"]
 PAD_ID, EOS_ID = 0, 1
@@ -206,17 +207,3 @@ def candidate_acceptance(verifier: Any, target_probs: torch.Tensor, draft_probs:
         law = verifier.conditional(target_probs, draft_probs, torch.tensor(candidates))
         total += weight * float(law[list(set(candidates))].sum())
     return total
-
-
-def optimal_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor, num_drafts: int = 2) -> float:
-    """1 + min over token sets S of [q(S) - p(S)^K] (Khisti et al., Theorem 3; K > 2: their conjecture).
-
-    The minimising set is a prefix of the tokens sorted by q/p ascending (docs §6), so this is
-    O(V log V) and exact on the full vocabulary. Exact for K = 2 identical drafts.
-    """
-    q, p = target_probs.double(), draft_probs.double()  # [V]
-    ratio = torch.where(p > 0, q / p, torch.full_like(q, float("inf")))  # [V]
-    order = ratio.argsort()
-    q_prefix = torch.cat([q.new_zeros(1), q[order].cumsum(0)])  # [V+1]
-    p_prefix = torch.cat([p.new_zeros(1), p[order].cumsum(0)])  # [V+1]
-    return 1.0 + float((q_prefix - p_prefix**num_drafts).min())

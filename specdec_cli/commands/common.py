@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -54,10 +55,17 @@ class RecipeOptions:
     device: str | None = None
     dtype: str | None = None
     chat: bool | None = None
+    draft_temperatures: list[float] | None = None
+    """Replace the drafts by copies of the first draft config at these temperatures."""
 
     def resolve(self) -> Recipe:
         """Read the recipe, apply the named flags, then ``--set`` (most specific last), validate."""
         data = read_recipe_file(self.recipe)
+        if self.draft_temperatures:
+            first = data.pop("draft", None) or (data.get("drafts") or [None])[0]
+            if not isinstance(first, dict):
+                raise UsageError("--draft-temperatures needs a draft in the recipe to copy")
+            data["drafts"] = [{**first, "temperature": t} for t in self.draft_temperatures]
         assignments: list[str] = []
         if self.verifier is not None:
             current = str((data.get("verifier") or {}).get("name", "")).lower()
@@ -98,8 +106,16 @@ def _yaml_scalar(value: Any) -> str:
     return str(value)
 
 
-def read_prompts(prompt: str | None, prompt_file: Path | None, stdin: Any) -> list[str]:
-    """Prompts from the argument, a file (one per non-empty line; '-' = stdin) or piped stdin."""
+PROMPT_FIELDS = ("prompt", "text", "instruction", "question", "turns")
+
+
+def read_prompts(prompt: str | None, prompt_file: Path | None, stdin: Any, field: str | None = None) -> list[str]:
+    """Prompts from the argument, a file or piped stdin.
+
+    A text file holds one prompt per non-empty line ('-' = stdin); a ``.jsonl`` file one JSON
+    object per line, its prompt in ``field`` or the first of PROMPT_FIELDS it has (a list, as
+    Spec-Bench's ``turns``, gives its first item).
+    """
     if prompt is not None and prompt_file is not None:
         raise UsageError("give a prompt argument or --prompt-file, not both")
     if prompt is not None:
@@ -109,10 +125,37 @@ def read_prompts(prompt: str | None, prompt_file: Path | None, stdin: Any) -> li
             text = stdin.read() if str(prompt_file) == "-" else prompt_file.read_text()
         except OSError as error:
             raise UsageError(f"cannot read --prompt-file '{prompt_file}': {error.strerror}") from None
-        prompts = [line for line in text.splitlines() if line.strip()]
+        lines = [line for line in text.splitlines() if line.strip()]
+        prompts = _jsonl_prompts(lines, prompt_file, field) if str(prompt_file).endswith(".jsonl") else lines
         if not prompts:
             raise UsageError(f"--prompt-file '{prompt_file}' has no prompts (one prompt per non-empty line)")
         return prompts
     if stdin is not None and not stdin.isatty():
         return [stdin.read()]
     raise UsageError('give a prompt: specdec generate "Your prompt", --prompt-file FILE, or pipe text to stdin')
+
+
+def _jsonl_prompts(lines: list[str], path: Path, field: str | None) -> list[str]:
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{path} line {number} is not JSON ({error.msg}); a .jsonl file has one object per line")
+        names = [field] if field else [name for name in PROMPT_FIELDS if name in record]
+        if not names or names[0] not in record:
+            wanted = f"'{field}'" if field else "one of " + ", ".join(PROMPT_FIELDS)
+            raise UsageError(f"{path} line {number} has no {wanted} field; name the prompt field with --field")
+        value = record[names[0]]
+        prompts.append(value[0] if isinstance(value, list) else str(value))
+    return prompts
+
+
+def parse_list(text: str | None, kind: type, option: str) -> list:
+    """'1,2,4' → [1, 2, 4]: a comma list for sweep options."""
+    if text is None:
+        return []
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"{option} expects a comma list of {kind.__name__} values, got '{text}'") from None

@@ -1,0 +1,149 @@
+"""`specdec acceptance` on tiny models: values, the theory's orderings, agreement with the engine."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+from specdec_cli import SpeculativeDecoder
+from specdec_cli.acceptance import OPTIMUM, AcceptanceAnalysis, AcceptanceRequest, mentored_row
+from specdec_cli.recipe import build_recipe
+from specdec_cli.verifiers import VerifierRegistry
+from tests.conftest import tiny_recipe
+from tests.test_cli import run  # noqa: F401  (the CLI fixture)
+
+PROMPTS = ["a b c", "d e", "e e a b", "c"]
+KL_VALUES = (0.0, 0.05, 0.2, 1.0)
+
+
+@pytest.fixture(scope="module")
+def report(tiny_models):
+    recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12}))
+    request = AcceptanceRequest(tuple(VerifierRegistry().names()), (1, 2, 3), KL_VALUES)
+    return AcceptanceAnalysis(recipe, request).run(PROMPTS)
+
+
+def _values(report, row, k):
+    return torch.tensor([v for p in report.prompts for v in p.values[row][k]], dtype=torch.float64)
+
+
+def test_values_are_probabilities_and_k1_is_sum_of_min(report):
+    speculative = _values(report, "speculative", 1)
+    assert len(speculative) == sum(p.positions for p in report.prompts) > 20
+    for row in report.rows:
+        for k in report.num_drafts:
+            if report.cell(row, k) is not None:
+                values = _values(report, row, k)
+                assert bool(((values >= -1e-12) & (values <= 1 + 1e-12)).all()), (row, k)
+    # K = 1: every verifier but mentored with D > 0 gives Σ min(p, q) = the speculative value.
+    for row in report.rows:
+        if not row.startswith("mentored") or row == mentored_row(0.0):
+            torch.testing.assert_close(_values(report, row, 1), speculative, atol=1e-7, rtol=0)
+
+
+def test_the_theorys_orderings_hold_position_by_position(report):
+    for k in (2, 3):
+        optimum = _values(report, OPTIMUM, k)
+        for row in ("is-lp", "is-truncated", "spectr", "specinfer"):
+            assert bool((_values(report, row, k) <= optimum + 1e-7).all()), (row, k)
+    torch.testing.assert_close(_values(report, "is-lp", 2), _values(report, OPTIMUM, 2), atol=1e-7, rtol=0)
+
+
+def test_mentored_rows_trade_kl_for_acceptance(report):
+    accepted = [_values(report, mentored_row(d), 1) for d in KL_VALUES]
+    divergence = [torch.tensor([v for p in report.prompts for v in p.kl[mentored_row(d)]]) for d in KL_VALUES]
+    for lower, higher in zip(accepted, accepted[1:]):
+        assert bool((higher >= lower - 1e-9).all())
+    for bound, values in zip(KL_VALUES, divergence):
+        assert bool((values <= bound * (1 + 1e-3) + 1e-9).all())
+    assert accepted[-1].mean() > accepted[0].mean() + 0.1
+
+
+def test_single_draft_verifiers_have_no_multi_draft_cells(report):
+    assert report.cell("speculative", 2) is None
+    assert "speculative takes at most 1 draft(s)" in report.unavailable["speculative|2"]
+
+
+@pytest.mark.parametrize("name", ["speculative", "mentored"])
+def test_analytic_acceptance_matches_the_engine(tiny_models, name):
+    """At the first position of each prompt, the engine accepts as often as the analysis says."""
+    params = {"kl": 0.2} if name == "mentored" else {}
+    recipe = build_recipe(tiny_recipe(
+        tiny_models, "llama", generation={"max_new_tokens": 2}, verifier={"name": name, "params": params}
+    ))  # fmt: skip
+    request = AcceptanceRequest((name,), (1,), (0.2,))
+    analysis = AcceptanceAnalysis(recipe, request)
+    row = mentored_row(0.2) if name == "mentored" else name
+    first_positions = [p.values[row][1][0] for p in analysis.run(PROMPTS).prompts]
+    expected = sum(first_positions) / len(first_positions)
+    decoder = SpeculativeDecoder.from_recipe(recipe)
+    samples = 1200
+    accepted = 0
+    for index, prompt in enumerate(PROMPTS):
+        ids = decoder.encode_prompt(prompt)
+        accepted += sum(decoder.generate_ids(ids, 1000 * index + s)[2].accepted_per_position[:1] == [1]
+                        for s in range(samples))  # fmt: skip
+    measured = accepted / (samples * len(PROMPTS))
+    stderr = (expected * (1 - expected) / (samples * len(PROMPTS))) ** 0.5
+    assert abs(measured - expected) < 4 * stderr
+
+
+def test_interrupt_keeps_the_computed_prompts(tiny_models):
+    recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 4}))
+    analysis = AcceptanceAnalysis(recipe, AcceptanceRequest(("speculative",), (1,)))
+    seen = []
+
+    def stop_after_two(result):
+        seen.append(result)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    report = analysis.run(PROMPTS, on_prompt=stop_after_two)
+    assert report.interrupted and len(report.prompts) == 2
+    assert report.cell("speculative", 1).count == sum(p.positions for p in report.prompts)
+
+
+def test_different_temperature_drafts(tiny_models):
+    recipe = tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 6})
+    draft = recipe.pop("draft")
+    recipe["drafts"] = [{**draft, "temperature": 1.0}, {**draft, "temperature": 1.5}]
+    analysis = AcceptanceAnalysis(build_recipe(recipe), AcceptanceRequest(("specinfer", "spectr"), (1, 2)))
+    report = analysis.run(PROMPTS[:2])
+    assert not report.identical_drafts
+    assert report.cell("specinfer", 2) is not None
+    assert report.cell("spectr", 2) is None and "identical drafts" in report.unavailable["spectr|2"]
+    assert report.cell(OPTIMUM, 2) is None
+
+
+def test_cli_table_json_csv_and_plot(run, tiny_models, write_recipe, tmp_path):  # noqa: F811
+    recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 5})))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"question_id": 1, "turns": ["a b c"]}\n{"question_id": 2, "turns": ["d e"]}\n')
+    out, picture = tmp_path / "out", tmp_path / "plot.png"
+    code, stdout, _ = run(["acceptance", "-r", recipe, "--prompt-file", str(prompts), "--num-drafts", "1,2",
+                           "--kl", "0,0.3", "--output", str(out), "--plot", str(picture)])  # fmt: skip
+    assert code == 0
+    assert "optimum" in stdout and "mentored D=0.3" in stdout and "K=2" in stdout
+    payload = json.loads((out / "acceptance.json").read_text())
+    assert payload["seed"] == 0 and payload["recipe"]["generation"]["max_new_tokens"] == 5
+    assert {"torch_version", "transformers_version", "device", "specdec_version"} <= set(payload)
+    assert [p["prompt"] for p in payload["prompts"]] == ["a b c", "d e"]
+    rows = list(csv.DictReader((out / "acceptance.csv").open()))
+    assert {"optimum", "speculative", "mentored D=0.3"} <= {r["row"] for r in rows}
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, stdout, _ = run(["acceptance", "-r", recipe, "--prompt", "a b", "--verifier", "speculative,spectr",
+                           "--num-drafts", "1,2", "--json"])  # fmt: skip
+    payload = json.loads(stdout)
+    assert code == 0 and payload["rows"] == ["optimum", "speculative", "spectr"]
+    assert payload["table"]["spectr"]["2"]["mean"] <= payload["table"]["optimum"]["2"]["mean"] + 1e-9
+
+
+def test_cli_bad_lists(run, tiny_models, write_recipe):  # noqa: F811
+    recipe = str(write_recipe(tiny_recipe(tiny_models, "llama")))
+    code, _, err = run(["acceptance", "-r", recipe, "--prompt", "a", "--num-drafts", "1,two"])
+    assert code == 2 and "--num-drafts expects a comma list of int values" in err
+    code, _, err = run(["acceptance", "-r", recipe, "--prompt", "a", "--verifier", "nosuch"])
+    assert code == 2 and "unknown verifier 'nosuch'" in err
