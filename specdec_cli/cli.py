@@ -11,6 +11,7 @@ from rich.console import Console
 
 from . import __version__
 from .commands.acceptance import acceptance
+from .commands.bench import bench
 from .commands.generate import generate
 from .commands.verifiers import verifiers
 from .errors import SpecdecError
@@ -24,6 +25,7 @@ app = typer.Typer(
 )
 app.command()(generate)
 app.command()(acceptance)
+app.command()(bench)
 app.command()(verifiers)
 
 

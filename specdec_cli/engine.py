@@ -260,7 +260,8 @@ class SpeculativeDecoder:
             # Never overshoot: a block commits at most L + 1 tokens.
             draft_length = min(self.draft_length, remaining - 1)
             new_tokens, accepted = self._block(committed, draft_length, generator, stats)
-            stats.record_block(draft_length, sum(accepted))
+            # The verifier decided every position but a bonus token (which follows all L accepted).
+            stats.record_block(draft_length, min(len(new_tokens), draft_length), sum(accepted))
             eos_at = next((i for i, t in enumerate(new_tokens) if t in self.eos_ids), None)
             if eos_at is not None:
                 new_tokens, accepted = new_tokens[: eos_at + 1], accepted[: eos_at + 1]
@@ -407,10 +408,13 @@ def draft_sampling_params(recipe: Recipe, draft: DraftConfig) -> SamplingParams:
     )
 
 
-def load_drafts(recipe: Recipe, target: LoadedModel) -> list[tuple[LoadedModel, list[SamplingParams]]]:
+def load_drafts(
+    recipe: Recipe, target: LoadedModel, loader: Callable[..., LoadedModel] = load_model
+) -> list[tuple[LoadedModel, list[SamplingParams]]]:
     """Each distinct draft model once, with the sampling settings of all its rows.
 
-    Configs that differ only in sampling settings share one model and one batched forward.
+    Configs that differ only in sampling settings share one model and one batched forward;
+    ``loader`` lets a caller that builds many decoders (bench) load each model only once.
     """
     groups: dict[DraftConfig, tuple[LoadedModel, list[SamplingParams]]] = {}
     for draft in recipe.drafts:
@@ -419,7 +423,7 @@ def load_drafts(recipe: Recipe, target: LoadedModel) -> list[tuple[LoadedModel, 
             if draft.early_exit is not None:
                 loaded = derive_early_exit_draft(target, draft.early_exit)
             else:
-                loaded = load_model(draft, "draft")
+                loaded = loader(draft, "draft")
                 check_same_tokenizer(target, loaded)
             groups[key] = (loaded, [])
         groups[key][1].extend([draft_sampling_params(recipe, draft)] * recipe.speculation.num_drafts)

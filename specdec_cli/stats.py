@@ -19,6 +19,8 @@ class SampleStats:
     """Draft positions proposed (L per block, fewer near max_new_tokens)."""
     accepted_tokens: int = 0
     """Draft positions whose token the verifier output (the block went on along a draft)."""
+    verified_tokens: int = 0
+    """Draft positions the verifier decided on (a block stops verifying at its first rejection)."""
     accepted_per_position: list[int] = field(default_factory=list)
     """[t]: blocks in which draft position t+1 was accepted."""
     drafted_per_position: list[int] = field(default_factory=list)
@@ -48,9 +50,15 @@ class SampleStats:
         """Target forwards an autoregressive run would have needed beyond this one's."""
         return self.new_tokens - self.target_forwards
 
-    def record_block(self, drafted: int, accepted: int) -> None:
+    @property
+    def token_acceptance(self) -> float:
+        """Accepted / verified positions: the per-token acceptance α of Leviathan et al."""
+        return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
+
+    def record_block(self, drafted: int, verified: int, accepted: int) -> None:
         self.blocks += 1
         self.drafted_tokens += drafted
+        self.verified_tokens += verified
         self.accepted_tokens += accepted
         for counts, upto in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
             counts.extend([0] * (upto - len(counts)))
@@ -59,7 +67,8 @@ class SampleStats:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for name in ("block_efficiency", "acceptance_rate", "tokens_per_second", "target_forwards_saved"):
+        for name in ("block_efficiency", "acceptance_rate", "token_acceptance", "tokens_per_second",
+                     "target_forwards_saved"):  # fmt: skip
             data[name] = getattr(self, name)
         return data
 

@@ -119,12 +119,16 @@ class VerifierRegistry:
         manager = driver.DriverManager(self.group, name, invoke_on_load=False)
         return manager.driver
 
-    def create(self, name: str, params: dict[str, Any] | None = None) -> Verifier:
+    def canonical(self, name: str) -> str:
+        """The installed verifier's entry-point name for ``name`` (case-insensitive), or a UsageError."""
         key = name.strip().lower()
         if key not in self.names():
             installed = ", ".join(self.names()) or "none"
             raise UsageError(f"unknown verifier '{name}'; installed verifiers: {installed} (see `specdec verifiers`)")
-        return self.load_class(key)(**(params or {}))
+        return key
+
+    def create(self, name: str, params: dict[str, Any] | None = None) -> Verifier:
+        return self.load_class(self.canonical(name))(**(params or {}))
 
 
 def load_verifier(name: str, params: dict[str, Any] | None = None) -> Verifier:

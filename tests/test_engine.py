@@ -109,6 +109,7 @@ def test_never_overshoots_and_counts_add_up(tiny_models):
         assert stats.stop_reason == ("eos" if tokens[-1] == EOS_ID else "max_new_tokens")
         assert EOS_ID not in tokens[:-1]
         assert stats.accepted_tokens == sum(mask)
+        assert stats.accepted_tokens <= stats.verified_tokens <= stats.drafted_tokens
         assert sum(stats.accepted_per_position) == stats.accepted_tokens
         assert stats.target_forwards == stats.blocks
         assert stats.block_efficiency == pytest.approx(stats.new_tokens / stats.target_forwards)

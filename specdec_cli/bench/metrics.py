@@ -1,0 +1,79 @@
+"""Quality and speed metrics of a benchmark cell (definitions: docs §7)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+
+def corpus_quality(metrics: Sequence[str], hypotheses: list[str], references: list[str | None]) -> dict:
+    """Corpus BLEU and chrF (sacrebleu, with their signatures) and mean ROUGE-L F1 (rouge-score)."""
+    pairs = [(h, r) for h, r in zip(hypotheses, references) if r is not None]
+    if not pairs:
+        return {}
+    hyps, refs = [h for h, _ in pairs], [r for _, r in pairs]
+    scores: dict = {}
+    if "bleu" in metrics or "chrf" in metrics:
+        from sacrebleu.metrics import BLEU, CHRF
+
+        for name, metric in (("bleu", BLEU()), ("chrf", CHRF())):
+            if name in metrics:
+                scores[name] = metric.corpus_score(hyps, [refs]).score
+                scores[f"{name}_signature"] = str(metric.get_signature())
+    if "rougeL" in metrics:
+        scores["rougeL"] = rouge_l(hyps, refs)
+    return scores
+
+
+def rouge_l(hypotheses: list[str], references: list[str]) -> float:
+    """Mean ROUGE-L F1 × 100 over the pairs (rouge-score, with stemming)."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    values = [scorer.score(r, h)["rougeL"].fmeasure for h, r in zip(hypotheses, references)]
+    return 100 * sum(values) / len(values)
+
+
+def expected_speedup(alpha: float, draft_length: int, cost_ratio: float) -> float:
+    """Leviathan et al. (2023), Theorem 3.8: (1 - α^(L+1)) / ((1 - α)(L c + 1))."""
+    if alpha >= 1:
+        return (draft_length + 1) / (draft_length * cost_ratio + 1)
+    return (1 - alpha ** (draft_length + 1)) / ((1 - alpha) * (draft_length * cost_ratio + 1))
+
+
+def speed_summary(stats: list[dict]) -> dict:
+    """Pooled speed metrics of one cell's samples (their ``stats`` dicts)."""
+    total = {key: sum(s[key] for s in stats) for key in (
+        "new_tokens", "target_forwards", "draft_forwards", "drafted_tokens", "verified_tokens",
+        "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s", "wall_time_s",
+    )}  # fmt: skip
+    positions = max((len(s["drafted_per_position"]) for s in stats), default=0)
+    per_position = []
+    for t in range(positions):
+        drafted = sum(s["drafted_per_position"][t] for s in stats if t < len(s["drafted_per_position"]))
+        accepted = sum(s["accepted_per_position"][t] for s in stats if t < len(s["accepted_per_position"]))
+        per_position.append(accepted / drafted if drafted else 0.0)
+    return {
+        **total,
+        "samples": len(stats),
+        "block_efficiency": _ratio(total["new_tokens"], total["target_forwards"]),
+        "acceptance_rate": _ratio(total["accepted_tokens"], total["drafted_tokens"]),
+        "token_acceptance": _ratio(total["accepted_tokens"], total["verified_tokens"]),
+        "acceptance_per_position": per_position,
+        "tokens_per_second": _ratio(total["new_tokens"], total["wall_time_s"]),
+        "draft_s_per_forward": _ratio(total["draft_time_s"], total["draft_forwards"]),
+        "target_s_per_forward": _ratio(total["target_time_s"], total["target_forwards"]),
+    }
+
+
+def mean_and_std(values: list[float]) -> dict:
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    if not finite:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": statistics.fmean(finite), "std": statistics.stdev(finite) if len(finite) > 1 else 0.0,
+            "n": len(finite)}  # fmt: skip
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else 0.0

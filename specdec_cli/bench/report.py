@@ -1,0 +1,107 @@
+"""Tables (terminal, Markdown, CSV) and the plot of a benchmark's results."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from rich.table import Table
+
+QUALITY = {"bleu": "BLEU", "chrf": "chrF", "rougeL": "ROUGE-L"}
+SPEED = [
+    ("block_efficiency", "block eff.", "{:.2f}"),
+    ("acceptance_rate", "accept", "{:.3f}"),
+    ("tokens_per_second", "tok/s", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}"),
+    ("expected_speedup", "expected", "{:.2f}"),
+    ("efficiency_vs_expected", "meas/exp", "{:.2f}"),
+]
+
+
+def _columns(results: dict) -> list[tuple[str, str, str]]:
+    quality = [(name, label, "{:.2f}") for name, label in QUALITY.items()
+               if any(name in c["summary"] for c in results["cells"])]  # fmt: skip
+    return SPEED + quality
+
+
+def _cell_text(summary: dict, name: str, fmt: str) -> str:
+    value = summary.get(name)
+    if not value or value["mean"] is None:
+        return "—"
+    text = fmt.format(value["mean"])
+    return f"{text} ± {fmt.format(value['std'])}" if value["n"] > 1 else text
+
+
+def rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    columns = _columns(results)
+    header = ["configuration", "samples"] + [label for _, label, _ in columns]
+    body = []
+    for cell in results["cells"]:
+        samples = sum(m["samples"] for m in cell["per_seed"].values())
+        body.append([cell["key"], str(samples)] + [_cell_text(cell["summary"], n, f) for n, _, f in columns])
+    return header, body
+
+
+def rich_table(results: dict, title: str) -> Table:
+    header, body = rows(results)
+    seeds = max((len(c["per_seed"]) for c in results["cells"]), default=0)
+    table = Table(title=title, caption=f"mean{' ± std over ' + str(seeds) + ' seeds' if seeds > 1 else ''}; "
+                  "speedup: token rate over the target-alone baseline of the same run, prompts and seed")  # fmt: skip
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+    for line in body:
+        table.add_row(*line, style="dim" if line[0].startswith("baseline") else None)
+    return table
+
+
+def markdown(results: dict) -> str:
+    header, body = rows(results)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(line) + " |" for line in body]
+    signatures = {c["per_seed"][s].get(f"{m}_signature") for c in results["cells"] for s in c["per_seed"]
+                  for m in ("bleu", "chrf")} - {None}  # fmt: skip
+    notes = [f"\nsacrebleu signature: `{signature}`" for signature in sorted(signatures)]
+    return "\n".join(lines + notes) + "\n"
+
+
+def csv_text(results: dict) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    names = [name for name, _, _ in _columns(results)]
+    writer.writerow(["configuration", "verifier", "kl", "num_drafts", "draft_length", "temperature",
+                     "draft_temperatures"] + [f"{n}_{s}" for n in names for s in ("mean", "std")])  # fmt: skip
+    for cell in results["cells"]:
+        values = []
+        for name in names:
+            value = cell["summary"].get(name) or {}
+            values += [value.get("mean"), value.get("std")]
+        temps = ",".join(map(str, cell["draft_temperatures"])) if cell["draft_temperatures"] else ""
+        writer.writerow([cell["key"], cell["verifier"], cell["kl"], cell["num_drafts"], cell["draft_length"],
+                         cell["temperature"], temps] + values)  # fmt: skip
+    return buffer.getvalue()
+
+
+def plot(results: dict, path: Path) -> None:
+    """Speed (speedup, or token rate when there is none) against quality, one point per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    quality = next((n for n in QUALITY if any(n in c["summary"] for c in results["cells"])), None)
+    speed = "speedup" if any("speedup" in c["summary"] for c in results["cells"]) else "tokens_per_second"
+    figure, axis = plt.subplots(figsize=(7, 5))
+    for cell in results["cells"]:
+        summary = cell["summary"]
+        if speed not in summary and speed == "speedup":
+            continue
+        y = summary[speed]["mean"]
+        x = summary[quality]["mean"] if quality and quality in summary else 0.0
+        axis.scatter([x], [y])
+        axis.annotate(cell["key"], (x, y), fontsize=7, textcoords="offset points", xytext=(4, 4))
+    axis.set(xlabel=QUALITY.get(quality, "(no quality metric)"), ylabel=speed.replace("_", " "),
+             title="speed vs quality per configuration")  # fmt: skip
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,224 @@
+"""Benchmark tasks: where their examples come from and how a prompt is written for each model kind.
+
+Built-in tasks and their prompt templates (``{source}`` is the example's input):
+
+| task | quality | encoder-decoder (T5 task prefix) | decoder-only (instruction; chat template if the recipe says so) |
+|---|---|---|---|
+| wmt | BLEU, chrF | ``translate English to French: {source}`` | ``Translate the following English text into French.\\n\\n{source}`` |
+| xsum | ROUGE-L | ``summarize: {source}`` | ``Summarize the following article in one sentence.\\n\\n{source}`` |
+| dolly | ROUGE-L | ``{source}`` | ``{source}`` |
+| spec-bench | speed only, per category | ``{source}`` | ``{source}`` |
+
+Sources, in order: local files (``--source/--reference`` aligned plain text, ``--dataset``
+jsonl), then sacrebleu's test-set registry (WMT) or Hugging Face ``datasets`` when online.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SpecdecError, UsageError
+
+LANGUAGES = {"en": "English", "fr": "French", "de": "German", "cs": "Czech", "ru": "Russian", "hi": "Hindi"}
+
+
+@dataclass(frozen=True)
+class Example:
+    id: str
+    source: str
+    reference: str | None = None
+    category: str | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    metrics: tuple[str, ...]
+    """Quality metrics: 'bleu', 'chrf', 'rougeL'."""
+    seq2seq_template: str
+    decoder_template: str
+    source_field: str
+    reference_field: str | None
+    hub: tuple[str, ...] = ()
+    """datasets.load_dataset arguments (name, config, split) when online."""
+    per_category: bool = False
+
+    def template(self, encoder_decoder: bool, lang_pair: tuple[str, str]) -> str:
+        source, target = (LANGUAGES.get(code, code) for code in lang_pair)
+        text = self.seq2seq_template if encoder_decoder else self.decoder_template
+        return text.replace("{src_lang}", source).replace("{tgt_lang}", target)
+
+
+TASKS = {
+    "wmt": Task(
+        "wmt", ("bleu", "chrf"),
+        "translate {src_lang} to {tgt_lang}: {source}",
+        "Translate the following {src_lang} text into {tgt_lang}. Reply with the translation only.\n\n{source}",
+        "source", "reference",
+    ),
+    "xsum": Task(
+        "xsum", ("rougeL",), "summarize: {source}",
+        "Summarize the following article in one sentence.\n\n{source}",
+        "document", "summary", hub=("EdinburghNLP/xsum", None, "test"),
+    ),
+    "dolly": Task(
+        "dolly", ("rougeL",), "{source}", "{source}", "instruction", "response",
+        hub=("databricks/databricks-dolly-15k", None, "train"),
+    ),
+    "spec-bench": Task("spec-bench", (), "{source}", "{source}", "turns", None, per_category=True),
+}  # fmt: skip
+
+
+@dataclass
+class DataSource:
+    """Where a run's examples come from (what the user gave on the command line)."""
+
+    task: str = "wmt"
+    lang_pair: str = "en-fr"
+    source_file: Path | None = None
+    reference_file: Path | None = None
+    dataset: Path | None = None
+    source_field: str | None = None
+    reference_field: str | None = None
+    limit: int | None = None
+    shuffle: bool = False
+    seed: int = 0
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise UsageError(f"unknown task '{name}'; built-in tasks: {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def parse_lang_pair(text: str) -> tuple[str, str]:
+    source, sep, target = text.partition("-")
+    if not sep or not source or not target:
+        raise UsageError(f"--lang-pair expects SRC-TGT such as en-fr, got '{text}'")
+    return source, target
+
+
+def load_examples(spec: DataSource) -> list[Example]:
+    """The examples of a run, limited and shuffled as asked (shuffling before the limit)."""
+    task = get_task(spec.task)
+    if spec.source_file or spec.reference_file:
+        examples = _aligned_files(spec)
+    elif spec.dataset:
+        examples = _jsonl(spec.dataset, task, spec)
+    else:
+        examples = _online(task, spec)
+    if spec.shuffle:
+        random.Random(spec.seed).shuffle(examples)
+    return examples[: spec.limit] if spec.limit else examples
+
+
+def fingerprint(examples: list[Example]) -> str:
+    """A hash of the examples, so a results directory can tell that its data changed."""
+    digest = hashlib.sha256()
+    for example in examples:
+        digest.update(json.dumps([example.id, example.source, example.reference]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _read_lines(path: Path, what: str) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise UsageError(f"cannot read {what} '{path}': {error.strerror}") from None
+
+
+def _aligned_files(spec: DataSource) -> list[Example]:
+    if spec.source_file is None:
+        raise UsageError("--reference needs --source (aligned plain-text files, one example per line)")
+    sources = _read_lines(spec.source_file, "--source file")
+    references = _read_lines(spec.reference_file, "--reference file") if spec.reference_file else None
+    if references is not None and len(references) != len(sources):
+        raise UsageError(
+            f"--source has {len(sources)} lines but --reference has {len(references)}; the files must be aligned"
+        )
+    return [
+        Example(str(i), text, references[i] if references is not None else None)
+        for i, text in enumerate(sources)
+        if text.strip()
+    ]
+
+
+def _jsonl(path: Path, task: Task, spec: DataSource) -> list[Example]:
+    source_field = spec.source_field or task.source_field
+    reference_field = spec.reference_field or task.reference_field
+    examples = []
+    for number, line in enumerate(_read_lines(path, "--dataset file"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{path} line {number} is not JSON ({error.msg})") from None
+        if source_field not in record:
+            raise UsageError(
+                f"{path} line {number} has no '{source_field}' field; name the input field with --source-field"
+            )
+        source = record[source_field]
+        source = source[0] if isinstance(source, list) else str(source)
+        if task.name == "dolly" and record.get("context"):
+            source = f"{source}\n\n{record['context']}"
+        reference = record.get(reference_field) if reference_field else None
+        identifier = str(record.get("question_id", record.get("id", number - 1)))
+        examples.append(Example(identifier, source, reference, record.get("category")))
+    return examples
+
+
+def _online(task: Task, spec: DataSource) -> list[Example]:
+    local = (
+        "--source FILE --reference FILE (aligned plain text)" if task.name == "wmt" else "--dataset FILE.jsonl"
+    )
+    try:
+        if task.name == "wmt":
+            return _sacrebleu_wmt(spec.lang_pair)
+        if not task.hub:
+            raise SpecdecError(f"task '{task.name}' has no download source")
+        return _hub(task)
+    except SpecdecError as error:
+        raise SpecdecError(f"{error}; offline, give the data as {local}") from None
+    except Exception as error:  # network and hub failures come in many types
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise SpecdecError(
+            f"could not fetch the '{task.name}' data ({first_line}); offline, give it as {local}"
+        ) from None
+
+
+def _sacrebleu_wmt(lang_pair: str) -> list[Example]:
+    from sacrebleu.utils import get_reference_files, get_source_file
+
+    source_path = get_source_file("wmt14", lang_pair)
+    reference_path = get_reference_files("wmt14", lang_pair)[0]
+    sources = Path(source_path).read_text(encoding="utf-8").splitlines()
+    references = Path(reference_path).read_text(encoding="utf-8").splitlines()
+    return [Example(str(i), s, r) for i, (s, r) in enumerate(zip(sources, references))]
+
+
+def _hub(task: Task) -> list[Example]:
+    import os
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise SpecdecError(f"the Hugging Face Hub is switched off (HF_HUB_OFFLINE) and '{task.hub[0]}' is needed")
+    try:  # fails at once offline, where the datasets library would retry for half a minute
+        socket.getaddrinfo("huggingface.co", 443)
+    except OSError:
+        raise SpecdecError(f"the Hugging Face Hub cannot be reached for '{task.hub[0]}'") from None
+    import datasets
+
+    name, config, split = task.hub
+    rows = datasets.load_dataset(name, config, split=split)
+    examples = []
+    for i, row in enumerate(rows):
+        source = row[task.source_field]
+        if task.name == "dolly" and row.get("context"):
+            source = f"{source}\n\n{row['context']}"
+        examples.append(Example(str(row.get("id", i)), source, row.get(task.reference_field)))
+    return examples

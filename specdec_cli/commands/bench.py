@@ -1,0 +1,173 @@
+"""`specdec bench`: speed and quality over a grid of configurations, resumable, data-parallel."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import torch
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ..bench import report
+from ..bench.runner import BenchRunner, Grid, check_cells, environment, summarize
+from ..bench.store import ResultsStore, load_saved
+from ..bench.tasks import DataSource, fingerprint, get_task, load_examples, parse_lang_pair
+from ..errors import UsageError
+from ..verifiers import VerifierRegistry
+from . import common
+
+
+def bench(
+    task: Annotated[str, typer.Option(help="wmt, xsum, dolly or spec-bench.")] = "wmt",
+    lang_pair: Annotated[str, typer.Option(help="WMT language pair, SRC-TGT.")] = "en-fr",
+    source: Annotated[Optional[Path], typer.Option(help="Plain-text inputs, one per line.")] = None,
+    reference: Annotated[Optional[Path], typer.Option(help="Plain-text references aligned with --source.")] = None,
+    dataset: Annotated[Optional[Path], typer.Option(help="A .jsonl file of examples (Spec-Bench's format too).")] = None,
+    source_field: Annotated[Optional[str], typer.Option(help="Input field of --dataset records.")] = None,
+    reference_field: Annotated[Optional[str], typer.Option(help="Reference field of --dataset records.")] = None,
+    template: Annotated[
+        Optional[str], typer.Option(help="Prompt template with {source}; default: the task's, per model kind.")
+    ] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N examples.")] = None,
+    shuffle: Annotated[bool, typer.Option(help="Shuffle the examples (with --seed) before --limit.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of --shuffle.")] = 0,
+    seeds: Annotated[Optional[str], typer.Option(help="Comma list: repeat every cell with these sampling seeds.")] = None,
+    recipe: common.RecipeOption = None,
+    verifiers: Annotated[Optional[str], typer.Option("--verifier", help="Comma list of verifiers (grid).")] = None,
+    kl: Annotated[Optional[str], typer.Option("--kl", help="Comma list of KL bounds for mentored (grid).")] = None,
+    num_drafts: Annotated[Optional[str], typer.Option("--num-drafts", help="Comma list of K (grid).")] = None,
+    draft_length: Annotated[Optional[str], typer.Option("--draft-length", help="Comma list of L (grid).")] = None,
+    temperature: Annotated[Optional[str], typer.Option("--temperature", help="Comma list of temperatures (grid).")] = None,
+    draft_temperatures: Annotated[
+        Optional[str], typer.Option(help="Draft temperature sets: '1.0,1.2' is one set of two drafts; ';' separates sets.")
+    ] = None,
+    max_new_tokens: common.MaxNewTokensOption = None,
+    top_k: common.TopKOption = None,
+    top_p: common.TopPOption = None,
+    device: common.DeviceOption = None,
+    dtype: common.DtypeOption = None,
+    sets: common.SetOption = None,
+    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template.")] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Results folder: written as it goes; re-run to resume.")] = None,
+    report_dir: Annotated[
+        Optional[Path], typer.Option("--report", help="Re-render the table of a results folder without running models.")
+    ] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Draw speedup (or token rate) against quality to a PNG.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print results.json instead of the table.")] = False,
+) -> None:
+    """Benchmark speed and quality of speculative configurations against the target alone."""
+    if report_dir is not None:
+        config, records = load_saved(report_dir)
+        _show(summarize(config, records) | {"config": config}, config, as_json, plot, "")
+        return
+    options = common.RecipeOptions(
+        recipe, sets or [], None, None, None, None, max_new_tokens, None, top_k, top_p, None, device, dtype, chat
+    )
+    base = options.resolve()
+    task_spec = get_task(task)
+    parse_lang_pair(lang_pair)
+    examples = load_examples(DataSource(task, lang_pair, source, reference, dataset, source_field, reference_field,
+                                        limit, shuffle, seed))  # fmt: skip
+    if not examples:
+        raise UsageError("the data has no examples")
+    registry = VerifierRegistry()
+    grid = Grid(
+        tuple(common.parse_list(verifiers, str, "--verifier") or [base.verifier.name]),
+        tuple(common.parse_list(kl, float, "--kl")),
+        tuple(common.parse_list(num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
+        tuple(common.parse_list(draft_length, int, "--draft-length") or [base.speculation.draft_length]),
+        tuple(common.parse_list(temperature, float, "--temperature") or [base.generation.temperature]),
+        _draft_temperature_sets(draft_temperatures),
+    )
+    cells, skipped = grid.cells(registry)
+    check_cells(cells)
+    seed_list = common.parse_list(seeds, int, "--seeds") or [base.seed]
+    rank, world_size = _init_distributed()
+    config = {
+        "recipe": base.to_dict(),
+        "task": {"name": task, "lang_pair": lang_pair, "metrics": list(task_spec.metrics),
+                 "per_category": task_spec.per_category, "template": template},  # fmt: skip
+        "data": {"examples": len(examples), "fingerprint": fingerprint(examples)},
+        "cells": [dataclasses.asdict(c) for c in cells],
+        "seeds": seed_list,
+    }
+    store = ResultsStore(output, config, rank, world_size)
+    err = Console(stderr=True)
+    for reason in skipped:
+        err.print(f"skipped: {reason}", highlight=False)
+    with err.status("Loading models…"):
+        runner = BenchRunner(base, task_spec, examples, cells, seed_list, store, rank, world_size, registry,
+                             template, parse_lang_pair(lang_pair))  # fmt: skip
+    interrupted = False
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=err, transient=True, disable=rank != 0) as progress:  # fmt: skip
+        bar = progress.add_task("samples", total=runner.pending())
+        try:
+            runner.run(on_sample=lambda p: progress.update(bar, completed=p.done, description=p.cell))
+        except KeyboardInterrupt:
+            interrupted = True
+    store.close()
+    if world_size > 1:
+        _gather(store, rank)
+        if rank != 0:
+            return
+    results = summarize(config, list(store.records.values())) | {"config": config, "environment": environment(),
+                                                                  "interrupted": interrupted}  # fmt: skip
+    if output is not None:
+        (output / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        (output / "table.md").write_text(report.markdown(results))
+        (output / "table.csv").write_text(report.csv_text(results))
+    note = f"interrupted: {len(store.records)} samples kept; run the same command to resume" if interrupted else ""
+    _show(results, config, as_json, plot, note)
+    if interrupted:
+        raise typer.Exit(130)
+
+
+def _show(results: dict, config: dict, as_json: bool, plot: Path | None, note: str) -> None:
+    if plot is not None:
+        report.plot(results, plot)
+    if as_json:
+        sys.stdout.write(json.dumps(results, indent=2) + "\n")
+    else:
+        title = f"specdec bench: {config['task']['name']}, {config['data']['examples']} examples"
+        Console(width=None if sys.stdout.isatty() else 200).print(report.rich_table(results, title))
+    if note:
+        Console(stderr=True).print(note)
+
+
+def _draft_temperature_sets(text: str | None) -> tuple:
+    if not text:
+        return (None,)
+    return tuple(tuple(common.parse_list(part, float, "--draft-temperatures")) for part in text.split(";") if part.strip())
+
+
+def _init_distributed() -> tuple[int, int]:
+    """Rank and world size under torchrun / accelerate launch (gloo on CPU, nccl on GPUs)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world_size
+
+
+def _gather(store: ResultsStore, rank: int) -> None:
+    """Every process's samples to rank 0, which writes the one samples.jsonl of a single-process run."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(store.records.values()))
+    if rank == 0:
+        store.merge([record for records in gathered for record in records])
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,186 @@
+"""`specdec bench` on tiny models and tiny local datasets made here."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_recipe
+from tests.test_cli import run  # noqa: F401  (the CLI fixture)
+
+SOURCES = ["a b c", "d e a", "c c b", "e d c b", "b a", "d d e", "a e", "c b a d"]
+REFERENCES = ["a b c d", "d e", "c b", "e d c", "b a a", "d e", "a e e", "c b a"]
+
+
+@pytest.fixture
+def data(tmp_path) -> dict[str, Path]:
+    source, reference, dataset = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "data.jsonl"
+    source.write_text("\n".join(SOURCES) + "\n")
+    reference.write_text("\n".join(REFERENCES) + "\n")
+    dataset.write_text("".join(
+        json.dumps({"id": i, "question_id": i, "document": s, "summary": r, "turns": [s], "category": "cat" + str(i % 2)}) + "\n"
+        for i, (s, r) in enumerate(zip(SOURCES, REFERENCES))
+    ))  # fmt: skip
+    return {"source": source, "reference": reference, "dataset": dataset}
+
+
+@pytest.fixture
+def recipe_path(tiny_models, write_recipe) -> str:
+    return str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12})))
+
+
+def _bench_args(recipe: str, data: dict, out: Path, *extra: str) -> list[str]:
+    return ["bench", "-r", recipe, "--source", str(data["source"]), "--reference", str(data["reference"]),
+            "--template", "{source}", "--output", str(out), *extra]  # fmt: skip
+
+
+def _samples(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+def _by_cell(out: Path) -> dict:
+    return {c["key"]: c for c in json.loads((out / "results.json").read_text())["cells"]}
+
+
+def test_metrics_in_results_equal_recomputation_from_samples(run, recipe_path, data, tmp_path):  # noqa: F811
+    from sacrebleu.metrics import BLEU, CHRF
+
+    out = tmp_path / "out"
+    code, stdout, _ = run(_bench_args(recipe_path, data, out, "--verifier", "speculative,specinfer",
+                                      "--num-drafts", "1,2", "--draft-length", "2,3", "--seeds", "0,1"))  # fmt: skip
+    assert code == 0 and "speculative K=1 L=2 T=1" in stdout and "baseline T=1" in stdout
+    samples = _samples(out)
+    cells = _by_cell(out)
+    # baseline + speculative (K=1, L=2,3) + specinfer (K=1,2, L=2,3) = 7 cells, 2 seeds, 8 examples
+    assert len(cells) == 7 and len(samples) == 7 * 2 * 8
+    for key, cell in cells.items():
+        for seed in ("0", "1"):
+            mine = sorted((s for s in samples if s["cell"] == key and str(s["seed"]) == seed), key=lambda s: s["index"])
+            hyps, refs = [s["text"] for s in mine], [s["reference"] for s in mine]
+            metrics = cell["per_seed"][seed]
+            assert metrics["bleu"] == pytest.approx(BLEU().corpus_score(hyps, [refs]).score)
+            assert metrics["chrf"] == pytest.approx(CHRF().corpus_score(hyps, [refs]).score)
+            stats = [s["stats"] for s in mine]
+            assert metrics["block_efficiency"] == pytest.approx(
+                sum(s["new_tokens"] for s in stats) / sum(s["target_forwards"] for s in stats)
+            )
+            if not key.startswith("baseline"):
+                assert metrics["acceptance_rate"] == pytest.approx(
+                    sum(s["accepted_tokens"] for s in stats) / sum(s["drafted_tokens"] for s in stats)
+                )
+                assert metrics["speedup"] > 0 and metrics["expected_speedup"] > 0
+    assert (out / "table.md").read_text().startswith("| configuration |")
+    assert "sacrebleu signature" in (out / "table.md").read_text()
+    assert (out / "table.csv").read_text().splitlines()[0].startswith("configuration,verifier")
+    results = json.loads((out / "results.json").read_text())
+    assert {"torch", "transformers", "device", "date", "specdec", "git"} <= set(results["environment"])
+
+
+def test_same_seed_cells_share_the_baseline_and_lossless_cells_agree(run, recipe_path, data, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    code, _, _ = run(_bench_args(recipe_path, data, out, "--verifier", "speculative,specinfer,spectr",
+                                 "--temperature", "0"))  # fmt: skip
+    assert code == 0
+    texts = {}
+    for sample in _samples(out):
+        texts.setdefault(sample["cell"], {})[sample["example_id"]] = sample["token_ids"]
+    # Greedy: every lossless configuration reproduces the baseline's output exactly.
+    baseline = texts.pop("baseline T=0")
+    assert texts and all(outputs == baseline for outputs in texts.values())
+
+
+def test_rouge_for_summaries_and_spec_bench_categories(run, recipe_path, data, tmp_path):  # noqa: F811
+    from rouge_score import rouge_scorer
+
+    out = tmp_path / "xsum"
+    code, _, _ = run(["bench", "-r", recipe_path, "--task", "xsum", "--dataset", str(data["dataset"]),
+                      "--template", "{source}", "--limit", "5", "--output", str(out)])  # fmt: skip
+    assert code == 0
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    for key, cell in _by_cell(out).items():
+        mine = [s for s in _samples(out) if s["cell"] == key]
+        assert len(mine) == 5
+        expected = 100 * sum(scorer.score(s["reference"], s["text"])["rougeL"].fmeasure for s in mine) / len(mine)
+        assert cell["per_seed"]["0"]["rougeL"] == pytest.approx(expected)
+    out = tmp_path / "spec-bench"
+    code, _, _ = run(["bench", "-r", recipe_path, "--task", "spec-bench", "--dataset", str(data["dataset"]),
+                      "--output", str(out), "--json"])  # fmt: skip
+    assert code == 0
+    speculative = _by_cell(out)["speculative K=1 L=3 T=1"]["per_seed"]["0"]
+    assert set(speculative["tokens_per_second_by_category"]) == {"cat0", "cat1"}
+
+
+def test_changed_configuration_is_refused_and_report_rerenders(run, recipe_path, data, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    assert run(_bench_args(recipe_path, data, out, "--limit", "3"))[0] == 0
+    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "3", "--draft-length", "5"))
+    assert code == 2 and "holds results of a different configuration (changed: cells)" in err
+    picture = tmp_path / "plot.png"
+    code, stdout, _ = run(["bench", "--report", str(out), "--plot", str(picture)])
+    assert code == 0 and "speculative K=1 L=3 T=1" in stdout
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_grid_expansion(run, recipe_path, data, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "2", "--verifier", "speculative,mentored,spectr",
+                                   "--kl", "0.1,0.3", "--num-drafts", "1,2"))  # fmt: skip
+    assert code == 0
+    keys = set(_by_cell(out))
+    assert keys == {"baseline T=1", "speculative K=1 L=3 T=1", "mentored D=0.1 K=1 L=3 T=1",
+                    "mentored D=0.3 K=1 L=3 T=1", "spectr K=1 L=3 T=1", "spectr K=2 L=3 T=1"}  # fmt: skip
+    assert "skipped: speculative with 2 drafts" in err
+
+
+def test_offline_task_without_data_says_how_to_give_it(run, recipe_path):  # noqa: F811
+    code, _, err = run(["bench", "-r", recipe_path, "--task", "dolly"])
+    assert code == 1 and "offline, give the data as --dataset FILE.jsonl" in err
+
+
+def _command(recipe: str, data: dict, out: Path) -> list[str]:
+    return [sys.executable, "-m", "specdec_cli", *_bench_args(recipe, data, out, "--verifier", "speculative,specinfer",
+                                                               "--num-drafts", "1,2", "--seeds", "0,1")]  # fmt: skip
+
+
+def _final_numbers(out: Path) -> dict:
+    samples = {(s["cell"], s["seed"], s["example_id"]): s["token_ids"] for s in _samples(out)}
+    cells = {k: {m: v for m, v in c["per_seed"]["1"].items() if m in ("block_efficiency", "acceptance_rate", "bleu")}
+             for k, c in _by_cell(out).items()}  # fmt: skip
+    return {"samples": samples, "cells": cells}
+
+
+def test_interrupted_run_resumes_to_the_same_results(recipe_path, data, tmp_path):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    subprocess.run(_command(recipe_path, data, reference), check=True, capture_output=True)
+    process = subprocess.Popen(_command(recipe_path, data, resumed), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    samples = resumed / "samples.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < 20):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err.decode()
+    kept = len(samples.read_text().splitlines())
+    assert 20 <= kept < len((reference / "samples.jsonl").read_text().splitlines())
+    assert json.loads((resumed / "results.json").read_text())["interrupted"] is True
+    subprocess.run(_command(recipe_path, data, resumed), check=True, capture_output=True)
+    assert _final_numbers(resumed) == _final_numbers(reference)
+
+
+def test_two_processes_give_the_samples_of_one(recipe_path, data, tmp_path):
+    single, double = tmp_path / "single", tmp_path / "double"
+    subprocess.run(_command(recipe_path, data, single), check=True, capture_output=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = subprocess.run(launcher + _command(recipe_path, data, double)[1:], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not list(double.glob("samples.rank*.jsonl"))
+    assert _final_numbers(double)["samples"] == _final_numbers(single)["samples"]
+    assert json.loads((double / "results.json").read_text())["environment"]["world_size"] == 2
