@@ -59,9 +59,9 @@ def markdown(results: dict) -> str:
     header, body = rows(results)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(line) + " |" for line in body]
-    signatures = {c["per_seed"][s].get(f"{m}_signature") for c in results["cells"] for s in c["per_seed"]
-                  for m in ("bleu", "chrf")} - {None}  # fmt: skip
-    notes = [f"\nsacrebleu signature: `{signature}`" for signature in sorted(signatures)]
+    signatures = {(QUALITY[m], c["per_seed"][s][f"{m}_signature"]) for c in results["cells"] for s in c["per_seed"]
+                  for m in ("bleu", "chrf") if f"{m}_signature" in c["per_seed"][s]}  # fmt: skip
+    notes = [f"\n{label} signature (sacrebleu): `{signature}`" for label, signature in sorted(signatures)]
     return "\n".join(lines + notes) + "\n"
 
 
