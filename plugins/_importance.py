@@ -26,7 +26,7 @@ import torch
 
 from specdec_cli.verifiers import Verifier
 
-from ._laws import normalized_excess
+from ._laws import TINY, normalized_excess
 
 
 @dataclass
@@ -154,7 +154,7 @@ class _Plan:
             selected = selected * keep
             selected[second] += switched
         p_selected, q = self.selected_law(), self.scheme_target  # [V]
-        accept = (q / p_selected.clamp_min(torch.finfo(torch.float64).tiny)).clamp(max=1.0)  # [V]
+        accept = (q / p_selected.clamp_min(TINY)).clamp(max=1.0)  # [V]
         rejected = float((selected * (1 - accept)).sum())
         law = selected * accept + rejected * normalized_excess(q, p_selected)  # [V]
         return self.inside_mass * law + (1 - self.inside_mass) * self.outside_law

@@ -7,15 +7,19 @@ import torch
 TINY = torch.finfo(torch.float64).tiny
 
 
-def normalized_excess(target: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
-    """(target - proposal)+ normalised ``[..., V]``; ``target`` itself where the excess is empty.
+def normalized_or(excess: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """``excess`` ``[..., V]`` normalised; ``fallback`` in the rows where it has no mass.
 
-    An empty excess means the candidate is accepted with probability 1, so that row is never
-    sampled; returning ``target`` keeps it a valid law without a division by zero.
+    A residual with no mass belongs to a candidate accepted with probability 1, so that row is
+    never sampled; the fallback only keeps it a valid law without a division by zero.
     """
-    excess = (target - proposal).clamp_min(0)  # [..., V]
     mass = excess.sum(-1, keepdim=True)  # [..., 1]
-    return torch.where(mass > 0, excess / mass.clamp_min(TINY), target)
+    return torch.where(mass > 0, excess / mass.clamp_min(TINY), fallback)
+
+
+def normalized_excess(target: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
+    """(target - proposal)+ normalised ``[..., V]``; ``target`` itself where the excess is empty."""
+    return normalized_or((target - proposal).clamp_min(0), target)
 
 
 def ratio_acceptance(target: torch.Tensor, proposal: torch.Tensor, x: torch.Tensor, scale=1.0) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from specdec_cli.verifiers import Verifier
 
-from ._laws import first_accepted
+from ._laws import first_accepted, normalized_or
 
 _BISECTION_STEPS = 64  # float64 bisection on ]0, 1] is exhausted well before this
 
@@ -87,9 +87,7 @@ class _Solution:
 
     def residual(self) -> torch.Tensor:
         """s = (q/β - p)+ / (1 - R) ``[..., V]``; unused (and set to q) where nothing is rejected."""
-        excess = (self.q / self.beta - self.p).clamp_min(0)  # [..., V]
-        mass = excess.sum(-1, keepdim=True)  # [..., 1]
-        return torch.where(mass > 0, excess / mass.clamp_min(torch.finfo(torch.float64).tiny), self.q)
+        return normalized_or((self.q / self.beta - self.p).clamp_min(0), self.q)
 
 
 def _solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, tolerance: float) -> _Solution:

@@ -18,7 +18,7 @@ import torch
 from specdec_cli.errors import UsageError
 from specdec_cli.verifiers import Verifier
 
-from ._laws import TINY, first_accepted, one_hot_mass, ratio_acceptance, uniforms_like
+from ._laws import TINY, first_accepted, normalized_or, one_hot_mass, ratio_acceptance, uniforms_like
 
 _BISECTION_STEPS = 60
 
@@ -91,5 +91,4 @@ def _solve_rho(target_probs: torch.Tensor, p: torch.Tensor, num_drafts: int):
 def _residual(target_probs, p, rho, p_acc, beta):
     """p_res ``[..., V]``; target_probs where nothing is left (then it is never sampled)."""
     excess = (target_probs - torch.minimum(p, target_probs / rho) * (p_acc / beta.clamp_min(TINY))).clamp_min(0)
-    mass = excess.sum(-1, keepdim=True)  # [..., 1]
-    return torch.where(mass > 0, excess / mass.clamp_min(TINY), target_probs)
+    return normalized_or(excess, target_probs)

@@ -89,10 +89,6 @@ class Verifier(ABC):
     def acceptance_probability(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
         """P(output ∈ candidates) when ``x_k ~ draft_probs[..., k, :]`` independently → ``[...]``."""
 
-    @property
-    def params(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in parameter_defaults(type(self))}
-
 
 def parameter_defaults(cls: type) -> dict[str, Any]:
     """A verifier class's parameters and their defaults, from its constructor's signature."""
