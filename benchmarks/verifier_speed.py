@@ -1,9 +1,10 @@
 """Time one block's verification for every verifier, next to one target forward of the default model.
 
-One verification = what the engine does per block: ``prepare`` with all L positions, then
-``select`` at each position with K candidates (all drafts alive: the worst case). Laws are random, peaked like a language model's;
-is-lp needs a bounded draft support, so its laws are cut to their 50 most likely tokens
-(as top-k 50 sampling would). Runs on the CPU, and on CUDA too when a GPU is present.
+One verification = what the engine does per block: ``verify_block`` on the target's laws at the
+K × (L+1) positions, the K × L draft laws and tokens, then the one read of the decision. Laws are
+random and peaked like a language model's, the drafts close to the target (long accepted
+prefixes); is-lp needs a bounded draft support, so its laws are cut to their 50 most likely
+tokens (as top-k 50 sampling would). Runs on the CPU, and on CUDA too when a GPU is present.
 
     python benchmarks/verifier_speed.py > benchmarks/results/verifier_speed_cpu.md
 """
@@ -11,18 +12,22 @@ is-lp needs a bounded draft support, so its laws are cut to their 50 most likely
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers
 
 from specdec_cli import SpeculativeDecoder, load_recipe, load_verifier
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verify_vs_hf import cpu_name  # noqa: E402
+
 VERIFIERS = {
     "speculative": {},
+    "block": {},
     "mentored": {"kl": 0.1},
     "specinfer": {},
     "spectr": {},
@@ -31,12 +36,12 @@ VERIFIERS = {
 }
 
 
-def peaked_laws(rows: int, vocab: int, generator: torch.Generator, top_k: int = 0) -> torch.Tensor:
-    logits = torch.randn(rows, vocab, generator=generator) * 3  # [rows, V]
+def peaked_logits(shape: tuple[int, ...], generator: torch.Generator, top_k: int = 0) -> torch.Tensor:
+    logits = torch.randn(shape, generator=generator) * 3  # [..., V]
     if top_k:
-        kth = logits.topk(top_k, -1).values[:, -1:]
+        kth = logits.topk(top_k, -1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return logits.softmax(-1)
+    return logits
 
 
 def synchronize(device: str) -> None:
@@ -44,23 +49,28 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def block_laws(vocab, num_drafts, draft_length, device, top_k):
+    """Target laws [K, L+1, V] (equal first position), draft laws [K, L, V] near them, tokens [K, L]."""
+    generator = torch.Generator().manual_seed(0)
+    target_logits = peaked_logits((num_drafts, draft_length + 1, vocab), generator, top_k)  # [K, L+1, V]
+    target_logits[:, 0] = target_logits[0, 0]
+    noise = torch.randn(num_drafts, draft_length, vocab, generator=generator)  # [K, L, V]
+    target = target_logits.softmax(-1)
+    draft = (target_logits[:, :draft_length] + noise).softmax(-1)  # [K, L, V]
+    tokens = torch.multinomial(draft.reshape(-1, vocab), 1, generator=generator).reshape(num_drafts, draft_length)
+    return target.to(device), draft.to(device), tokens.to(device)
+
+
 def time_verification(name, params, vocab, num_drafts, draft_length, device, repeats) -> float:
     verifier = load_verifier(name, params)
-    generator = torch.Generator().manual_seed(0)
-    top_k = 50 if name == "is-lp" else 0
-    target = peaked_laws(draft_length, vocab, generator, top_k).to(device)  # [L, V]
-    draft = peaked_laws(draft_length, vocab, generator, top_k).to(device)  # [L, V]
-    drafts = draft.unsqueeze(1).expand(-1, num_drafts, -1)  # [L, K, V]: identical drafts
-    tokens = torch.multinomial(draft, num_drafts, replacement=True, generator=generator).to(device)  # [L, K]
+    target, drafts, tokens = block_laws(vocab, num_drafts, draft_length, device, 50 if name == "is-lp" else 0)
     sampler = torch.Generator(device=device).manual_seed(1)
     times = []
     for repeat in range(repeats + 1):
         synchronize(device)
         start = time.perf_counter()
-        verifier.prepare(target, drafts)  # as the engine does once per block
-        for t in range(draft_length):
-            verifier.select(target[t], drafts[t], tokens[t], sampler)
-        synchronize(device)
+        decision = verifier.verify_block(target, drafts, tokens, sampler)
+        torch.cat([decision.tokens, decision.num_accepted.view(1), decision.row.view(1)]).tolist()  # the engine's read
         if repeat:  # the first run warms up
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -93,7 +103,7 @@ def main() -> None:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     print(f"command: python {' '.join(sys.argv)}")
     gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    print(f"machine: {platform.machine()}, {torch.get_num_threads()} CPU threads{gpu}; torch {torch.__version__}, "
+    print(f"machine: {cpu_name()}, {torch.get_num_threads()} CPU threads{gpu}; torch {torch.__version__}, "
           f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}; median of {args.repeats}\n")
     for device in devices:
         print(f"## {device}\n")

@@ -1,4 +1,4 @@
-"""Importance-weighted sampling (Khisti et al., "Multi-Draft Speculative Sampling", §3-4; docs §5-6).
+"""Importance-weighted sampling (Khisti et al., "Multi-Draft Speculative Sampling", §3-4).
 
 Canonical two-step architecture: (a) select one candidate Y from the drafts with weights
 β_y(S), whose law is p_I(y); (b) speculative sampling of Y against q: accept with
@@ -13,8 +13,11 @@ LP variables, and every pair that involves another token goes to its higher-rank
 (§4's truncated LP; with every token free this is the exact LP). K > 2 drafts: successive
 pairwise selection, (x1, x2) → Y1 of law p_I1, then (Y1, x3) with laws (p_I1, p_3), … (Remark 4).
 
-The LPs are solved on the CPU with scipy's HiGHS: one call per selection stage for every row
-of the batch (identical rows are solved once).
+The LPs are solved on the host with scipy's HiGHS: one call per selection stage for every row
+of the batch (identical rows are solved once). So in a block the laws cross to the host in one
+transfer, and the selection, the walk over positions (alive rows, as the base class walks them)
+and the draws run there in NumPy, with a NumPy generator seeded from the block's generator; the
+decision goes back to the device.
 """
 
 from __future__ import annotations
@@ -24,24 +27,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec_cli.verifiers import Verifier
+from specdec_cli.verifiers import BlockDecision, Verifier
 
-from ._laws import TINY, normalized_excess
+TINY = np.finfo(np.float64).tiny
+_BELOW_ONE = 1.0 - 2.0**-52
+_SEED_RANGE = 2**52  # seeds travel as float64 with the laws: exact below 2^53
 
 
 @dataclass
 class PairSelection:
-    """The selection rule between a first and a second candidate, for one row (float64, CPU)."""
+    """The selection rule between a first and a second candidate, for one row (float64, host)."""
 
-    rank: torch.Tensor  # [V]: 0 = highest ranked
-    free_position: torch.Tensor  # [V]: index into the free tokens, -1 if not free
-    weights: torch.Tensor  # [m, m]: P(Y = free_i | X1 = free_i, X2 = free_j)
-    law: torch.Tensor  # [V]: p_I, the law of the selected token
+    rank: np.ndarray  # [V]: 0 = highest ranked
+    free_position: np.ndarray  # [V]: index into the free tokens, -1 if not free
+    weights: np.ndarray  # [m, m]: P(Y = free_i | X1 = free_i, X2 = free_j)
+    law: np.ndarray  # [V]: p_I, the law of the selected token
 
-    def keep_first(self, second: int) -> torch.Tensor:
+    def keep_first(self, second: int) -> np.ndarray:
         """P(Y = y | X1 = y, X2 = second) for every y ``[V]`` (1 where y = second)."""
-        keep = (self.rank < self.rank[second]).double()  # [V]: deterministic: higher rank wins
-        j = int(self.free_position[second])
+        keep = (self.rank < self.rank[second]).astype(np.float64)  # [V]: deterministic: higher rank wins
+        j = self.free_position[second]
         if j >= 0:
             free = self.free_position >= 0  # [V]
             keep[free] = self.weights[self.free_position[free], j]
@@ -55,7 +60,7 @@ class ImportanceSampling(Verifier):
     lossless = True
     max_drafts = None
 
-    def free_tokens(self, order: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    def free_tokens(self, order: np.ndarray, support: np.ndarray) -> np.ndarray:
         """Token ids whose pair weights are LP variables, given tokens in rank order and the draft support."""
         raise NotImplementedError
 
@@ -66,10 +71,10 @@ class ImportanceSampling(Verifier):
     # ----------------------------------------------------------------------- contract
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
-        plans, inverse = self._plans(target_probs, draft_probs)
-        tokens = draft_tokens.reshape(-1, draft_tokens.shape[-1]).cpu()  # [N, K]
-        laws = torch.stack([plans[int(i)].output_law(tokens[n].tolist()) for n, i in enumerate(inverse)])
-        return laws.reshape(target_probs.shape).to(target_probs)  # [..., V]
+        plans, inverse = self._plans(_host_rows(target_probs, draft_probs))
+        tokens = draft_tokens.reshape(-1, draft_tokens.shape[-1]).numpy(force=True)  # [N, K]
+        laws = np.stack([plans[i].output_law(tokens[n]) for n, i in enumerate(inverse)])  # [N, V]
+        return torch.from_numpy(laws).reshape(target_probs.shape).to(target_probs)  # [..., V]
 
     def acceptance_probability(self, target_probs, draft_probs):
         """Σ_y min(q(y), p_I(y)) (times q(O) under alphabet truncation).
@@ -78,44 +83,76 @@ class ImportanceSampling(Verifier):
         residual happens to return another candidate, so the true P(output ∈ candidates) can be
         higher: this value is a lower bound.
         """
-        plans, inverse = self._plans(target_probs, draft_probs)
-        values = torch.tensor([plans[int(i)].canonical_acceptance() for i in inverse], dtype=torch.float64)
-        return values.reshape(target_probs.shape[:-1]).to(target_probs)
+        plans, inverse = self._plans(_host_rows(target_probs, draft_probs))
+        values = np.array([plans[i].canonical_acceptance() for i in inverse])
+        return torch.from_numpy(values).reshape(target_probs.shape[:-1]).to(target_probs)
+
+    def prepare(self, target_probs, draft_probs):
+        """Solve every position's LPs in one call per stage; later calls find them in a cache."""
+        self._prepare_rows(_host_rows(target_probs, draft_probs))
+
+    def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
+        num_drafts, draft_length = draft_tokens.shape
+        vocab = target_probs.shape[-1]
+        seed = torch.randint(0, _SEED_RANGE, (1,), generator=generator, device=draft_tokens.device)  # [1]
+        packed = torch.cat([target_probs.reshape(-1).double(), draft_probs.reshape(-1).double(),
+                            draft_tokens.reshape(-1).double(), seed.double()])  # fmt: skip
+        host = packed.numpy(force=True)  # the verifier's one device read of the block
+        sizes = np.cumsum([num_drafts * (draft_length + 1) * vocab, num_drafts * draft_length * vocab])
+        target = host[: sizes[0]].reshape(num_drafts, draft_length + 1, vocab)  # [K, L+1, V]
+        drafts = host[sizes[0] : sizes[1]].reshape(num_drafts, draft_length, vocab)  # [K, L, V]
+        tokens = host[sizes[1] : -1].astype(np.int64).reshape(num_drafts, draft_length)  # [K, L]
+        committed, accepted, row = self._walk_on_host(target, drafts, tokens, np.random.default_rng(int(host[-1])))
+        device = draft_tokens.device
+        return BlockDecision(torch.tensor(committed, device=device), torch.tensor(accepted, device=device),
+                             torch.tensor(row, device=device))  # fmt: skip
 
     # ----------------------------------------------------------------------- planning
 
-    def prepare(self, target_probs, draft_probs):
-        """Solve every position's LPs in one call per stage; ``select`` then finds them in a cache."""
+    def _walk_on_host(self, target: np.ndarray, drafts: np.ndarray, tokens: np.ndarray, rng: np.random.Generator):
+        """The alive-row walk of :class:`~specdec_cli.verifiers.Verifier` → (tokens [L+1], accepted, row)."""
+        num_drafts, draft_length = tokens.shape
+        self._prepare_rows(np.concatenate([target[0, :draft_length, None], drafts.transpose(1, 0, 2)], axis=1))
+        alive = list(range(num_drafts))
+        outputs: list[int] = []
+        for t in range(draft_length):
+            rows = np.concatenate([target[alive[0], t][None], drafts[alive, t]])[None]  # [1, K'+1, V]
+            plans, _ = self._plans(rows)
+            outputs.append(_draw(plans[0].output_law(tokens[alive, t]), rng))
+            survivors = [k for k in alive if tokens[k, t] == outputs[-1]]
+            if not survivors:
+                return outputs + [0] * (draft_length - t), t, alive[0]
+            alive = survivors
+        return outputs + [_draw(target[alive[0], draft_length], rng)], draft_length, alive[0]
+
+    def _prepare_rows(self, rows: np.ndarray) -> None:
         self._prepared = {}
-        plans, _ = self._plans(target_probs, draft_probs)
+        plans, _ = self._plans(rows)
         self._prepared = {plan.key: plan for plan in plans}
 
-    def _plans(self, target_probs: torch.Tensor, draft_probs: torch.Tensor):
-        """One plan per distinct (q, p_1..p_K) row, and each row's plan index."""
-        vocab, num_drafts = target_probs.shape[-1], draft_probs.shape[-2]
-        rows = torch.cat(
-            [target_probs.reshape(-1, 1, vocab), draft_probs.reshape(-1, num_drafts, vocab)], dim=1
-        ).double().cpu()  # [N, K+1, V]
-        unique, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [U, K+1, V], [N]
+    def _plans(self, rows: np.ndarray) -> tuple[list["_Plan"], np.ndarray]:
+        """One plan per distinct (q, p_1..p_K) row of ``rows`` ``[N, K+1, V]``, and each row's plan index."""
+        vocab, num_drafts = rows.shape[-1], rows.shape[-2] - 1
+        unique, inverse = np.unique(rows, axis=0, return_inverse=True)  # [U, K+1, V], [N]
         prepared = getattr(self, "_prepared", {})
         # One candidate needs no selection LP, so no alphabet truncation either: the scheme is then
-        # exactly speculative sampling, as every multi-draft scheme must be with one draft (docs §7).
+        # exactly speculative sampling, as every multi-draft scheme must be with one draft.
         alphabet = self.alphabet_size(vocab) if num_drafts > 1 else vocab
         plans = []
         for row in unique:
-            key = row.numpy().tobytes()  # exact content: a cached plan is reused only for identical laws
+            key = row.tobytes()  # exact content: a cached plan is reused only for identical laws
             plans.append(prepared.get(key) or _Plan(row[0], row[1:], alphabet, key))
         unsolved = [plan for plan in plans if len(plan.stages) < num_drafts - 1]
         for stage in range(num_drafts - 1 if unsolved else 0):
             pairs = [(plan.selected_law(), plan.drafts[stage + 1], plan.scheme_target) for plan in unsolved]
             for plan, selection in zip(unsolved, self._solve_stage(pairs)):
                 plan.stages.append(selection)
-        return plans, inverse
+        return plans, inverse.reshape(-1)
 
-    def _solve_stage(self, pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[PairSelection]:
+    def _solve_stage(self, pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[PairSelection]:
         rankings, free_sets = [], []
         for first, second, target in pairs:
-            order = torch.argsort(-(target - first * second), stable=True)  # [V]: descending rank score
+            order = np.argsort(-(target - first * second), kind="stable")  # [V]: descending rank score
             support = (first > 0) | (second > 0)  # [V]
             rankings.append(order)
             free_sets.append(self.free_tokens(order, support))
@@ -125,45 +162,46 @@ class ImportanceSampling(Verifier):
 class _Plan:
     """Everything about one row: its target, drafts, alphabet and selection stages."""
 
-    def __init__(self, target: torch.Tensor, drafts: torch.Tensor, alphabet: int, key: bytes):
+    def __init__(self, target: np.ndarray, drafts: np.ndarray, alphabet: int, key: bytes):
         self.key = key
         self.target = target  # [V]
         self.drafts = drafts  # [K, V]
-        inside = torch.zeros_like(target, dtype=torch.bool)
-        inside[torch.argsort(-target, stable=True)[:alphabet]] = True
+        inside = np.zeros(target.shape, dtype=bool)  # [V]
+        inside[np.argsort(-target, kind="stable")[:alphabet]] = True
         self.inside_mass = float(target[inside].sum())  # q(O)
-        outside = torch.where(inside, torch.zeros_like(target), target)  # [V]
+        outside = np.where(inside, 0.0, target)  # [V]
         # Decided on the outside mass itself: q(O) can round below 1 when O holds every token.
-        self.outside_law = outside / outside.sum() if outside.sum() > 0 else outside  # [V]
-        self.scheme_target = torch.where(inside, target, torch.zeros_like(target)) / self.inside_mass  # q~ [V]
+        outside_mass = outside.sum()
+        self.outside_law = outside / outside_mass if outside_mass > 0 else outside  # [V]
+        self.scheme_target = np.where(inside, target, 0.0) / self.inside_mass  # q~ [V]
         self.stages: list[PairSelection] = []
 
-    def selected_law(self) -> torch.Tensor:
+    def selected_law(self) -> np.ndarray:
         return self.stages[-1].law if self.stages else self.drafts[0]  # [V]
 
     def canonical_acceptance(self) -> float:
-        return self.inside_mass * float(torch.minimum(self.scheme_target, self.selected_law()).sum())
+        return self.inside_mass * float(np.minimum(self.scheme_target, self.selected_law()).sum())
 
-    def output_law(self, candidates: list[int]) -> torch.Tensor:
-        """The law of the output given the candidate tokens ``[V]``."""
-        selected = torch.zeros_like(self.target)  # [V]: law of Y given the candidates
+    def output_law(self, candidates: np.ndarray) -> np.ndarray:
+        """The law of the output given the candidate tokens ``[K]`` → ``[V]``."""
+        selected = np.zeros_like(self.target)  # [V]: law of Y given the candidates
         selected[candidates[0]] = 1.0
         for stage, second in zip(self.stages, candidates[1:]):
             keep = stage.keep_first(second)  # [V]
-            switched = float((selected * (1 - keep)).sum())
+            switched = (selected * (1 - keep)).sum()
             selected = selected * keep
             selected[second] += switched
         p_selected, q = self.selected_law(), self.scheme_target  # [V]
-        accept = (q / p_selected.clamp_min(TINY)).clamp(max=1.0)  # [V]
-        rejected = float((selected * (1 - accept)).sum())
-        law = selected * accept + rejected * normalized_excess(q, p_selected)  # [V]
+        accept = np.minimum(q / np.maximum(p_selected, TINY), 1.0)  # [V]
+        rejected = (selected * (1 - accept)).sum()
+        law = selected * accept + rejected * _normalized_excess(q, p_selected)  # [V]
         return self.inside_mass * law + (1 - self.inside_mass) * self.outside_law
 
 
 def solve_pair_selections(
-    pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    rankings: list[torch.Tensor],
-    free_sets: list[torch.Tensor],
+    pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    rankings: list[np.ndarray],
+    free_sets: list[np.ndarray],
 ) -> list[PairSelection]:
     """Solve every row's pairwise-selection LP in one HiGHS call (a block-diagonal LP).
 
@@ -180,13 +218,10 @@ def solve_pair_selections(
     column = constraint = 0
     for (a, b, c), order, free in zip(pairs, rankings, free_sets):
         m = len(free)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(len(order))
-        below_a, below_b = _mass_ranked_below(a, order), _mass_ranked_below(b, order)  # [V]
-        fa, fb, fc = a[free].numpy(), b[free].numpy(), c[free].numpy()
-        is_free = torch.zeros_like(a, dtype=torch.bool)
+        is_free = np.zeros(a.shape, dtype=bool)  # [V]
         is_free[free] = True
-        outside_a, outside_b = float(a[~is_free].sum()), float(b[~is_free].sum())
+        fa, fb, fc = a[free], b[free], c[free]  # [m] each
+        outside_a, outside_b = a[~is_free].sum(), b[~is_free].sum()
         # Free tokens outrank every other token, so they win all pairs with one.
         base = fa * fb + fa * outside_b + fb * outside_a  # [m]
         pair_mass = np.outer(fa, fb)  # [m, m]: a_i b_j
@@ -202,7 +237,7 @@ def solve_pair_selections(
         w_bounds = [(0.0, 0.0 if i == j else 1.0) for i in range(m) for j in range(m)]
         bounds += w_bounds + [(0.0, float(ck)) for ck in fc]
         objective.append(np.concatenate([np.zeros(m * m), -np.ones(m)]))
-        layouts.append((column, m, rank, free, below_a, below_b, is_free))
+        layouts.append((column, m, order, free, is_free))
         column += m * m + m
         constraint += m
     solution = np.zeros(0)
@@ -216,28 +251,51 @@ def solve_pair_selections(
         if result.status != 0:
             raise RuntimeError(f"importance-sampling LP failed: {result.message}")
         solution = result.x
-    selections = []
-    for (a, b, _), (start, m, rank, free, below_a, below_b, is_free) in zip(pairs, layouts):
-        weights = torch.from_numpy(solution[start : start + m * m].reshape(m, m).copy()).clamp(0, 1)  # [m, m]
-        weights.fill_diagonal_(0.0)
-        # Non-free tokens: they win exactly the pairs with lower-ranked tokens.
-        law = a * b + a * below_b + b * below_a  # [V]
-        fa, fb = a[free], b[free]  # [m]
-        pair = torch.outer(fa, fb) * (1 - torch.eye(m, dtype=fa.dtype))  # [m, m]
-        outside_a, outside_b = float(a[~is_free].sum()), float(b[~is_free].sum())
-        law[free] = (
-            fa * fb + fa * outside_b + fb * outside_a + (pair * weights).sum(1) + (pair * (1 - weights)).sum(0)
-        )
-        free_position = torch.full_like(rank, -1)
-        free_position[free] = torch.arange(m)
-        selections.append(PairSelection(rank, free_position, weights, law))
-    return selections
+    return [_selection(a, b, solution, *layout) for (a, b, _), layout in zip(pairs, layouts)]
 
 
-def _mass_ranked_below(law: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+def _selection(a, b, solution, start, m, order, free, is_free) -> PairSelection:
+    """One row's solved rule: its LP weights and the law p_I of the selected candidate."""
+    weights = solution[start : start + m * m].reshape(m, m).clip(0, 1)  # [m, m]
+    np.fill_diagonal(weights, 0.0)
+    # Non-free tokens: they win exactly the pairs with lower-ranked tokens.
+    law = a * b + a * _mass_ranked_below(b, order) + b * _mass_ranked_below(a, order)  # [V]
+    fa, fb = a[free], b[free]  # [m]
+    pair = np.outer(fa, fb) * (1 - np.eye(m))  # [m, m]
+    outside_a, outside_b = a[~is_free].sum(), b[~is_free].sum()
+    law[free] = fa * fb + fa * outside_b + fb * outside_a + (pair * weights).sum(1) + (pair * (1 - weights)).sum(0)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    free_position = np.full(a.shape, -1, dtype=np.int64)
+    free_position[free] = np.arange(m)
+    return PairSelection(rank, free_position, weights, law)
+
+
+def _mass_ranked_below(law: np.ndarray, order: np.ndarray) -> np.ndarray:
     """For each token, the mass of ``law`` on tokens ranked strictly below it ``[V]``."""
     in_order = law[order]  # [V]
-    below_in_order = in_order.flip(0).cumsum(0).flip(0) - in_order  # [V]
-    below = torch.empty_like(law)
-    below[order] = below_in_order
+    below = np.empty_like(law)
+    below[order] = in_order[::-1].cumsum()[::-1] - in_order
     return below
+
+
+def _normalized_excess(target: np.ndarray, proposal: np.ndarray) -> np.ndarray:
+    """(target - proposal)+ normalised ``[V]``; ``target`` itself where the excess is empty."""
+    excess = np.maximum(target - proposal, 0.0)
+    mass = excess.sum()
+    return excess / mass if mass > 0 else target
+
+
+def _draw(law: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw from ``law`` ``[V]`` (never a token of zero mass), as :func:`specdec_cli.sampling.sample`."""
+    cumulative = np.cumsum(law)  # [V]
+    total = cumulative[-1]
+    threshold = min(rng.random() * total, total * _BELOW_ONE)
+    return int(min(np.searchsorted(cumulative, threshold, side="right"), len(law) - 1))
+
+
+def _host_rows(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> np.ndarray:
+    """q ``[..., V]`` and p ``[..., K, V]`` as float64 host rows ``[N, K+1, V]``."""
+    vocab, num_drafts = target_probs.shape[-1], draft_probs.shape[-2]
+    rows = torch.cat([target_probs.reshape(-1, 1, vocab), draft_probs.reshape(-1, num_drafts, vocab)], dim=1)
+    return rows.double().numpy(force=True)

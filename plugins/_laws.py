@@ -1,8 +1,13 @@
-"""Small pieces of probability shared by the built-in verifiers (pure tensor functions)."""
+"""Small pieces of probability shared by the built-in verifiers (pure tensor functions, no host reads)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from specdec_cli.sampling import sample
+from specdec_cli.verifiers import BlockDecision
 
 TINY = torch.finfo(torch.float64).tiny
 
@@ -48,11 +53,39 @@ def first_accepted(
     """
     taken = uniforms < accepts  # [..., K]
     first = taken.long().argmax(-1, keepdim=True)  # [..., 1]
-    fallback = torch.multinomial(residual.reshape(-1, residual.shape[-1]), 1, generator=generator)  # [rows, 1]
     accepted = taken.any(-1)  # [...]
-    token = torch.where(accepted, draft_tokens.gather(-1, first).squeeze(-1), fallback.reshape(accepted.shape))
+    token = torch.where(accepted, draft_tokens.gather(-1, first).squeeze(-1), sample(residual, generator))
     return token, accepted
 
 
 def uniforms_like(accepts: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     return torch.rand(accepts.shape, generator=generator, device=accepts.device, dtype=accepts.dtype)
+
+
+def row_at(laws: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``laws[index]`` for a 0-dim device index, without turning the index into a Python int."""
+    return laws.index_select(0, index.view(1)).squeeze(0)
+
+
+def single_draft_block(
+    accept: torch.Tensor,
+    residual_at: Callable[[torch.Tensor], torch.Tensor],
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None,
+) -> BlockDecision:
+    """A single-draft token-level block decided at once (gpt-fast's and vLLM's rejection sampler).
+
+    accept ``[L]``: each draft token's acceptance probability; one uniform per position, the
+    first rejection by a cumulative product, and one draw: from ``residual_at(n)`` ``[V]`` at the
+    first rejected position n, or from q after the whole block (target_probs ``[L+1, V]``) for
+    the bonus token. draft_tokens ``[L]``.
+    """
+    draft_length = draft_tokens.shape[0]
+    accepted = uniforms_like(accept, generator) < accept  # [L]
+    num_accepted = accepted.long().cumprod(0).sum()  # []
+    rejected_at = num_accepted.clamp(max=draft_length - 1)  # []: a valid row even when none was rejected
+    law = torch.where(num_accepted < draft_length, residual_at(rejected_at), row_at(target_probs, num_accepted))
+    token = sample(law, generator).view(1)  # [1]
+    tokens = torch.cat([draft_tokens, token]).scatter(0, num_accepted.view(1), token)  # [L+1]
+    return BlockDecision(tokens, num_accepted, torch.zeros_like(num_accepted))

@@ -9,8 +9,6 @@ by ``max_support``: restrict it with top-k / top-p sampling, or use ``is-truncat
 
 from __future__ import annotations
 
-import torch
-
 from specdec_cli.errors import UsageError
 
 from ._importance import ImportanceSampling

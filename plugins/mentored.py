@@ -1,6 +1,6 @@
 """Mentored decoding: the most accepting rule whose output stays within KL D of the target (lossy).
 
-Source: "Mentored decoding" proof, §4 and Algorithm 1 (docs §2). With q = target, p = draft and
+Source: "Mentored decoding" proof, §4 and Algorithm 1. With q = target, p = draft and
 the ratio q_i/p_i, the optimum of  max R = Σ p_i r_i  s.t.  KL(q ‖ π) ≤ D  has two thresholds
 α ≤ 1 ≤ β:
 
@@ -23,7 +23,7 @@ import torch
 
 from specdec_cli.verifiers import Verifier
 
-from ._laws import first_accepted, normalized_or
+from ._laws import first_accepted, normalized_or, row_at, single_draft_block
 
 _BISECTION_STEPS = 64  # float64 bisection on ]0, 1] is exhausted well before this
 
@@ -52,12 +52,14 @@ class MentoredDecoding(Verifier):
         q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
         x = draft_tokens[..., :1]  # [..., 1]
         u = torch.rand(x.shape, generator=generator, device=q.device, dtype=torch.float64)  # [..., 1]
-        q_x, p_x = q.gather(-1, x).double(), p.gather(-1, x).double()  # [..., 1]
-        # Fast path: r_x >= min(1, q_x/p_x) for every D, so these are accepted without solving for α.
-        if not q.is_cuda and bool((u * p_x < q_x).all()):
-            return x.squeeze(-1), torch.ones_like(x.squeeze(-1), dtype=torch.bool)
         solution = _solve(q, p, self.kl, self.tolerance)
         return first_accepted(u, solution.acceptance_of(x), x, solution.residual(), generator)
+
+    def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
+        q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
+        solution = _solve(q[:-1], p, self.kl, self.tolerance)  # every position's α and β in one call
+        accept = solution.acceptance_of(x.unsqueeze(-1)).squeeze(-1)  # [L]: r_x
+        return single_draft_block(accept, lambda n: solution.residual_row(n).to(q.dtype), q, x, generator)
 
     def acceptance_probability(self, target_probs, draft_probs):
         """R = 1 - Σ (p_i - q_i/α)+ : exact, since the residual never returns a rejected token."""
@@ -87,7 +89,16 @@ class _Solution:
 
     def residual(self) -> torch.Tensor:
         """s = (q/β - p)+ / (1 - R) ``[..., V]``; unused (and set to q) where nothing is rejected."""
-        return normalized_or((self.q / self.beta - self.p).clamp_min(0), self.q)
+        return _residual(self.q, self.p, self.beta)
+
+    def residual_row(self, index: torch.Tensor) -> torch.Tensor:
+        """The residual of row ``index`` (a 0-dim device index) of a ``[N, V]`` solution → ``[V]``."""
+        q, p, beta = (row_at(values, index) for values in (self.q, self.p, self.beta))  # [V], [V], [1]
+        return _residual(q, p, beta)
+
+
+def _residual(q: torch.Tensor, p: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    return normalized_or((q / beta - p).clamp_min(0), q)
 
 
 def _solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, tolerance: float) -> _Solution:

@@ -1,4 +1,4 @@
-"""SpecInfer's multi-step speculative sampling (Miao et al. 2024, Algorithm 2; docs §3), lossless.
+"""SpecInfer's multi-step speculative sampling (Miao et al. 2024, Algorithm 2), lossless.
 
 Drafts may follow different laws p_1 … p_K. With ``cur = q``, for k = 1..K::
 
@@ -8,7 +8,8 @@ Drafts may follow different laws p_1 … p_K. With ``cur = q``, for k = 1..K::
 
 Acceptance (independent candidates) = 1 - Π_k (1 - Σ min(cur_{k-1}, p_k)). A rejected candidate
 has cur(x) < p_k(x), so every later residual is zero there: the fallback never returns a
-candidate, and this closed form is exactly P(output ∈ candidates).
+candidate, and this closed form is exactly P(output ∈ candidates). In a block, candidates of
+rows no longer alive are skipped: they are neither tested nor subtracted from ``cur``.
 """
 
 from __future__ import annotations
@@ -26,17 +27,22 @@ class SpecInfer(Verifier):
     max_drafts = None
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
+        accepts, residual = _accepts_and_residual(target_probs, draft_probs, draft_tokens)  # [..., K], [..., V]
         law = torch.zeros_like(target_probs)  # [..., V]
         reach = torch.ones_like(target_probs[..., :1])  # [..., 1]: P(candidates 1..k-1 all rejected)
-        for x, accept, _ in _steps(target_probs, draft_probs, draft_tokens):
-            law = one_hot_mass(law, x, reach * accept)
+        for k in range(draft_tokens.shape[-1]):
+            accept = accepts[..., k : k + 1]  # [..., 1]
+            law = one_hot_mass(law, draft_tokens[..., k : k + 1], reach * accept)
             reach = reach * (1 - accept)
-        return law + reach * _final_residual(target_probs, draft_probs)
+        return law + reach * residual
 
     def select(self, target_probs, draft_probs, draft_tokens, generator=None):
-        accepts = torch.cat([a for _, a, _ in _steps(target_probs, draft_probs, draft_tokens)], -1)  # [..., K]
-        residual = _final_residual(target_probs, draft_probs)  # [..., V]
+        accepts, residual = _accepts_and_residual(target_probs, draft_probs, draft_tokens)
         return first_accepted(uniforms_like(accepts, generator), accepts, draft_tokens, residual, generator)
+
+    def select_alive(self, target_probs, draft_probs, draft_tokens, alive, generator=None):
+        accepts, residual = _accepts_and_residual(target_probs, draft_probs, draft_tokens, alive)  # [K], [V]
+        return first_accepted(uniforms_like(accepts, generator), accepts, draft_tokens, residual, generator)[0]
 
     def acceptance_probability(self, target_probs, draft_probs):
         all_rejected = torch.ones_like(target_probs[..., 0])  # [...]
@@ -48,18 +54,20 @@ class SpecInfer(Verifier):
         return 1 - all_rejected
 
 
-def _steps(target_probs, draft_probs, draft_tokens):
-    """For k = 1..K: (x_k [..., 1], its acceptance min(1, cur/p_k) [..., 1], cur before step k [..., V])."""
+def _accepts_and_residual(target_probs, draft_probs, draft_tokens, alive=None):
+    """Each candidate's acceptance min(1, cur_{k-1}(x_k)/p_k(x_k)) ``[..., K]`` (0 where not alive) and
+    the final residual ``[..., V]``; alive ``[..., K]`` bool, default all.
+    """
     current = target_probs  # [..., V]
-    for k in range(draft_probs.shape[-2]):
+    accepts = []
+    for k in range(draft_tokens.shape[-1]):
         proposal = draft_probs[..., k, :]  # [..., V]
-        x = draft_tokens[..., k : k + 1]  # [..., 1]
-        yield x, ratio_acceptance(current, proposal, x), current
-        current = normalized_excess(current, proposal)
-
-
-def _final_residual(target_probs, draft_probs):
-    current = target_probs  # [..., V]
-    for k in range(draft_probs.shape[-2]):
-        current = normalized_excess(current, draft_probs[..., k, :])
-    return current
+        accept = ratio_acceptance(current, proposal, draft_tokens[..., k : k + 1])  # [..., 1]
+        following = normalized_excess(current, proposal)  # [..., V]
+        if alive is not None:
+            live = alive[..., k : k + 1]  # [..., 1]
+            accept = torch.where(live, accept, torch.zeros_like(accept))
+            following = torch.where(live, following, current)
+        accepts.append(accept)
+        current = following
+    return torch.cat(accepts, -1), current

@@ -1,4 +1,4 @@
-"""SpecTr's K-SEQ selection (Sun et al. 2023, Algorithm 2 and Theorem 2; docs §4), lossless.
+"""SpecTr's K-SEQ selection (Sun et al. 2023, Algorithm 2 and Theorem 2), lossless.
 
 For K i.i.d. candidates from one draft law p, with β(ρ) = Σ_x min(p(x), q(x)/ρ) and
 p_acc(ρ) = 1 - (1 - β(ρ))^K, ρ ∈ [1, K] solves p_acc(ρ) = ρ β(ρ) (bisection, rounded up so
@@ -48,6 +48,16 @@ class SpecTr(Verifier):
         residual = _residual(target_probs, p, rho, p_acc, beta)  # [..., V]
         return first_accepted(uniforms_like(accepts, generator), accepts, draft_tokens, residual, generator)
 
+    def select_alive(self, target_probs, draft_probs, draft_tokens, alive, generator=None):
+        # Alive rows share their prefix, so their laws are equal (the engine checked the drafts are
+        # identical): read the first alive row's, and solve for ρ with K' = the alive count.
+        p = draft_probs.index_select(0, alive.to(torch.uint8).argmax().view(1)).squeeze(0)  # [V]
+        count = alive.sum().clamp(min=1).to(target_probs.dtype)  # []
+        rho, p_acc, beta = _solve_rho(target_probs, p, count.view(1))  # [1] each
+        accepts = torch.where(alive, ratio_acceptance(target_probs, p, draft_tokens, rho), 0.0)  # [K]
+        residual = _residual(target_probs, p, rho, p_acc, beta)  # [V]
+        return first_accepted(uniforms_like(accepts, generator), accepts, draft_tokens, residual, generator)[0]
+
     def acceptance_probability(self, target_probs, draft_probs):
         _, p_acc, _ = _solve_rho(target_probs, _identical_law(draft_probs), draft_probs.shape[-2])
         return p_acc.squeeze(-1)
@@ -73,17 +83,21 @@ def _beta(target_probs: torch.Tensor, p: torch.Tensor, rho: torch.Tensor) -> tor
     return torch.minimum(p, target_probs / rho).sum(-1, keepdim=True)  # [..., 1]
 
 
-def _solve_rho(target_probs: torch.Tensor, p: torch.Tensor, num_drafts: int):
-    """ρ ∈ [1, K] with p_acc(ρ) ≤ ρ β(ρ) as tight as bisection gets → (ρ, p_acc, β), each ``[..., 1]``."""
+def _solve_rho(target_probs: torch.Tensor, p: torch.Tensor, num_drafts):
+    """ρ ∈ [1, K] with p_acc(ρ) ≤ ρ β(ρ) as tight as bisection gets → (ρ, p_acc, β), each ``[..., 1]``.
+
+    ``num_drafts`` is an int, or a tensor broadcastable to ``[..., 1]`` (a count known only on the device).
+    """
     lo = torch.ones_like(target_probs[..., :1])  # p_acc >= ρ β here
-    hi = torch.full_like(lo, float(num_drafts))  # p_acc <= ρ β here (union bound)
-    for _ in range(_BISECTION_STEPS if num_drafts > 1 else 0):
+    hi = lo * num_drafts  # p_acc <= ρ β here (union bound)
+    several = hi > 1  # [..., 1]: K = 1 is speculative sampling, ρ = 1
+    for _ in range(_BISECTION_STEPS if (not isinstance(num_drafts, int) or num_drafts > 1) else 0):
         mid = (lo + hi) / 2
         beta = _beta(target_probs, p, mid)
         feasible = 1 - (1 - beta) ** num_drafts <= mid * beta  # [..., 1]
         hi = torch.where(feasible, mid, hi)
         lo = torch.where(feasible, lo, mid)
-    rho = hi if num_drafts > 1 else lo
+    rho = torch.where(several, hi, lo)
     beta = _beta(target_probs, p, rho)
     return rho, 1 - (1 - beta) ** num_drafts, beta
 

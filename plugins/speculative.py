@@ -7,6 +7,7 @@ With q = target law and p = draft law at one position and one candidate x ~ p::
 
 The output is distributed exactly as q (Leviathan et al., Appendix A.1), and the acceptance
 probability Σ_x min(p(x), q(x)) = 1 - TV(p, q) is the largest of any lossless rule with one draft.
+A block tests all L positions at once and draws from the residual only at the first rejection.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import torch
 
 from specdec_cli.verifiers import Verifier
 
-from ._laws import first_accepted, normalized_excess, one_hot_mass, ratio_acceptance, uniforms_like
+from ._laws import (
+    first_accepted,
+    normalized_excess,
+    one_hot_mass,
+    ratio_acceptance,
+    row_at,
+    single_draft_block,
+    uniforms_like,
+)
 
 
 class SpeculativeSampling(Verifier):
@@ -34,6 +43,13 @@ class SpeculativeSampling(Verifier):
         x = draft_tokens[..., :1]  # [..., 1]
         accept = ratio_acceptance(q, p, x)  # [..., 1]
         return first_accepted(uniforms_like(accept, generator), accept, x, normalized_excess(q, p), generator)
+
+    def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
+        q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
+        accept = ratio_acceptance(q[:-1], p, x.unsqueeze(-1)).squeeze(-1)  # [L]: min(1, q(x_t)/p(x_t))
+        return single_draft_block(
+            accept, lambda n: normalized_excess(row_at(q, n), row_at(p, n)), q, x, generator
+        )
 
     def acceptance_probability(self, target_probs, draft_probs):
         return torch.minimum(target_probs, draft_probs[..., 0, :]).sum(-1)  # [...]

@@ -1,4 +1,4 @@
-"""specdec: speculative decoding with exact, pluggable token-level verifiers.
+"""specdec: speculative decoding with exact, pluggable verifiers.
 
 The library is usable without the CLI::
 
@@ -14,7 +14,7 @@ from .errors import SpecdecError
 from .recipe import Recipe, load_recipe
 from .sampling import SamplingParams, probs_from_logits
 from .stats import GenerationResult, SampleStats
-from .verifiers import Verifier, load_verifier
+from .verifiers import BlockDecision, BlockVerifier, Verifier, load_verifier
 
 try:
     __version__ = version("specdec")
@@ -22,6 +22,8 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 __all__ = [
+    "BlockDecision",
+    "BlockVerifier",
     "GenerationResult",
     "Recipe",
     "SampleStats",

@@ -194,6 +194,8 @@ class AcceptanceAnalysis:
 
 
 def _why_not(verifier, num_drafts: int, identical: bool) -> str | None:
+    if not verifier.token_level:
+        return f"{verifier.name} decides whole blocks: a per-token acceptance is not defined (compare it with bench)"
     if verifier.max_drafts is not None and num_drafts > verifier.max_drafts:
         return f"{verifier.name} takes at most {verifier.max_drafts} draft(s)"
     if verifier.identical_drafts and not identical:

@@ -1,17 +1,19 @@
-"""The speculative decoding engine: draft → score → verify → commit, block after block (docs §7).
+"""The speculative decoding engine: draft → score → verify → commit, block after block.
 
 One block, with K draft rows (every draft config's ``num_drafts`` samples) and L draft tokens:
 
 1. each draft model extends its K_j rows by L tokens, one batched forward per position,
-   sampling from the shared :func:`~specdec_cli.sampling.probs_from_logits` law it records;
+   sampling from the shared :func:`~specdec_cli.sampling.sampling_law` law it records;
 2. the target scores all K × (L+1) positions in one forward;
-3. the verifier walks positions t = 1..L over the rows still alive, keeping the rows whose
-   token equals its output, and stops at the first position where none survives; a row that
-   survives all L earns a bonus token from q at position L+1;
-4. every model keeps the cache row that agrees longest with the committed tokens and crops it.
+3. the verifier decides the block on the device (:meth:`~specdec_cli.verifiers.BlockVerifier.verify_block`):
+   an accepted draft prefix of one row and the token after it;
+4. EOS and non-finite logits are folded into the decision on the device, and the engine reads
+   it back once: the committed tokens, how many there are, and for every model the cache row
+   that agrees longest with them; every cache is then cropped from those numbers.
 
-An autoregressive run is the same loop with no drafts (L = 0: each block is one target
-forward and its "bonus" token), so baseline and speculative runs share sampler and stopping.
+No other value crosses from the device to the host inside a block. An autoregressive run is the
+same loop with no drafts (L = 0: each block is one target forward and the token drawn from it),
+so baseline and speculative runs share sampler and stopping.
 """
 
 from __future__ import annotations
@@ -20,18 +22,18 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import UsageError
+from .errors import NonFiniteLogitsError, UsageError
 from .models import LoadedModel, check_same_tokenizer, derive_early_exit_draft, load_model, shared_vocab_size
 from .recipe import DraftConfig, Recipe
-from .sampling import SamplingParams, probs_from_logits, sample
+from .sampling import SamplingParams, non_finite_message, sample, sampling_law
 from .stats import GenerationResult, SampleStats
-from .verifiers import Verifier, VerifierRegistry
+from .timing import RegionTimer
+from .verifiers import BlockDecision, BlockVerifier, VerifierRegistry
 
 BlockCallback = Callable[[int, int, list[int], list[bool]], None]
 """on_block(prompt_index, sample_index, new_token_ids, accepted_mask) after each committed block."""
@@ -86,17 +88,8 @@ class _Runner:
             hidden = self.encoder_output.last_hidden_state  # [1, source, d]
             self.encoder_output.last_hidden_state = hidden.repeat(rows, 1, 1)  # [rows, source, d]
 
-    def keep_longest_match(self, committed: list[int]) -> None:
-        """Keep the row whose cached ids agree longest with ``committed``; crop it to that prefix.
-
-        At least the last committed token stays uncached: its logits are the next block's first.
-        """
-        n = min(self.cached_length, len(committed))
-        reference = torch.tensor(committed[:n], device=self.device)  # [n]
-        agrees = (self.cached_ids[:, :n] == reference).long().cumprod(-1)  # [rows, n]
-        match = agrees.sum(-1)  # [rows]
-        row = int(match.argmax())
-        keep = min(int(match[row]), len(committed) - 1)
+    def keep(self, row: int, length: int) -> None:
+        """Keep cache row ``row`` only, cropped to its first ``length`` ids."""
         if self.rows > 1:
             self.cached_ids = self.cached_ids[row : row + 1]  # [1, n]
             if self.cache is not None:
@@ -104,12 +97,12 @@ class _Runner:
             if self.encoder_output is not None:
                 hidden = self.encoder_output.last_hidden_state  # [rows, source, d]
                 self.encoder_output.last_hidden_state = hidden[row : row + 1]  # [1, source, d]
-        if keep < self.cached_length:
+        if length < self.cached_length:
             if self.cache is not None:
-                self.cache.crop(keep - self.cached_length)  # negative: tokens to remove
-            self.cached_ids = self.cached_ids[:, :keep]  # [1, keep]
+                self.cache.crop(length - self.cached_length)  # negative: tokens to remove
+            self.cached_ids = self.cached_ids[:, :length]  # [1, length]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, timer: RegionTimer) -> torch.Tensor:
         """Logits ``[rows, m, vocab]`` for ``tokens`` ``[rows, m]`` appended after the cached ids."""
         if self.use_cache:
             inputs, cache = tokens, self.cache  # [rows, m]
@@ -120,7 +113,8 @@ class _Runner:
             kwargs.update(encoder_outputs=self.encoder_output, decoder_input_ids=inputs)
         else:
             kwargs.update(input_ids=inputs)
-        output = self.model(**kwargs)
+        with timer.region("forward"):
+            output = self.model(**kwargs)
         if self.use_cache:
             self.cache = output.past_key_values
         self.cached_ids = torch.cat([self.cached_ids, tokens], dim=1)  # [rows, n + m]
@@ -154,7 +148,7 @@ class SpeculativeDecoder:
         self,
         target: LoadedModel,
         drafts: Sequence[tuple[LoadedModel, Sequence[SamplingParams]]],
-        verifier: Verifier | None,
+        verifier: BlockVerifier | None,
         recipe: Recipe,
     ):
         self.recipe = recipe
@@ -169,6 +163,7 @@ class SpeculativeDecoder:
         self.target_params = SamplingParams(generation.temperature, generation.top_k, generation.top_p)
         self.draft_length = recipe.speculation.draft_length if self.draft_groups else 0
         self.eos_ids = _eos_ids(target)
+        self.eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=target.device)  # [eos ids]
         self.decoder_start = _decoder_start(target) if target.is_encoder_decoder else []
         """Decoder-side ids before the first generated token (encoder-decoder models only)."""
         self.device = target.device
@@ -252,6 +247,7 @@ class SpeculativeDecoder:
         committed = list(decoder_start)
         start = len(committed)
         stats = SampleStats(prompt_tokens=len(prompt_ids))
+        timer = RegionTimer(self.device)
         mask: list[bool] = []
         max_new = self.recipe.generation.max_new_tokens
         wall_start = time.perf_counter()
@@ -259,21 +255,22 @@ class SpeculativeDecoder:
             remaining = max_new - (len(committed) - start)
             # Never overshoot: a block commits at most L + 1 tokens.
             draft_length = min(self.draft_length, remaining - 1)
-            new_tokens, accepted = self._block(committed, draft_length, generator, stats)
-            # The verifier decided every position but a bonus token (which follows all L accepted).
+            block = self._block(committed, draft_length, generator, stats, timer)
+            new_tokens = block.tokens
+            accepted = [i < block.num_accepted for i in range(len(new_tokens))]
+            # The verifier decided every committed position but a bonus token (which follows all L accepted).
             stats.record_block(draft_length, min(len(new_tokens), draft_length), sum(accepted))
-            eos_at = next((i for i, t in enumerate(new_tokens) if t in self.eos_ids), None)
-            if eos_at is not None:
-                new_tokens, accepted = new_tokens[: eos_at + 1], accepted[: eos_at + 1]
             committed += new_tokens
             mask += accepted
             if on_block is not None:
                 on_block(new_tokens, accepted)
-            if eos_at is not None or len(committed) - start >= max_new:
-                stats.stop_reason = "eos" if eos_at is not None else "max_new_tokens"
+            if block.eos or len(committed) - start >= max_new:
+                stats.stop_reason = "eos" if block.eos else "max_new_tokens"
                 break
         _synchronize(self.device)
         stats.wall_time_s = time.perf_counter() - wall_start
+        for name in ("draft", "target", "verify", "forward"):
+            setattr(stats, f"{name}_time_s", timer.seconds(name))
         stats.new_tokens = len(committed) - start
         return committed[start:], mask, stats
 
@@ -281,86 +278,141 @@ class SpeculativeDecoder:
         return [self.target_runner] + [g.runner for g in self.draft_groups]
 
     def _block(
-        self, committed: list[int], draft_length: int, generator: torch.Generator, stats: SampleStats
-    ) -> tuple[list[int], list[bool]]:
-        """One draft → score → verify round; returns the tokens to commit and which were accepted drafts."""
-        with _timed(self.device, stats, "draft_time_s"):
-            draft_tokens, draft_probs = self._draft(committed, draft_length, generator, stats)
-            # draft_tokens [K, L], draft_probs [K, L, vocab]; K = 1 and L = 0 without drafts
-        rows = draft_tokens.shape[0]
-        with _timed(self.device, stats, "target_time_s"):
-            runner = self.target_runner
-            runner.fan_out(rows)
-            pending = _pending(runner, committed, rows)  # [K, pending]
-            logits = runner.forward(torch.cat([pending, draft_tokens], dim=1))[:, -(draft_length + 1) :]
-            target_probs = probs_from_logits(logits, self.target_params, "target")  # [K, L+1, vocab]
+        self, committed: list[int], draft_length: int, generator: torch.Generator, stats: SampleStats,
+        timer: RegionTimer,
+    ) -> "_Committed":  # fmt: skip
+        """One draft → score → verify round, and the block's one read of device values."""
+        with timer.region("draft"):
+            draft_tokens, draft_probs, drafts_finite = self._draft(committed, draft_length, generator, stats, timer)
+            # draft_tokens [K, L], draft_probs [K, L, vocab], drafts_finite [groups]; K = 1, L = 0 without drafts
+        with timer.region("target"):
+            target_probs, target_finite = self._score(committed, draft_tokens, timer)  # [K, L+1, vocab], []
             stats.target_forwards += 1
-        with _timed(self.device, stats, "verify_time_s"):
-            new_tokens, accepted = self._verify(target_probs, draft_probs, draft_tokens, generator)
-            committed_after = committed + new_tokens
-            for each in self._runners():
-                each.keep_longest_match(committed_after)
-        return new_tokens, accepted
+        with timer.region("verify"):
+            if draft_length:
+                decision = self.verifier.verify_block(target_probs, draft_probs, draft_tokens, generator)
+            else:
+                decision = _target_token(target_probs, generator)
+            count = self._count_to_eos(decision)  # []
+            matches = [_longest_match(group_tokens, decision.tokens, count)
+                       for group_tokens in self._group_slices(draft_tokens)]  # fmt: skip
+            packed = torch.cat([
+                decision.tokens, torch.stack([decision.num_accepted, decision.row, count, target_finite.long()]),
+                drafts_finite.long(), *(torch.stack(match) for match in matches),
+            ])  # fmt: skip
+            values = packed.tolist()  # the one device read of the block
+            block = self._commit(values, len(decision.tokens), committed)
+        return block
+
+    def _commit(self, values: list[int], block_size: int, committed: list[int]) -> "_Committed":
+        """Unpack the block's read, stop on non-finite logits, and crop every cache to what was committed."""
+        tokens = values[:block_size]
+        num_accepted, row, count, target_finite = values[block_size : block_size + 4]
+        groups = len(self.draft_groups)
+        drafts_finite = values[block_size + 4 : block_size + 4 + groups]
+        matches = values[block_size + 4 + groups :]
+        if not target_finite:
+            raise NonFiniteLogitsError(non_finite_message("target"))
+        for group, finite in zip(self.draft_groups, drafts_finite):
+            if not finite:
+                raise NonFiniteLogitsError(non_finite_message(f"draft {group.name}"))
+        # Rows cache the committed prefix then their own drafts; the last committed token stays uncached.
+        reusable = len(committed) + min(num_accepted, count - 1)
+        self.target_runner.keep(row, min(self.target_runner.cached_length, reusable))
+        for index, group in enumerate(self.draft_groups):
+            group_row, agreeing = matches[2 * index : 2 * index + 2] if matches else (0, 0)
+            group.runner.keep(group_row, min(group.runner.cached_length, len(committed) + min(agreeing, count - 1)))
+        new_tokens = tokens[:count]
+        return _Committed(new_tokens, min(num_accepted, count), any(t in self.eos_ids for t in new_tokens))
+
+    def _count_to_eos(self, decision: BlockDecision) -> torch.Tensor:
+        """How many tokens to commit ``[]``: through the first EOS, if one comes before the block's end."""
+        count = decision.num_accepted + 1  # []
+        if self.eos_tensor.numel() == 0:
+            return count
+        positions = torch.arange(decision.tokens.shape[0], device=self.device)  # [L+1]
+        is_eos = torch.isin(decision.tokens, self.eos_tensor) & (positions < count)  # [L+1]
+        return torch.where(is_eos.any(), is_eos.to(torch.uint8).argmax() + 1, count)
+
+    def _group_slices(self, draft_tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Each draft group's rows of ``draft_tokens`` ``[K, L]`` (none when nothing was drafted)."""
+        if draft_tokens.shape[1] == 0:
+            return []
+        sizes = [len(group.row_params) for group in self.draft_groups]
+        return list(draft_tokens.split(sizes))
+
+    def _score(
+        self, committed: list[int], draft_tokens: torch.Tensor, timer: RegionTimer
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's laws after every prefix of every row ``[K, L+1, vocab]``, and whether all are finite ``[]``."""
+        rows, draft_length = draft_tokens.shape
+        runner = self.target_runner
+        runner.fan_out(rows)
+        pending = _pending(runner, committed, rows)  # [K, pending]
+        logits = runner.forward(torch.cat([pending, draft_tokens], dim=1), timer)[:, -(draft_length + 1) :]
+        probs, finite = sampling_law(logits, self.target_params)  # [K, L+1, vocab], [K, L+1]
+        return probs, finite.all()
 
     def _draft(
-        self, committed: list[int], draft_length: int, generator: torch.Generator, stats: SampleStats
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft tokens ``[K, L]`` and the laws they were sampled from ``[K, L, vocab]``."""
-        if not self.draft_groups:
+        self, committed: list[int], draft_length: int, generator: torch.Generator, stats: SampleStats,
+        timer: RegionTimer,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Draft tokens ``[K, L]``, the laws they were sampled from ``[K, L, vocab]``, finite flags ``[groups]``."""
+        if not draft_length:
             empty = torch.empty(1, 0, dtype=torch.long, device=self.device)  # [1, 0]
-            return empty, torch.empty(1, 0, self.vocab_size, device=self.device)
-        tokens, laws = [], []
+            flags = torch.ones(len(self.draft_groups), dtype=torch.bool, device=self.device)  # [groups]
+            return empty, torch.empty(1, 0, self.vocab_size, device=self.device), flags
+        tokens, laws, finite = [], [], []
         for group in self.draft_groups:
             rows = len(group.row_params)
             runner = group.runner
             runner.fan_out(rows)
             group_tokens = torch.empty(rows, draft_length, dtype=torch.long, device=self.device)  # [K_j, L]
             group_laws = torch.empty(rows, draft_length, self.vocab_size, device=self.device)  # [K_j, L, vocab]
+            group_finite = torch.ones((), dtype=torch.bool, device=self.device)  # []
             step_input = _pending(runner, committed, rows)  # [K_j, pending]
             rows_by_params = group.rows_by_params()
             for t in range(draft_length):
-                logits = runner.forward(step_input)[:, -1].to(self.device)  # [K_j, vocab]
+                logits = runner.forward(step_input, timer)[:, -1].to(self.device)  # [K_j, vocab]
                 stats.draft_forwards += 1
                 for params, same in rows_by_params:
-                    group_laws[same, t] = probs_from_logits(logits[same], params, group.name)
+                    law, row_finite = sampling_law(logits[same], params)  # [rows, vocab], [rows]
+                    group_laws[same, t] = law
+                    group_finite &= row_finite.all()
                 group_tokens[:, t] = sample(group_laws[:, t], generator)
                 step_input = group_tokens[:, t : t + 1].to(runner.device)  # [K_j, 1]
             tokens.append(group_tokens)
             laws.append(group_laws)
-        return torch.cat(tokens), torch.cat(laws)
+            finite.append(group_finite)
+        return torch.cat(tokens), torch.cat(laws), torch.stack(finite)
 
-    def _verify(
-        self,
-        target_probs: torch.Tensor,
-        draft_probs: torch.Tensor,
-        draft_tokens: torch.Tensor,
-        generator: torch.Generator,
-    ) -> tuple[list[int], list[bool]]:
-        """Walk the block's positions (docs §7) → (tokens to commit, accepted-draft mask).
 
-        target_probs [K, L+1, vocab], draft_probs [K, L, vocab], draft_tokens [K, L].
-        """
-        draft_length = draft_tokens.shape[1]
-        if draft_length:
-            self.verifier.prepare(target_probs[0, :draft_length], draft_probs.transpose(0, 1))  # [L, V], [L, K, V]
-        alive = torch.arange(draft_tokens.shape[0], device=self.device)  # [K']: rows still matching
-        new_tokens: list[int] = []
-        accepted: list[bool] = []
-        for t in range(draft_length):
-            # Alive rows share the committed prefix, so their q_t are equal: read the first.
-            token, _ = self.verifier.select(
-                target_probs[alive[0], t],  # [vocab]
-                draft_probs[alive, t],  # [K', vocab]
-                draft_tokens[alive, t],  # [K']
-                generator,
-            )
-            alive = alive[draft_tokens[alive, t] == token]
-            new_tokens.append(int(token))
-            accepted.append(len(alive) > 0)
-            if len(alive) == 0 or new_tokens[-1] in self.eos_ids:
-                return new_tokens, accepted
-        bonus = sample(target_probs[alive[0], draft_length], generator)  # a row survived every position
-        return new_tokens + [int(bonus)], accepted + [False]
+@dataclass
+class _Committed:
+    """A block's outcome on the host: tokens to commit, how many are accepted drafts, and whether it hit EOS."""
+
+    tokens: list[int]
+    num_accepted: int
+    eos: bool
+
+
+def _target_token(target_probs: torch.Tensor, generator: torch.Generator) -> BlockDecision:
+    """No draft tokens: the block is one token drawn from q (target_probs ``[1, 1, V]``)."""
+    token = sample(target_probs[0, 0], generator).view(1)  # [1]
+    zero = torch.zeros((), dtype=torch.long, device=token.device)
+    return BlockDecision(token, zero, zero)
+
+
+def _longest_match(group_tokens: torch.Tensor, block_tokens: torch.Tensor, count: torch.Tensor):
+    """The row of ``group_tokens`` ``[K_j, L]`` that agrees longest with the first ``count`` committed
+    ``block_tokens`` ``[L+1]``, and how long → (row ``[]``, length ``[]``).
+    """
+    draft_length = group_tokens.shape[1]
+    positions = torch.arange(draft_length, device=group_tokens.device)  # [L]
+    agrees = (group_tokens == block_tokens[:draft_length]) & (positions < count)  # [K_j, L]
+    length = agrees.long().cumprod(-1).sum(-1)  # [K_j]
+    best = length.argmax()  # []
+    return best, length.gather(0, best.view(1)).squeeze(0)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -372,13 +424,13 @@ _IDENTICAL_DRAFTS_MESSAGE = (
 )
 
 
-def _check_drafts(verifier: Verifier, recipe: Recipe) -> None:
+def _check_drafts(verifier: BlockVerifier, recipe: Recipe) -> None:
     _check_draft_count(verifier, len(recipe.drafts) * recipe.speculation.num_drafts)
     if verifier.identical_drafts and len(set(recipe.drafts)) > 1:
         raise UsageError(_IDENTICAL_DRAFTS_MESSAGE.format(name=verifier.name))
 
 
-def _check_draft_count(verifier: Verifier | None, num_drafts: int) -> None:
+def _check_draft_count(verifier: BlockVerifier | None, num_drafts: int) -> None:
     limit = None if verifier is None else verifier.max_drafts
     if limit is not None and num_drafts > limit:
         raise UsageError(
@@ -458,13 +510,3 @@ def _pending(runner: _Runner, committed: list[int], rows: int) -> torch.Tensor:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextmanager
-def _timed(device: torch.device, stats: SampleStats, field_name: str):
-    """Add the region's wall time to ``stats.<field_name>``, synchronising CUDA on both sides."""
-    _synchronize(device)
-    start = time.perf_counter()
-    yield
-    _synchronize(device)
-    setattr(stats, field_name, getattr(stats, field_name) + time.perf_counter() - start)

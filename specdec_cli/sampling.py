@@ -1,8 +1,11 @@
-"""Logits → probabilities, shared by the target and every draft.
+"""Logits → probabilities, shared by the target and every draft, and the one sampler.
 
 The verifier's exactness rests on one fact: ``draft_probs`` is the very law each draft token
 was sampled from. So target and drafts go through the same function here (temperature,
 then top-k, then top-p, in float32), and drafts sample from the tensor they hand on.
+
+Nothing here reads the device: a row whose logits are not finite is reported as a flag that the
+engine reads together with the block's decision (one device read per block).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from .errors import NonFiniteLogitsError
+
+_BELOW_ONE = 1.0 - 2.0**-52
+"""Largest factor that keeps u · total strictly below total in float64 (so no zero-mass tail is drawn)."""
 
 
 @dataclass(frozen=True)
@@ -23,30 +29,46 @@ class SamplingParams:
     top_p: float = 1.0
 
 
-def probs_from_logits(logits: torch.Tensor, params: SamplingParams, source: str = "model") -> torch.Tensor:
-    """The sampling law for ``logits`` ``[..., V]``: a float32 ``[..., V]`` tensor whose rows sum to 1.
+def sampling_law(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling law for ``logits`` ``[..., V]`` → (probs float32 ``[..., V]``, finite ``[...]`` bool).
 
-    Raises :class:`NonFiniteLogitsError` when a row holds NaN or +inf logits, or nothing but -inf
-    (``source`` names the model in the message).
+    ``finite`` is False for a row whose logits hold NaN or +inf, or nothing but -inf; such a
+    row's probabilities are meaningless (NaN). Checking one entry per row is enough: softmax
+    spreads NaN over the whole row in every one of these cases.
     """
     logits = logits.float()  # [..., V]
     if params.temperature == 0:
-        probs = torch.zeros_like(logits)  # [..., V]
-        probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    else:
+        best, index = logits.max(-1, keepdim=True)  # [..., 1] each
+        probs = torch.zeros_like(logits).scatter_(-1, index, 1.0)  # [..., V]
+        return probs, torch.isfinite(best.squeeze(-1))
+    if params.temperature != 1:
         logits = logits / params.temperature  # [..., V]
-        if 0 < params.top_k < logits.shape[-1]:
-            kth_largest = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
-            logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-        probs = logits.softmax(-1)  # [..., V]
-        if params.top_p < 1.0:
-            probs = _top_p_filter(probs, params.top_p)
-    if not bool(torch.isfinite(probs).all()):
-        raise NonFiniteLogitsError(
-            f"the {source} produced NaN or infinite logits; check its weights and dtype "
-            "(float16 overflows on some models: try --dtype float32 or bfloat16)"
-        )
+    if 0 < params.top_k < logits.shape[-1]:
+        kth_largest = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = logits.softmax(-1)  # [..., V]
+    if params.top_p < 1.0:
+        probs = _top_p_filter(probs, params.top_p)
+    return probs, torch.isfinite(probs[..., 0])
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams, source: str = "model") -> torch.Tensor:
+    """:func:`sampling_law`, checked: raises :class:`NonFiniteLogitsError` on a non-finite row.
+
+    The check reads the device; the engine's hot loop uses :func:`sampling_law` and folds the flag
+    into its one read per block instead.
+    """
+    probs, finite = sampling_law(logits, params)
+    if not bool(finite.all()):
+        raise NonFiniteLogitsError(non_finite_message(source))
     return probs
+
+
+def non_finite_message(source: str) -> str:
+    return (
+        f"the {source} produced NaN or infinite logits; check its weights and dtype "
+        "(float16 overflows on some models: try --dtype float32 or bfloat16)"
+    )
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -61,6 +83,16 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of ``probs`` ``[..., V]`` → ``[...]`` (int64)."""
-    flat = probs.reshape(-1, probs.shape[-1])  # [rows, V]
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """One token id per row of ``probs`` ``[..., V]`` (any non-negative weights) → ``[...]`` int64.
+
+    Inverse-CDF sampling in float64: one uniform per row and a cumulative sum, on the tensor's
+    device, with no host synchronisation (``torch.multinomial`` validates its input on the host
+    and draws V exponentials per row, which costs more than the rest of a block's verification).
+    The threshold stays strictly below the total mass, so a token of zero weight is never drawn.
+    """
+    cumulative = probs.double().cumsum(-1)  # [..., V]
+    total = cumulative[..., -1:]  # [..., 1]
+    uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64)  # [..., 1]
+    threshold = torch.minimum(uniform * total, total * _BELOW_ONE)  # [..., 1]
+    index = torch.searchsorted(cumulative, threshold, right=True)  # [..., 1]: first token whose CDF passes it
+    return index.clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # a NaN row gives some valid id; its flag says why

@@ -1,4 +1,4 @@
-"""What a generation returns: per-sample statistics and results (definitions: docs §7)."""
+"""What a generation returns: per-sample statistics and results."""
 
 from __future__ import annotations
 
@@ -26,8 +26,13 @@ class SampleStats:
     drafted_per_position: list[int] = field(default_factory=list)
     """[t]: blocks that proposed a draft position t+1."""
     draft_time_s: float = 0.0
+    """Drafting: draft forwards, their sampling laws and draws."""
     target_time_s: float = 0.0
+    """Scoring: the target forward and its sampling laws."""
     verify_time_s: float = 0.0
+    """The verifier's decision, the block's one device read and the cache rollback."""
+    forward_time_s: float = 0.0
+    """Inside the models' forward calls (target and drafts): the part that is not the engine's own."""
     wall_time_s: float = 0.0
     stop_reason: str = ""
     """'eos' or 'max_new_tokens'."""
@@ -51,6 +56,11 @@ class SampleStats:
         return self.new_tokens - self.target_forwards
 
     @property
+    def engine_overhead(self) -> float:
+        """Share of wall time spent outside the models' forward calls: sampling, verification, bookkeeping."""
+        return 1 - self.forward_time_s / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    @property
     def token_acceptance(self) -> float:
         """Accepted / verified positions: the per-token acceptance α of Leviathan et al."""
         return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
@@ -68,7 +78,7 @@ class SampleStats:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         for name in ("block_efficiency", "acceptance_rate", "token_acceptance", "tokens_per_second",
-                     "target_forwards_saved"):  # fmt: skip
+                     "target_forwards_saved", "engine_overhead"):  # fmt: skip
             data[name] = getattr(self, name)
         return data
 

@@ -9,6 +9,8 @@ differently seeded models disagree often: exactly the regime where a wrong verif
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +209,103 @@ def candidate_acceptance(verifier: Any, target_probs: torch.Tensor, draft_probs:
         law = verifier.conditional(target_probs, draft_probs, torch.tensor(candidates))
         total += weight * float(law[list(set(candidates))].sum())
     return total
+
+
+# --------------------------------------------------------------------------- block-level laws
+
+SequenceLaw = Callable[[tuple[int, ...]], torch.Tensor]
+"""A model's next-token law after a prefix of generated tokens: ``law(prefix) -> [V]`` (float64)."""
+
+
+def random_sequence_laws(
+    generator: torch.Generator, vocab_size: int, depth: int, sparsity: float = 0.3
+) -> dict[tuple[int, ...], torch.Tensor]:
+    """A random next-token law ``[V]`` after every prefix shorter than ``depth``; pass ``laws.__getitem__``."""
+    prefixes = [p for n in range(depth) for p in itertools.product(range(vocab_size), repeat=n)]
+    laws = random_distributions(generator, (len(prefixes), vocab_size), sparsity)  # [prefixes, V]
+    return dict(zip(prefixes, laws))
+
+
+def target_sequence_law(target_law: SequenceLaw, vocab_size: int, length: int) -> dict[tuple[int, ...], float]:
+    """The target's own law of its first ``length`` tokens."""
+    return _complete({(): 1.0}, target_law, vocab_size, length)
+
+
+def committed_block_law(
+    verifier: Any,
+    target_law: SequenceLaw,
+    draft_laws: Sequence[SequenceLaw],
+    vocab_size: int,
+    draft_length: int,
+) -> dict[tuple[int, ...], float]:
+    """The exact law of the tokens one block commits, summed over every draft block.
+
+    Each of the K = ``len(draft_laws)`` rows drafts ``draft_length`` tokens from its own law;
+    ``verifier.block_law`` gives the law of the decision for each draft block. Sequences have
+    1 to L+1 tokens: the accepted draft prefix and the token that follows it.
+    """
+    num_drafts = len(draft_laws)
+    outcomes: dict[tuple[int, ...], float] = {}
+    for flat in itertools.product(range(vocab_size), repeat=num_drafts * draft_length):
+        rows = [flat[k * draft_length : (k + 1) * draft_length] for k in range(num_drafts)]
+        pairs = [(law, row) for law, row in zip(draft_laws, rows)]
+        weight = math.prod(float(law(row[:t])[row[t]]) for law, row in pairs for t in range(draft_length))
+        if weight == 0:
+            continue
+        target_probs = torch.stack([torch.stack([target_law(row[:t]) for t in range(draft_length + 1)]) for row in rows])
+        draft_probs = torch.stack([torch.stack([law(row[:t]) for t in range(draft_length)]) for law, row in pairs])
+        decision = verifier.block_law(target_probs, draft_probs, torch.tensor(rows))  # [K, L+1, V]
+        for sequence, mass in decision_outcomes(decision, torch.tensor(rows)).items():
+            outcomes[sequence] = outcomes.get(sequence, 0.0) + weight * mass
+    return outcomes
+
+
+def decision_outcomes(law: torch.Tensor, draft_tokens: torch.Tensor) -> dict[tuple[int, ...], float]:
+    """A ``block_law`` ``[K, L+1, V]`` as the law of the committed token sequences (equal ones pooled).
+
+    draft_tokens ``[K, L]``: entry ``[k, n, y]`` is the sequence ``draft_tokens[k, :n]`` then ``y``.
+    """
+    outcomes: dict[tuple[int, ...], float] = {}
+    for k, n, token in torch.nonzero(law).tolist():
+        sequence = tuple(draft_tokens[k, :n].tolist()) + (token,)
+        outcomes[sequence] = outcomes.get(sequence, 0.0) + float(law[k, n, token])
+    return outcomes
+
+
+def enumerate_block_law(
+    verifier: Any,
+    target_law: SequenceLaw,
+    draft_laws: Sequence[SequenceLaw],
+    vocab_size: int,
+    draft_length: int,
+) -> dict[tuple[int, ...], float]:
+    """The law of the first L+1 tokens when one block is followed by the target alone.
+
+    A lossless verifier gives back :func:`target_sequence_law` with ``length = L + 1`` exactly.
+    """
+    committed = committed_block_law(verifier, target_law, draft_laws, vocab_size, draft_length)
+    return _complete(committed, target_law, vocab_size, draft_length + 1)
+
+
+def expected_committed_tokens(law: dict[tuple[int, ...], float]) -> float:
+    """Mean number of tokens a block commits, from :func:`committed_block_law`."""
+    return sum(len(sequence) * mass for sequence, mass in law.items())
+
+
+def _complete(
+    partial: dict[tuple[int, ...], float], target_law: SequenceLaw, vocab_size: int, length: int
+) -> dict[tuple[int, ...], float]:
+    """Extend every sequence of ``partial`` with the target's own tokens up to ``length`` tokens."""
+    complete: dict[tuple[int, ...], float] = {}
+    frontier = dict(partial)
+    while frontier:
+        sequence, mass = frontier.popitem()
+        if len(sequence) >= length:
+            complete[sequence] = complete.get(sequence, 0.0) + mass
+            continue
+        law = target_law(sequence)  # [V]
+        for token in range(vocab_size):
+            if law[token] > 0:
+                extended = sequence + (token,)
+                frontier[extended] = frontier.get(extended, 0.0) + mass * float(law[token])
+    return complete

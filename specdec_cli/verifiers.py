@@ -1,9 +1,18 @@
 """The verifier contract and the registry that finds verifiers as entry-point plugins.
 
-A verifier is a token-level selection rule (``../docs`` notation: q = target, p = draft):
-given the target law ``q`` and K draft candidates ``x_k ~ p_k`` at one position, it outputs
-one token. Plugins register a :class:`Verifier` subclass under the entry-point group
-``specdec.verifiers``; its constructor's keyword arguments are its parameters.
+Notation (q = target law, p = draft law): after each block the engine hands a verifier the
+target's laws at every position of every draft row, the draft laws the tokens were sampled
+from, and the draft tokens; the verifier decides, on the tensors' device, which draft prefix
+to commit and which token follows it.
+
+- :class:`BlockVerifier` is the block-level contract: one :meth:`~BlockVerifier.verify_block`
+  call per block. Schemes that decide a block jointly (block verification) implement it.
+- :class:`Verifier` is the token-level contract (a selection rule at one position, given the
+  K candidates there): plugins implement ``conditional`` and ``acceptance_probability``, and
+  the base class builds ``verify_block`` from ``select``.
+
+Plugins register a subclass of either under the entry-point group ``specdec.verifiers``; its
+constructor's keyword arguments are its parameters.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -26,11 +36,30 @@ class VerifierParameterError(UsageError, TypeError):
     """An unknown or ill-typed verifier parameter (a TypeError too, as Python callers expect)."""
 
 
-class Verifier(ABC):
-    """Base class of every verifier. All methods are batched over leading dimensions ``[...]``.
+@dataclass(frozen=True)
+class BlockDecision:
+    """What a verifier decided for one block; every field is a tensor on the block's device.
+
+    The committed tokens are ``tokens[: num_accepted + 1]``: the accepted draft tokens of row
+    ``row`` followed by one token from the target's side (a correction after a rejection, or a
+    bonus token when all L were accepted). The engine reads these once per block.
+    """
+
+    tokens: torch.Tensor
+    """[L+1] int64; entries past ``num_accepted`` are filler."""
+    num_accepted: torch.Tensor
+    """[] int64 in 0..L: accepted draft tokens, which equal ``draft_tokens[row, :num_accepted]``."""
+    row: torch.Tensor
+    """[] int64: the draft row the committed tokens follow (its KV caches are kept)."""
+
+
+class BlockVerifier(ABC):
+    """Base class of every verifier: decides a whole block in one call.
 
     Subclasses set ``name``, ``lossless`` and ``max_drafts`` (``None`` = any number), optionally
-    ``identical_drafts``, and take their parameters as keyword-only constructor arguments with defaults.
+    ``identical_drafts``, and take their parameters as keyword-only constructor arguments with
+    defaults. ``token_level`` is False for schemes whose decision is not a walk over positions:
+    for them a per-token acceptance is not defined.
     """
 
     name: ClassVar[str]
@@ -38,8 +67,9 @@ class Verifier(ABC):
     max_drafts: ClassVar[int | None]
     identical_drafts: ClassVar[bool] = False
     """True for schemes defined only for K samples of one draft law (SpecTr)."""
+    token_level: ClassVar[bool] = False
 
-    def __new__(cls, *args: Any, **params: Any) -> "Verifier":
+    def __new__(cls, *args: Any, **params: Any) -> "BlockVerifier":
         # Checked here, not in __init__, so that every construction path (stevedore's
         # invoke_kwds included) names the valid parameters instead of Python's bare TypeError.
         valid = parameter_defaults(cls)
@@ -53,6 +83,48 @@ class Verifier(ABC):
         return super().__new__(cls)
 
     @abstractmethod
+    def verify_block(
+        self,
+        target_probs: torch.Tensor,
+        draft_probs: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> BlockDecision:
+        """Decide one block on the tensors' device, without reading values back to the host.
+
+        target_probs ``[K, L+1, V]``: q after each prefix of each draft row (position L is the
+        bonus position); draft_probs ``[K, L, V]``: the laws the draft tokens were drawn from;
+        draft_tokens ``[K, L]``. Rows share the committed prefix, so ``target_probs[k, 0]`` is
+        the same for every k. L ≥ 1.
+        """
+
+    def block_law(
+        self, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """Optional, for exactness tests: the exact law of :meth:`verify_block`'s decision.
+
+        Same inputs without the generator → ``[K, L+1, V]``: entry ``[k, n, y]`` is the probability
+        that the block commits ``draft_tokens[k, :n]`` followed by ``y`` (rows with equal prefixes
+        may share the mass in any way). :func:`specdec_cli.testing.enumerate_block_law` sums it
+        over every draft block.
+        """
+        raise NotImplementedError(f"verifier '{self.name}' does not give its block law")
+
+
+class Verifier(BlockVerifier):
+    """A token-level verifier. All methods are batched over leading dimensions ``[...]``.
+
+    Plugins implement :meth:`conditional` and :meth:`acceptance_probability`; :meth:`select`
+    samples ``conditional`` unless overridden with something cheaper. The block call walks the
+    positions with a mask of the rows still alive (their tokens equal every output so far) and
+    stops committing at the first position where none survives; a row alive after all L earns a
+    bonus token from q. With one draft the positions are independent, so it decides all of them
+    in one batched ``select``.
+    """
+
+    token_level = True
+
+    @abstractmethod
     def conditional(
         self, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor
     ) -> torch.Tensor:
@@ -60,6 +132,10 @@ class Verifier(ABC):
 
         target_probs ``[..., V]``, draft_probs ``[..., K, V]``, draft_tokens ``[..., K]`` → ``[..., V]``.
         """
+
+    @abstractmethod
+    def acceptance_probability(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+        """P(output ∈ candidates) when ``x_k ~ draft_probs[..., k, :]`` independently → ``[...]``."""
 
     def select(
         self,
@@ -70,24 +146,112 @@ class Verifier(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A sample from :meth:`conditional` → (token ``[...]``, accepted ``[...]``).
 
-        ``accepted`` says whether the token equals one of the candidates. This default samples
-        the conditional law; verifiers override it with a cheaper equivalent.
+        ``accepted`` says whether the token equals one of the candidates.
         """
         token = sample(self.conditional(target_probs, draft_probs, draft_tokens), generator)  # [...]
         accepted = (draft_tokens == token.unsqueeze(-1)).any(-1)  # [...]
         return token, accepted
 
+    def select_alive(
+        self,
+        target_probs: torch.Tensor,
+        draft_probs: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        alive: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """:meth:`select` among the candidates with ``alive`` set, in their order → token ``[]``.
+
+        target_probs ``[V]``, draft_probs ``[K, V]``, draft_tokens ``[K]``, alive ``[K]`` bool (the
+        result is unused when no row is alive). How many rows are alive is not known on the host,
+        so this default selects among the first k alive rows for every k = 1..K and keeps the one
+        for the true count; verifiers that can mask dead candidates override it.
+        """
+        num_drafts = draft_tokens.shape[0]
+        if num_drafts == 1:
+            return self.select(target_probs, draft_probs, draft_tokens, generator)[0]
+        order = torch.argsort((~alive).to(torch.uint8), stable=True)  # [K]: alive rows first, in order
+        outputs = [
+            self.select(target_probs, draft_probs[order[:k]], draft_tokens[order[:k]], generator)[0]
+            for k in range(1, num_drafts + 1)
+        ]
+        count = alive.sum().clamp(min=1)  # []
+        return torch.stack(outputs).gather(0, (count - 1).view(1)).squeeze(0)
+
     def prepare(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> None:
-        """Optional: called once per block with every position's laws, before ``select`` walks them.
+        """Optional: called once per block with every position's laws, before the positions are walked.
 
         target_probs ``[L, V]``, draft_probs ``[L, K, V]`` (all drafts alive). Schemes that solve a
         problem per position (the importance-sampling LPs) solve them here in one batched call;
         the default does nothing.
         """
 
-    @abstractmethod
-    def acceptance_probability(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-        """P(output ∈ candidates) when ``x_k ~ draft_probs[..., k, :]`` independently → ``[...]``."""
+    def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None) -> BlockDecision:
+        if draft_tokens.shape[0] == 1:
+            tokens, accepted = self.select(
+                target_probs[0, :-1], draft_probs.transpose(0, 1), draft_tokens.transpose(0, 1), generator
+            )  # [L] each; inputs [L, V], [L, 1, V], [L, 1]
+            return first_rejection(accepted, tokens, target_probs[0, -1], generator)
+        return self._walk(target_probs, draft_probs, draft_tokens, generator)
+
+    def _walk(self, target_probs, draft_probs, draft_tokens, generator) -> BlockDecision:
+        """The multi-draft walk over positions with an alive mask, all on the device."""
+        num_drafts, draft_length = draft_tokens.shape
+        self.prepare(target_probs[0, :draft_length], draft_probs.transpose(0, 1))  # [L, V], [L, K, V]
+        device = draft_tokens.device
+        alive = torch.ones(num_drafts, dtype=torch.bool, device=device)  # [K]: rows matching every output so far
+        ended = torch.zeros((), dtype=torch.bool, device=device)  # []: a position had no survivor
+        num_accepted = torch.zeros((), dtype=torch.long, device=device)  # []
+        outputs = []
+        for t in range(draft_length):
+            # Alive rows share the committed prefix, so their q_t are equal: read the first.
+            first = alive.to(torch.uint8).argmax()  # []
+            token = self.select_alive(target_probs[first, t], draft_probs[:, t], draft_tokens[:, t], alive, generator)
+            survivors = alive & (draft_tokens[:, t] == token)  # [K]
+            outputs.append(token)
+            num_accepted = num_accepted + (~ended & survivors.any()).long()
+            ended = ended | ~survivors.any()
+            alive = torch.where(ended, alive, survivors)  # the last non-empty set: the rows followed
+        row = alive.to(torch.uint8).argmax()  # []
+        outputs.append(sample(target_probs[row, draft_length], generator))  # bonus, kept if no position ended
+        tokens = torch.stack(outputs)  # [L+1]: position num_accepted holds the correction or the bonus
+        return BlockDecision(tokens, num_accepted, row)
+
+    def block_law(self, target_probs, draft_probs, draft_tokens):
+        """The walk's exact law, by recursion over the alive sets (host loops: for tests only)."""
+        num_drafts, draft_length = draft_tokens.shape
+        law = torch.zeros(target_probs.shape, dtype=target_probs.dtype)  # [K, L+1, V]
+        self.prepare(target_probs[0, :draft_length], draft_probs.transpose(0, 1))
+
+        def walk(t: int, alive: list[int], mass: float) -> None:
+            if t == draft_length:
+                law[alive[0], t] += mass * target_probs[alive[0], t]
+                return
+            output = self.conditional(target_probs[alive[0], t], draft_probs[alive, t], draft_tokens[alive, t])  # [V]
+            for token in torch.nonzero(output).flatten().tolist():
+                survivors = [k for k in alive if int(draft_tokens[k, t]) == token]
+                if survivors:
+                    walk(t + 1, survivors, mass * float(output[token]))
+                else:
+                    law[alive[0], t, token] += mass * float(output[token])
+
+        walk(0, list(range(num_drafts)), 1.0)
+        return law
+
+
+def first_rejection(
+    accepted: torch.Tensor, tokens: torch.Tensor, bonus_law: torch.Tensor, generator: torch.Generator | None
+) -> BlockDecision:
+    """The single-draft block decision from per-position outcomes, on the device.
+
+    accepted ``[L]`` bool and tokens ``[L]`` (the draft token where accepted, else the correction
+    drawn there); bonus_law ``[V]``: q after all L draft tokens. The block commits the accepted
+    prefix and the token at its first rejection, or a bonus token drawn from ``bonus_law``.
+    """
+    num_accepted = accepted.long().cumprod(0).sum()  # []
+    bonus = sample(bonus_law, generator).view(1)  # [1]; only kept when every position was accepted
+    committed = torch.cat([tokens, bonus])  # [L+1]
+    return BlockDecision(committed, num_accepted, torch.zeros_like(num_accepted))
 
 
 def parameter_defaults(cls: type) -> dict[str, Any]:
@@ -111,7 +275,7 @@ class VerifierRegistry:
     def names(self) -> list[str]:
         return sorted({ep.name for ep in importlib.metadata.entry_points(group=self.group)})
 
-    def load_class(self, name: str) -> type[Verifier]:
+    def load_class(self, name: str) -> type[BlockVerifier]:
         manager = driver.DriverManager(self.group, name, invoke_on_load=False)
         return manager.driver
 
@@ -123,10 +287,10 @@ class VerifierRegistry:
             raise UsageError(f"unknown verifier '{name}'; installed verifiers: {installed} (see `specdec verifiers`)")
         return key
 
-    def create(self, name: str, params: dict[str, Any] | None = None) -> Verifier:
+    def create(self, name: str, params: dict[str, Any] | None = None) -> BlockVerifier:
         return self.load_class(self.canonical(name))(**(params or {}))
 
 
-def load_verifier(name: str, params: dict[str, Any] | None = None) -> Verifier:
+def load_verifier(name: str, params: dict[str, Any] | None = None) -> BlockVerifier:
     """An instance of the installed verifier ``name`` with ``params``."""
     return VerifierRegistry().create(name, params)

@@ -38,9 +38,9 @@ def test_values_are_probabilities_and_k1_is_sum_of_min(report):
             if report.cell(row, k) is not None:
                 values = _values(report, row, k)
                 assert bool(((values >= -1e-12) & (values <= 1 + 1e-12)).all()), (row, k)
-    # K = 1: every verifier but mentored with D > 0 gives Σ min(p, q) = the speculative value.
+    # K = 1: every token-level verifier but mentored with D > 0 gives Σ min(p, q) = the speculative value.
     for row in report.rows:
-        if not row.startswith("mentored") or row == mentored_row(0.0):
+        if report.cell(row, 1) is not None and (not row.startswith("mentored") or row == mentored_row(0.0)):
             torch.testing.assert_close(_values(report, row, 1), speculative, atol=1e-7, rtol=0)
 
 
@@ -65,6 +65,12 @@ def test_mentored_rows_trade_kl_for_acceptance(report):
 def test_single_draft_verifiers_have_no_multi_draft_cells(report):
     assert report.cell("speculative", 2) is None
     assert "speculative takes at most 1 draft(s)" in report.unavailable["speculative|2"]
+
+
+def test_block_level_verifiers_say_why_they_have_no_cell(report):
+    for k in report.num_drafts:
+        assert report.cell("block", k) is None
+        assert "block decides whole blocks: a per-token acceptance is not defined" in report.unavailable[f"block|{k}"]
 
 
 @pytest.mark.parametrize("name", ["speculative", "mentored"])

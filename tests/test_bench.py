@@ -86,7 +86,7 @@ def test_metrics_in_results_equal_recomputation_from_samples(run, recipe_path, d
 
 def test_same_seed_cells_share_the_baseline_and_lossless_cells_agree(run, recipe_path, data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    code, _, _ = run(_bench_args(recipe_path, data, out, "--verifier", "speculative,specinfer,spectr",
+    code, _, _ = run(_bench_args(recipe_path, data, out, "--verifier", "speculative,specinfer,spectr,block",
                                  "--temperature", "0"))  # fmt: skip
     assert code == 0
     texts = {}
@@ -95,6 +95,21 @@ def test_same_seed_cells_share_the_baseline_and_lossless_cells_agree(run, recipe
     # Greedy: every lossless configuration reproduces the baseline's output exactly.
     baseline = texts.pop("baseline T=0")
     assert texts and all(outputs == baseline for outputs in texts.values())
+
+
+def test_block_level_cells_have_no_per_token_figures(run, recipe_path, data, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    code, stdout, _ = run(_bench_args(recipe_path, data, out, "--verifier", "block,speculative", "--draft-length", "3"))
+    assert code == 0
+    cells = _by_cell(out)
+    block, speculative = cells["block K=1 L=3 T=1"], cells["speculative K=1 L=3 T=1"]
+    for name in ("token_acceptance", "expected_speedup", "efficiency_vs_expected"):
+        assert name not in block["summary"] and name in speculative["summary"]
+    for cell in (block, speculative):
+        assert cell["summary"]["speedup"]["mean"] > 0 and 0 < cell["summary"]["engine_overhead"]["mean"] < 1
+    row = next(line for line in (out / "table.md").read_text().splitlines() if line.startswith("| block"))
+    header = (out / "table.md").read_text().splitlines()[0].split(" | ")
+    assert row.split(" | ")[header.index("expected")] == "—"
 
 
 def test_rouge_for_summaries_and_spec_bench_categories(run, recipe_path, data, tmp_path):  # noqa: F811

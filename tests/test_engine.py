@@ -198,9 +198,9 @@ def test_multi_draft_verifiers_keep_the_target_law(tiny_models, name, num_drafts
     assert chi_square_p_value(counts, law) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["specinfer", "spectr", "is-lp", "is-truncated", "mentored"])
+@pytest.mark.parametrize("name", ["specinfer", "spectr", "is-lp", "is-truncated", "mentored", "block"])
 def test_multi_draft_greedy_equals_target_greedy(tiny_models, name):
-    recipe = _multi_draft_recipe(tiny_models, name, 1 if name == "mentored" else 3, False,
+    recipe = _multi_draft_recipe(tiny_models, name, 1 if name in ("mentored", "block") else 3, False,
                                  max_new_tokens=30, temperature=0.0)  # fmt: skip
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
     prompt_ids = decoder.encode_prompt("d c b a e")

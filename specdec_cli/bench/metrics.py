@@ -1,4 +1,4 @@
-"""Quality and speed metrics of a benchmark cell (definitions: docs §7)."""
+"""Quality and speed metrics of a benchmark cell."""
 
 from __future__ import annotations
 
@@ -54,8 +54,11 @@ def speed_summary(stats: list[dict]) -> dict:
         drafted = sum(s["drafted_per_position"][t] for s in stats if t < len(s["drafted_per_position"]))
         accepted = sum(s["accepted_per_position"][t] for s in stats if t < len(s["accepted_per_position"]))
         per_position.append(accepted / drafted if drafted else 0.0)
+    forward = [s.get("forward_time_s") for s in stats]  # absent from results written before it was measured
+    overhead = {} if None in forward else {"engine_overhead": 1 - _ratio(sum(forward), total["wall_time_s"])}
     return {
         **total,
+        **overhead,
         "samples": len(stats),
         "block_efficiency": _ratio(total["new_tokens"], total["target_forwards"]),
         "acceptance_rate": _ratio(total["accepted_tokens"], total["drafted_tokens"]),

@@ -16,6 +16,7 @@ SPEED = [
     ("speedup", "speedup", "{:.2f}"),
     ("expected_speedup", "expected", "{:.2f}"),
     ("efficiency_vs_expected", "meas/exp", "{:.2f}"),
+    ("engine_overhead", "overhead", "{:.3f}"),
 ]
 
 

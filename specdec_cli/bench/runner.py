@@ -16,7 +16,7 @@ import torch
 
 from .. import __version__
 from ..engine import SpeculativeDecoder, load_drafts, sample_seed
-from ..errors import UsageError
+from ..errors import SpecdecError, UsageError
 from ..models import load_model
 from ..recipe import DraftConfig, Recipe
 from ..verifiers import VerifierRegistry, parameter_defaults
@@ -204,13 +204,16 @@ def summarize(config: dict, records: list[dict]) -> dict:
             metrics.update(corpus_quality(metrics_wanted, [r["text"] for r in samples], [r["reference"] for r in samples]))
             baseline = [r for r in by_cell.get(cell.baseline_key, {}).get(seed, [])]
             if cell.verifier != BASELINE and baseline:
-                _add_speedup(metrics, cell, samples, baseline)
+                _add_speedup(metrics, cell, samples, baseline, token_level(cell.verifier))
+            if cell.verifier != BASELINE and not token_level(cell.verifier):
+                del metrics["token_acceptance"]  # a block-level decision has no per-token acceptance
             if config["task"]["per_category"]:
                 metrics["tokens_per_second_by_category"] = _by_category(samples)
             per_seed[str(seed)] = metrics
         summary = {}
         for name in ("block_efficiency", "acceptance_rate", "token_acceptance", "tokens_per_second", "speedup",
-                     "expected_speedup", "efficiency_vs_expected", "bleu", "chrf", "rougeL"):  # fmt: skip
+                     "expected_speedup", "efficiency_vs_expected", "engine_overhead", "bleu", "chrf",
+                     "rougeL"):  # fmt: skip
             if cell.verifier == BASELINE and name in ("acceptance_rate", "token_acceptance"):
                 continue  # nothing is drafted
             values = [m[name] for m in per_seed.values() if name in m]
@@ -220,8 +223,21 @@ def summarize(config: dict, records: list[dict]) -> dict:
     return {"cells": cells}
 
 
-def _add_speedup(metrics: dict, cell: Cell, samples: list[dict], baseline: list[dict]) -> None:
-    """Speedup on the examples both runs finished; Leviathan's expected speedup from α and c."""
+def token_level(verifier: str) -> bool:
+    """Whether a verifier decides position by position (else per-token acceptance is not defined for it)."""
+    registry = VerifierRegistry()
+    try:
+        return bool(registry.load_class(registry.canonical(verifier)).token_level)
+    except SpecdecError:  # a results folder read after its plugin was uninstalled
+        return True
+
+
+def _add_speedup(metrics: dict, cell: Cell, samples: list[dict], baseline: list[dict], per_token: bool) -> None:
+    """Speedup on the examples both runs finished; Leviathan's expected speedup from α and c.
+
+    The expected speedup assumes each draft token is accepted independently with probability α,
+    so it is left out for verifiers that decide a block jointly (``per_token`` False).
+    """
     shared = {r["example_id"] for r in samples} & {r["example_id"] for r in baseline}
     mine = [r["stats"] for r in samples if r["example_id"] in shared]
     theirs = [r["stats"] for r in baseline if r["example_id"] in shared]
@@ -231,6 +247,8 @@ def _add_speedup(metrics: dict, cell: Cell, samples: list[dict], baseline: list[
     metrics["speedup"] = rate["tokens_per_second"] / base["tokens_per_second"]
     cost_ratio = rate["draft_s_per_forward"] / base["target_s_per_forward"] if base["target_s_per_forward"] else 0.0
     metrics["cost_ratio"] = cost_ratio
+    if not per_token:
+        return
     metrics["expected_speedup"] = expected_speedup(rate["token_acceptance"], cell.draft_length, cost_ratio)
     metrics["efficiency_vs_expected"] = metrics["speedup"] / metrics["expected_speedup"]
 

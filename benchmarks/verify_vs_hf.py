@@ -1,0 +1,109 @@
+"""One block's verification, from logits to committed tokens: specdec against transformers, side by side.
+
+transformers' ``_speculative_sampling`` (what assisted generation calls with ``do_sample=True``)
+takes the draft's and the target's logits of one block and returns the committed tokens. specdec's
+equivalent is the target's sampling law, the verifier's ``verify_block`` and the engine's one read
+of the decision. The draft's law is computed while drafting in specdec (the draft samples from
+it), so it is timed separately: "specdec + draft law" adds it, for exactly the same inputs as
+transformers'. Both run in this process on the same tensors, interleaved, median of the repeats.
+
+    python benchmarks/verify_vs_hf.py > benchmarks/results/verify_vs_hf_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+from transformers.generation.utils import _speculative_sampling
+
+from specdec_cli import load_verifier
+from specdec_cli.sampling import SamplingParams, sampling_law
+
+PARAMS = SamplingParams(temperature=1.0)
+
+
+def block_inputs(vocab: int, draft_length: int, generator: torch.Generator):
+    """Logits of one block: a draft close to the target, as real drafts are (long accepted prefixes)."""
+    target_logits = torch.randn(1, draft_length + 1, vocab, generator=generator) * 3  # [1, L+1, V]
+    draft_logits = target_logits[:, :draft_length] + torch.randn(1, draft_length, vocab, generator=generator)  # [1, L, V]
+    draft_tokens = torch.multinomial(draft_logits[0].softmax(-1), 1, generator=generator).T  # [1, L]
+    prompt = torch.randint(0, vocab, (1, 32), generator=generator)  # [1, 32]
+    return target_logits, draft_logits, draft_tokens, torch.cat([prompt, draft_tokens], dim=1)
+
+
+def specdec_block(verifier, target_logits, draft_probs, draft_tokens, generator) -> list[int]:
+    target_probs, finite = sampling_law(target_logits, PARAMS)  # [1, L+1, V], [1, L+1]
+    decision = verifier.verify_block(target_probs, draft_probs, draft_tokens, generator)
+    packed = torch.cat([decision.tokens, decision.num_accepted.view(1), finite.all().long().view(1)])
+    return packed.tolist()  # the engine's one read of the block
+
+
+def time_once(function) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def measure(vocab: int, draft_length: int, repeats: int) -> dict[str, float]:
+    generator = torch.Generator().manual_seed(vocab + draft_length)
+    sampler = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)  # transformers draws from the global generator
+    target_logits, draft_logits, draft_tokens, candidate_ids = block_inputs(vocab, draft_length, generator)
+    draft_probs, _ = sampling_law(draft_logits, PARAMS)
+    verifiers = {name: load_verifier(name) for name in ("speculative", "block")}
+    runs = {
+        "transformers": lambda: _speculative_sampling(candidate_ids, draft_logits, draft_length, target_logits),
+        "specdec speculative": lambda: specdec_block(verifiers["speculative"], target_logits, draft_probs,
+                                                     draft_tokens, sampler),
+        "specdec speculative + draft law": lambda: specdec_block(
+            verifiers["speculative"], target_logits, sampling_law(draft_logits, PARAMS)[0], draft_tokens, sampler),
+        "specdec block": lambda: specdec_block(verifiers["block"], target_logits, draft_probs, draft_tokens, sampler),
+    }  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for repeat in range(repeats + 1):
+        order = list(runs) if repeat % 2 else list(reversed(runs))  # interleaved, alternating order
+        for name in order:
+            seconds = time_once(runs[name])
+            if repeat:  # the first round warms up
+                times[name].append(seconds)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--vocab", default="32000,49152,128256")
+    parser.add_argument("--draft-length", default="4,8")
+    args = parser.parse_args()
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"device: cpu ({cpu_name()}, {torch.get_num_threads()} threads); torch {torch.__version__}, "
+          f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}; "
+          f"median of {args.repeats} interleaved repeats; temperature 1, K = 1\n")  # fmt: skip
+    print("| V | L | transformers ms | specdec speculative ms | ÷ transformers | + draft law ms | ÷ transformers "
+          "| specdec block ms | ÷ transformers |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for vocab in [int(v) for v in args.vocab.split(",")]:
+        for draft_length in [int(v) for v in args.draft_length.split(",")]:
+            t = measure(vocab, draft_length, args.repeats)
+            hf = t["transformers"]
+            cells = [t["specdec speculative"], t["specdec speculative + draft law"], t["specdec block"]]
+            print(f"| {vocab} | {draft_length} | {1000 * hf:.3f} | "
+                  + " | ".join(f"{1000 * c:.3f} | {c / hf:.2f}" for c in cells) + " |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The hot loop reads the device once per block: Tensor → Python conversions counted inside generate_ids.
+
+On CUDA each conversion is a synchronisation that stalls the queue; on the CPU the count is the
+same, so this test holds the engine and every built-in verifier to the budget without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specdec_cli import SpeculativeDecoder
+from specdec_cli.errors import NonFiniteLogitsError
+from specdec_cli.recipe import build_recipe
+from tests.conftest import tiny_recipe
+
+CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__array__")
+READS_PER_BLOCK = 2
+
+
+@pytest.fixture
+def conversions(monkeypatch):
+    """A Counter of Tensor → Python conversions made while the fixture is active."""
+    counter: Counter = Counter()
+    for name in CONVERSIONS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            counter[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counter
+
+
+def _decoder(models, family: str, name: str, num_drafts: int, **generation) -> SpeculativeDecoder:
+    recipe = tiny_recipe(
+        models, family, verifier={"name": name}, speculation={"draft_length": 4, "num_drafts": num_drafts},
+        generation={"max_new_tokens": 24, **generation},
+    )  # fmt: skip
+    return SpeculativeDecoder.from_recipe(build_recipe(recipe))
+
+
+BUILT_INS = [("speculative", 1), ("mentored", 1), ("block", 1), ("specinfer", 3), ("spectr", 3),
+             ("is-lp", 2), ("is-truncated", 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "num_drafts"), BUILT_INS)
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_at_most_two_reads_per_block(tiny_models, conversions, name, num_drafts, family):
+    decoder = _decoder(tiny_models, family, name, num_drafts)
+    prompt_ids = decoder.encode_prompt("a b c d")
+    conversions.clear()
+    blocks = 0
+    for seed in range(3):
+        _, _, stats = decoder.generate_ids(prompt_ids, seed)
+        blocks += stats.blocks
+    assert sum(conversions.values()) <= READS_PER_BLOCK * blocks, dict(conversions)
+
+
+def test_the_counter_sees_a_read(conversions):
+    """Negative control: the fixture does count what the hot loop must not do."""
+    value = torch.tensor([1.5, 2.0])
+    float(value[0]), bool(value.sum() > 1), value.tolist(), int(value.argmax())
+    assert sum(conversions.values()) == 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("broken", ["target", "draft"])
+def test_non_finite_logits_are_caught_in_the_block_read(tiny_models, broken, temperature):
+    decoder = _decoder(tiny_models, "llama", "speculative", 1, temperature=temperature)
+    model = decoder.target.model if broken == "target" else decoder.draft_groups[0].runner.model
+    with torch.no_grad():
+        model.lm_head.weight[:, 0] = float("nan")
+    with pytest.raises(NonFiniteLogitsError, match=f"the {broken}.* produced NaN or infinite logits"):
+        decoder.generate_ids(decoder.encode_prompt("a b c d"), 0)
