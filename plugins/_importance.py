@@ -112,7 +112,10 @@ class ImportanceSampling(Verifier):
     def _walk_on_host(self, target: np.ndarray, drafts: np.ndarray, tokens: np.ndarray, rng: np.random.Generator):
         """The alive-row walk of :class:`~specdec_cli.verifiers.Verifier` → (tokens [L+1], accepted, row)."""
         num_drafts, draft_length = tokens.shape
-        self._prepare_rows(np.concatenate([target[0, :draft_length, None], drafts.transpose(1, 0, 2)], axis=1))
+        # All rows can be alive together only while they share their prefix: solve those positions at once.
+        diverged = (tokens != tokens[:1]).any(0)  # [L]: rows differ at this token
+        shared = int(np.argmax(diverged)) + 1 if diverged.any() else draft_length  # positions 0..shared-1
+        self._prepare_rows(np.concatenate([target[0, :shared, None], drafts[:, :shared].transpose(1, 0, 2)], axis=1))
         alive = list(range(num_drafts))
         outputs: list[int] = []
         for t in range(draft_length):
@@ -133,21 +136,24 @@ class ImportanceSampling(Verifier):
     def _plans(self, rows: np.ndarray) -> tuple[list["_Plan"], np.ndarray]:
         """One plan per distinct (q, p_1..p_K) row of ``rows`` ``[N, K+1, V]``, and each row's plan index."""
         vocab, num_drafts = rows.shape[-1], rows.shape[-2] - 1
-        unique, inverse = np.unique(rows, axis=0, return_inverse=True)  # [U, K+1, V], [N]
         prepared = getattr(self, "_prepared", {})
         # One candidate needs no selection LP, so no alphabet truncation either: the scheme is then
         # exactly speculative sampling, as every multi-draft scheme must be with one draft.
         alphabet = self.alphabet_size(vocab) if num_drafts > 1 else vocab
-        plans = []
-        for row in unique:
-            key = row.tobytes()  # exact content: a cached plan is reused only for identical laws
-            plans.append(prepared.get(key) or _Plan(row[0], row[1:], alphabet, key))
+        by_key: dict[bytes, int] = {}
+        plans, inverse = [], []
+        for row in rows:
+            key = row.tobytes()  # exact content: a plan is shared (or reused from the cache) only for identical laws
+            if key not in by_key:
+                by_key[key] = len(plans)
+                plans.append(prepared.get(key) or _Plan(row[0], row[1:], alphabet, key))
+            inverse.append(by_key[key])
         unsolved = [plan for plan in plans if len(plan.stages) < num_drafts - 1]
         for stage in range(num_drafts - 1 if unsolved else 0):
             pairs = [(plan.selected_law(), plan.drafts[stage + 1], plan.scheme_target) for plan in unsolved]
             for plan, selection in zip(unsolved, self._solve_stage(pairs)):
                 plan.stages.append(selection)
-        return plans, inverse.reshape(-1)
+        return plans, np.array(inverse, dtype=np.int64)
 
     def _solve_stage(self, pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[PairSelection]:
         rankings, free_sets = [], []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class _Runner:
         self.cache: Any = None
         self.cached_ids = torch.empty(1, 0, dtype=torch.long, device=self.device)  # [rows, n]
         self.encoder_output: Any = None
+        self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def start(self, prompt_ids: list[int]) -> None:
         self.cache = None
@@ -102,13 +104,19 @@ class _Runner:
                 self.cache.crop(length - self.cached_length)  # negative: tokens to remove
             self.cached_ids = self.cached_ids[:, :length]  # [1, length]
 
-    def forward(self, tokens: torch.Tensor, timer: RegionTimer) -> torch.Tensor:
-        """Logits ``[rows, m, vocab]`` for ``tokens`` ``[rows, m]`` appended after the cached ids."""
+    def forward(self, tokens: torch.Tensor, timer: RegionTimer, keep: int) -> torch.Tensor:
+        """Logits ``[rows, keep, vocab]`` of the last ``keep`` of ``tokens`` ``[rows, m]``, appended after the cached ids.
+
+        Models that support it compute only those positions' logits: the output layer over a whole
+        prompt (or a block's pending tokens) would otherwise be computed and thrown away.
+        """
         if self.use_cache:
             inputs, cache = tokens, self.cache  # [rows, m]
         else:
             inputs, cache = torch.cat([self.cached_ids, tokens], dim=1), None  # [rows, n + m]
         kwargs: dict[str, Any] = {"use_cache": self.use_cache, "past_key_values": cache}
+        if self.keeps_logits:
+            kwargs["logits_to_keep"] = keep
         if self.loaded.is_encoder_decoder:
             kwargs.update(encoder_outputs=self.encoder_output, decoder_input_ids=inputs)
         else:
@@ -118,7 +126,7 @@ class _Runner:
         if self.use_cache:
             self.cache = output.past_key_values
         self.cached_ids = torch.cat([self.cached_ids, tokens], dim=1)  # [rows, n + m]
-        return output.logits[:, -tokens.shape[1] :, : self.vocab_size]  # [rows, m, vocab]
+        return output.logits[:, -keep:, : self.vocab_size]  # [rows, keep, vocab]
 
 
 @dataclass
@@ -349,7 +357,7 @@ class SpeculativeDecoder:
         runner = self.target_runner
         runner.fan_out(rows)
         pending = _pending(runner, committed, rows)  # [K, pending]
-        logits = runner.forward(torch.cat([pending, draft_tokens], dim=1), timer)[:, -(draft_length + 1) :]
+        logits = runner.forward(torch.cat([pending, draft_tokens], dim=1), timer, keep=draft_length + 1)
         probs, finite = sampling_law(logits, self.target_params)  # [K, L+1, vocab], [K, L+1]
         return probs, finite.all()
 
@@ -373,7 +381,7 @@ class SpeculativeDecoder:
             step_input = _pending(runner, committed, rows)  # [K_j, pending]
             rows_by_params = group.rows_by_params()
             for t in range(draft_length):
-                logits = runner.forward(step_input, timer)[:, -1].to(self.device)  # [K_j, vocab]
+                logits = runner.forward(step_input, timer, keep=1)[:, -1].to(self.device)  # [K_j, vocab]
                 stats.draft_forwards += 1
                 for params, same in rows_by_params:
                     law, row_finite = sampling_law(logits[same], params)  # [rows, vocab], [rows]

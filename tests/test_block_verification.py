@@ -267,3 +267,21 @@ def test_block_keeps_the_target_law_through_the_cli(tiny_models, write_recipe, r
             for role, model in (("target", decoder.target.model), ("draft", decoder.draft_groups[0].runner.model))}  # fmt: skip
     assert chi_square_p_value(counts, laws["target"]) > 1e-3
     assert chi_square_p_value(counts, laws["draft"]) < 1e-6  # the check has power
+
+
+def test_is_lp_solves_only_what_rows_alive_together_need():
+    """Rows that differ at the first token are never alive together later: their later supports are not
+    pooled into one LP (that LP would exceed max_support here and be refused)."""
+    verifier = load_verifier("is-lp", {"max_support": 4})
+    shared = torch.tensor([0.5, 0.5, 0, 0, 0, 0, 0, 0], dtype=torch.float64)  # position 0: both rows
+    after_a = torch.tensor([0, 0, 0.4, 0.3, 0.3, 0, 0, 0], dtype=torch.float64)  # row 0 after token 0
+    after_b = torch.tensor([0, 0, 0, 0, 0, 0.4, 0.3, 0.3], dtype=torch.float64)  # row 1 after token 1
+    target = torch.full((8,), 1 / 8, dtype=torch.float64)
+    target_probs = torch.stack([torch.stack([target] * 3)] * 2)  # [2, 3, 8]
+    draft_probs = torch.stack([torch.stack([shared, after_a]), torch.stack([shared, after_b])])  # [2, 2, 8]
+    draft_tokens = torch.tensor([[0, 2], [1, 5]])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        decision = verifier.verify_block(target_probs, draft_probs, draft_tokens, generator)
+        n, row = int(decision.num_accepted), int(decision.row)
+        assert decision.tokens[:n].tolist() == draft_tokens[row, :n].tolist()
