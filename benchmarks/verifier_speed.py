@@ -50,13 +50,16 @@ def synchronize(device: str) -> None:
 
 
 def block_laws(vocab, num_drafts, draft_length, device, top_k):
-    """Target laws [K, L+1, V] (equal first position), draft laws [K, L, V] near them, tokens [K, L]."""
+    """Target laws [K, L+1, V], draft laws [K, L, V] near them, tokens [K, L].
+
+    Every row gets the same laws (one draft config whose rows share their prefix), so rows that
+    draw equal tokens stay consistent; their tokens are drawn independently.
+    """
     generator = torch.Generator().manual_seed(0)
-    target_logits = peaked_logits((num_drafts, draft_length + 1, vocab), generator, top_k)  # [K, L+1, V]
-    target_logits[:, 0] = target_logits[0, 0]
-    noise = torch.randn(num_drafts, draft_length, vocab, generator=generator)  # [K, L, V]
-    target = target_logits.softmax(-1)
-    draft = (target_logits[:, :draft_length] + noise).softmax(-1)  # [K, L, V]
+    target_logits = peaked_logits((1, draft_length + 1, vocab), generator, top_k)  # [1, L+1, V]
+    noise = torch.randn(1, draft_length, vocab, generator=generator)  # [1, L, V]
+    target = target_logits.softmax(-1).expand(num_drafts, -1, -1)  # [K, L+1, V]
+    draft = (target_logits[:, :draft_length] + noise).softmax(-1).expand(num_drafts, -1, -1)  # [K, L, V]
     tokens = torch.multinomial(draft.reshape(-1, vocab), 1, generator=generator).reshape(num_drafts, draft_length)
     return target.to(device), draft.to(device), tokens.to(device)
 

@@ -29,6 +29,8 @@ import torch
 
 from specdec_cli.verifiers import BlockDecision, Verifier
 
+from .speculative import SpeculativeSampling
+
 TINY = np.finfo(np.float64).tiny
 _BELOW_ONE = 1.0 - 2.0**-52
 _SEED_RANGE = 2**52  # seeds travel as float64 with the laws: exact below 2^53
@@ -93,6 +95,8 @@ class ImportanceSampling(Verifier):
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
         num_drafts, draft_length = draft_tokens.shape
+        if num_drafts == 1:  # one candidate: the scheme is speculative sampling, decided on the device
+            return SpeculativeSampling().verify_block(target_probs, draft_probs, draft_tokens, generator)
         vocab = target_probs.shape[-1]
         seed = torch.randint(0, _SEED_RANGE, (1,), generator=generator, device=draft_tokens.device)  # [1]
         packed = torch.cat([target_probs.reshape(-1).double(), draft_probs.reshape(-1).double(),

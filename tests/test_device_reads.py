@@ -44,7 +44,7 @@ def _decoder(models, family: str, name: str, num_drafts: int, **generation) -> S
 
 
 BUILT_INS = [("speculative", 1), ("mentored", 1), ("block", 1), ("specinfer", 3), ("spectr", 3),
-             ("is-lp", 2), ("is-truncated", 2)]  # fmt: skip
+             ("is-lp", 2), ("is-truncated", 2), ("is-truncated", 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "num_drafts"), BUILT_INS)
