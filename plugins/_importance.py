@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec_cli.verifiers import BlockDecision, Verifier
+from specdec_cli.verifiers import BlockDecision, Verifier, shared_prefix_length
 
 from .speculative import SpeculativeSampling
 
@@ -116,9 +116,7 @@ class ImportanceSampling(Verifier):
     def _walk_on_host(self, target: np.ndarray, drafts: np.ndarray, tokens: np.ndarray, rng: np.random.Generator):
         """The alive-row walk of :class:`~specdec_cli.verifiers.Verifier` → (tokens [L+1], accepted, row)."""
         num_drafts, draft_length = tokens.shape
-        # All rows can be alive together only while they share their prefix: solve those positions at once.
-        diverged = (tokens != tokens[:1]).any(0)  # [L]: rows differ at this token
-        shared = int(np.argmax(diverged)) + 1 if diverged.any() else draft_length  # positions 0..shared-1
+        shared = shared_prefix_length(tokens)  # positions where all rows can be alive: solved at once
         self._prepare_rows(np.concatenate([target[0, :shared, None], drafts[:, :shared].transpose(1, 0, 2)], axis=1))
         alive = list(range(num_drafts))
         outputs: list[int] = []

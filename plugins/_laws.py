@@ -78,14 +78,29 @@ def single_draft_block(
 
     accept ``[L]``: each draft token's acceptance probability; one uniform per position, the
     first rejection by a cumulative product, and one draw: from ``residual_at(n)`` ``[V]`` at the
-    first rejected position n, or from q after the whole block (target_probs ``[L+1, V]``) for
-    the bonus token. draft_tokens ``[L]``.
+    first rejected position n, or the bonus token (see :func:`commit_after`). draft_tokens ``[L]``.
     """
     draft_length = draft_tokens.shape[0]
     accepted = uniforms_like(accept, generator) < accept  # [L]
     num_accepted = accepted.long().cumprod(0).sum()  # []
     rejected_at = num_accepted.clamp(max=draft_length - 1)  # []: a valid row even when none was rejected
-    law = torch.where(num_accepted < draft_length, residual_at(rejected_at), row_at(target_probs, num_accepted))
+    return commit_after(num_accepted, residual_at(rejected_at), target_probs, draft_tokens, generator)
+
+
+def commit_after(
+    num_accepted: torch.Tensor,
+    residual: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None,
+) -> BlockDecision:
+    """The single-draft decision once ``num_accepted`` ``[]`` draft tokens are kept.
+
+    The next token is drawn from ``residual`` ``[V]`` (weights, after a rejection) or, when all
+    L were accepted, from q after the whole block (target_probs ``[L+1, V]``: the bonus token),
+    and placed after the accepted prefix of draft_tokens ``[L]``.
+    """
+    law = torch.where(num_accepted < draft_tokens.shape[0], residual, row_at(target_probs, num_accepted))  # [V]
     token = sample(law, generator).view(1)  # [1]
     tokens = torch.cat([draft_tokens, token]).scatter(0, num_accepted.view(1), token)  # [L+1]
     return BlockDecision(tokens, num_accepted, torch.zeros_like(num_accepted))

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.sampling import sample
-from specdec_cli.verifiers import BlockDecision, BlockVerifier
+from specdec_cli.verifiers import BlockVerifier
 
-from ._laws import TINY, normalized_or, row_at
+from ._laws import TINY, commit_after, normalized_or, row_at
 
 
 class BlockVerification(BlockVerifier):
@@ -44,10 +43,7 @@ class BlockVerification(BlockVerifier):
         accepted = (positions * (eta < stop[1:]).long()).max()  # []: τ, the last t with η_t < h_t, else 0
         stopped_at = accepted.clamp(max=draft_length - 1)  # []: a valid residual row even when τ = L
         residual = _excess(row_at(weights, stopped_at), row_at(q, stopped_at), row_at(p, stopped_at))  # [V]
-        law = torch.where(accepted < draft_length, residual, row_at(q, accepted))  # [V]
-        token = sample(law, generator).view(1)  # [1]
-        tokens = torch.cat([x, token]).scatter(0, accepted.view(1), token)  # [L+1]
-        return BlockDecision(tokens, accepted, torch.zeros_like(accepted))
+        return commit_after(accepted, residual, q, x, generator)
 
     def block_law(self, target_probs, draft_probs, draft_tokens):
         """P(τ = t) = h_t Π_{j > t} (1 - h_j) with h_0 = 1, times the law of the token that follows."""

@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from stevedore import driver
 
@@ -179,9 +180,11 @@ class Verifier(BlockVerifier):
         return torch.stack(outputs).gather(0, (count - 1).view(1)).squeeze(0)
 
     def prepare(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> None:
-        """Optional: called once per block with every position's laws, before the positions are walked.
+        """Optional: called once per block with the positions' laws, before the positions are walked.
 
-        target_probs ``[L, V]``, draft_probs ``[L, K, V]`` (all drafts alive). Schemes that solve a
+        target_probs ``[n, V]``, draft_probs ``[n, K, V]`` as if all drafts were alive (the device walk
+        passes all L positions; where the tokens are known on the host, only the first
+        :func:`shared_prefix_length` positions, the ones where that can happen). Schemes that solve a
         problem per position (the importance-sampling LPs) solve them here in one batched call;
         the default does nothing.
         """
@@ -221,7 +224,8 @@ class Verifier(BlockVerifier):
         """The walk's exact law, by recursion over the alive sets (host loops: for tests only)."""
         num_drafts, draft_length = draft_tokens.shape
         law = torch.zeros(target_probs.shape, dtype=target_probs.dtype)  # [K, L+1, V]
-        self.prepare(target_probs[0, :draft_length], draft_probs.transpose(0, 1))
+        shared = shared_prefix_length(draft_tokens.numpy(force=True))
+        self.prepare(target_probs[0, :shared], draft_probs[:, :shared].transpose(0, 1))
 
         def walk(t: int, alive: list[int], mass: float) -> None:
             if t == draft_length:
@@ -237,6 +241,17 @@ class Verifier(BlockVerifier):
 
         walk(0, list(range(num_drafts)), 1.0)
         return law
+
+
+def shared_prefix_length(draft_tokens: np.ndarray) -> int:
+    """Positions at which all rows of ``draft_tokens`` ``[K, L]`` can still be alive together.
+
+    Rows are alive together at position t only if they drew the same tokens before it, so a
+    scheme that prepares "all rows alive" problems needs positions 0..n-1 only: n is one past
+    the first position where the rows differ, or L.
+    """
+    differs = (draft_tokens != draft_tokens[:1]).any(0)  # [L]
+    return int(np.argmax(differs)) + 1 if differs.any() else draft_tokens.shape[1]
 
 
 def first_rejection(

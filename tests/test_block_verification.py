@@ -285,3 +285,4 @@ def test_is_lp_solves_only_what_rows_alive_together_need():
         decision = verifier.verify_block(target_probs, draft_probs, draft_tokens, generator)
         n, row = int(decision.num_accepted), int(decision.row)
         assert decision.tokens[:n].tolist() == draft_tokens[row, :n].tolist()
+    assert float(verifier.block_law(target_probs, draft_probs, draft_tokens).sum()) == pytest.approx(1.0, abs=1e-12)

@@ -197,6 +197,7 @@ def summarize(config: dict, records: list[dict]) -> dict:
     cells = []
     for spec in config["cells"]:
         cell = Cell(**{**spec, "draft_temperatures": tuple(spec["draft_temperatures"]) if spec["draft_temperatures"] else None})
+        per_token = cell.verifier == BASELINE or token_level(cell.verifier)
         per_seed = {}
         for seed, samples in sorted(by_cell.get(cell.key, {}).items()):
             samples = sorted(samples, key=lambda r: r["index"])
@@ -204,8 +205,8 @@ def summarize(config: dict, records: list[dict]) -> dict:
             metrics.update(corpus_quality(metrics_wanted, [r["text"] for r in samples], [r["reference"] for r in samples]))
             baseline = [r for r in by_cell.get(cell.baseline_key, {}).get(seed, [])]
             if cell.verifier != BASELINE and baseline:
-                _add_speedup(metrics, cell, samples, baseline, token_level(cell.verifier))
-            if cell.verifier != BASELINE and not token_level(cell.verifier):
+                _add_speedup(metrics, cell, samples, baseline, per_token)
+            if not per_token:
                 del metrics["token_acceptance"]  # a block-level decision has no per-token acceptance
             if config["task"]["per_category"]:
                 metrics["tokens_per_second_by_category"] = _by_category(samples)
