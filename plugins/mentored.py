@@ -13,11 +13,27 @@ with 1 - R = Σ (p_i - q_i/α)+ = Σ (q_i/β - p_i)+ fixing β from α (eq. 24, 
     KL(α) = ln α Σ_{≤α} q_i + Σ_{]α,β[} q_i ln(q_i/p_i) + ln β Σ_{≥β} q_i.
 
 KL decreases in α from KL(q‖p) (α → min q/p, R = 1) to 0 (α = 1: speculative sampling).
-α is found by bisection until KL ∈ [(1-γ)D, (1+γ)D] (Algorithm 1), vectorised over the batch
-with sorted cumulative sums; when KL(q‖p) ≤ D every draft token is accepted outright.
+When KL(q‖p) ≤ D every draft token is accepted outright.
+
+Solving KL = D exactly, in O(V log V) per position (this project's derivation from the proof's
+closed form): write everything as a function of the rejected mass ρ = 1 - R. Then
+α(ρ) = Q_≤α / (P_≤α - ρ) and β(ρ) = Q_≥β / (P_≥β + ρ) are monotone, and
+
+    dKL/dρ = α - β ≤ 0,   d²KL/dρ² = α²/Q_≤α + β²/Q_≥β > 0  inside a segment,
+
+so KL(ρ) is decreasing and, between two breakpoints (a token crossing α or β), smooth and convex.
+One sort by q/p gives prefix sums of q, p and q ln(q/p); every breakpoint's KL is evaluated at
+once; the bracketing segment's equation is solved by Newton's method from its left end (monotone
+for a convex decreasing function). KL(q ‖ π) = D to rounding; the proof's Algorithm 1 bisected
+into a band [(1-γ)D, (1+γ)D] instead, and ``tolerance`` (γ) is now accepted and ignored.
+Tran-Thien & Nock (arXiv 2609.30474) treat this structure for every f-divergence; their text
+was not reachable from this project's machines, so nothing here is taken from it.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 
@@ -25,7 +41,8 @@ from specdec_cli.verifiers import Verifier
 
 from ._laws import first_accepted, normalized_or, row_at, single_draft_block
 
-_BISECTION_STEPS = 64  # float64 bisection on ]0, 1] is exhausted well before this
+_NEWTON_STEPS = 24  # safeguarded Newton: quadratic once close
+TINY = torch.finfo(torch.float64).tiny
 
 
 class MentoredDecoding(Verifier):
@@ -33,16 +50,16 @@ class MentoredDecoding(Verifier):
     lossless = False
     max_drafts = 1
 
-    def __init__(self, *, kl: float = 0.0, tolerance: float = 1e-3):
+    def __init__(self, *, kl: float = 0.0, tolerance: float | None = None):
+        """``tolerance`` is accepted and ignored: the bound is now met exactly (kept so recipes still load)."""
         if not kl >= 0:
             raise ValueError(f"mentored: kl must be >= 0 (nats), got {kl}")
-        if not 0 < tolerance < 1:
+        if tolerance is not None and not 0 < tolerance < 1:
             raise ValueError(f"mentored: tolerance must be in ]0, 1[, got {tolerance}")
         self.kl = float(kl)
-        self.tolerance = float(tolerance)
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
-        solution = _solve(target_probs, draft_probs[..., 0, :], self.kl, self.tolerance)
+        solution = self.solve(target_probs, draft_probs)
         x = draft_tokens[..., :1]  # [..., 1]
         r_x = solution.acceptance_of(x)  # [..., 1]
         law = (1 - r_x) * solution.residual()  # [..., V]
@@ -52,23 +69,27 @@ class MentoredDecoding(Verifier):
         q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
         x = draft_tokens[..., :1]  # [..., 1]
         u = torch.rand(x.shape, generator=generator, device=q.device, dtype=torch.float64)  # [..., 1]
-        solution = _solve(q, p, self.kl, self.tolerance)
+        solution = _solve(q, p, self.kl)
         return first_accepted(u, solution.acceptance_of(x), x, solution.residual(), generator)
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
         q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
-        solution = _solve(q[:-1], p, self.kl, self.tolerance)  # every position's α and β in one call
+        solution = _solve(q[:-1], p, self.kl)  # every position's α and β in one call
         accept = solution.acceptance_of(x.unsqueeze(-1)).squeeze(-1)  # [L]: r_x
         return single_draft_block(accept, lambda n: solution.residual_row(n).to(q.dtype), q, x, generator)
 
     def acceptance_probability(self, target_probs, draft_probs):
         """R = 1 - Σ (p_i - q_i/α)+ : exact, since the residual never returns a rejected token."""
-        solution = _solve(target_probs, draft_probs[..., 0, :], self.kl, self.tolerance)
+        solution = self.solve(target_probs, draft_probs)
         return (1 - solution.rejected_mass.squeeze(-1)).to(target_probs.dtype)
 
+    def solve(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> "_Solution":
+        """α, β, 1 - R and KL for q ``[..., V]`` and one draft's p ``[..., 1, V]`` (float64)."""
+        return _solve(target_probs, draft_probs[..., 0, :], self.kl)
+
     def output_kl(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-        """KL(q ‖ π) of the output law π, in nats → ``[...]`` (the quantity bounded by D(1+γ))."""
-        solution = _solve(target_probs, draft_probs[..., 0, :], self.kl, self.tolerance)
+        """KL(q ‖ π) of the output law π, in nats → ``[...]``: D itself whenever D < KL(q ‖ p)."""
+        solution = self.solve(target_probs, draft_probs)
         return solution.kl.squeeze(-1).to(target_probs.dtype)
 
 
@@ -101,58 +122,144 @@ def _residual(q: torch.Tensor, p: torch.Tensor, beta: torch.Tensor) -> torch.Ten
     return normalized_or((q / beta - p).clamp_min(0), q)
 
 
-def _solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, tolerance: float) -> _Solution:
-    q, p = target_probs.double(), draft_probs.double()  # [..., V]
-    ratio = torch.where(q > 0, q / p, torch.zeros_like(q))  # [..., V]: inf where p = 0 < q
-    order = ratio.argsort(-1)
-    t = ratio.gather(-1, order)  # [..., V] ascending
-    q_sorted, p_sorted = q.gather(-1, order), p.gather(-1, order)  # [..., V]
-    zero = torch.zeros_like(q[..., :1])  # [..., 1]
-    q_prefix = torch.cat([zero, q_sorted.cumsum(-1)], -1)  # [..., V+1]
-    p_prefix = torch.cat([zero, p_sorted.cumsum(-1)], -1)  # [..., V+1]
-    q_suffix = q_prefix[..., -1:] - q_prefix  # [..., V+1]: Σ_{i >= k}
-    p_suffix = p_prefix[..., -1:] - p_prefix  # [..., V+1]
-    q_log_ratio = torch.where(q_sorted > 0, q_sorted * (q_sorted / p_sorted).log(), torch.zeros_like(q_sorted))
-    kl_prefix = torch.cat([zero, q_log_ratio.cumsum(-1)], -1)  # [..., V+1]
+def _solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float) -> _Solution:
+    """The exact optimum for every row: one sort by q/p, then a Newton solve inside one segment.
 
-    def evaluate(alpha: torch.Tensor):
-        """(β, 1 - R, KL) at α ``[..., 1]`` (α > 0)."""
-        low = torch.searchsorted(t.contiguous(), alpha, right=True)  # [..., 1]: #{q/p <= α}
-        q_low, p_low = q_prefix.gather(-1, low), p_prefix.gather(-1, low)  # [..., 1]
-        rejected = (p_low - q_low / alpha).clamp_min(0)  # [..., 1]: 1 - R  (eq. 24)
-        # β = max over suffixes S of q(S) / (p(S) + 1 - R)  (eq. 27-28: Σ (q_i - β p_i)+ = β (1 - R)).
-        candidates = q_suffix[..., :-1] / (p_suffix[..., :-1] + rejected)  # [..., V]
-        candidates = torch.where(q_suffix[..., :-1] > 0, candidates, torch.zeros_like(candidates))
-        beta, start = candidates.max(-1, keepdim=True)  # [..., 1]
-        beta = beta.clamp_min(1.0)
-        start = torch.maximum(start, low)  # tokens with q/p >= β start here
-        kl = (
-            alpha.log() * q_low
-            + (kl_prefix.gather(-1, start) - kl_prefix.gather(-1, low))
-            + beta.log() * q_suffix.gather(-1, start)
-        )  # [..., 1]
-        return beta, rejected, kl
+    Parametrised by the rejected mass ρ = 1 - R, α(ρ) and β(ρ) are both monotone and
+    dKL/dρ = α - β ≤ 0, so KL(ρ) = D has one root. A binary search over the breakpoints (ρ where
+    a token crosses α or β) finds the segment that holds it; inside, KL(ρ) is smooth and convex
+    and a safeguarded Newton iteration finds the root to rounding.
+    """
+    # Renormalised in float64: float32 laws sum to 1 only within 1e-7, and the closed form relies on
+    # Σq = Σp (e.g. Σ (p - q/α)+ = Σ (q/β - p)+) far more tightly than that.
+    q, p = (probs.double() / probs.double().sum(-1, keepdim=True) for probs in (target_probs, draft_probs))
+    table = _SortedTable(q, p)
+    low, high = table.bracket(bound)  # [..., 1] each
+    # D = 0 is speculative sampling (α = β = 1), a double root that Newton only approaches.
+    rho = table.newton(low, high, bound) if bound > 0 else table.rho_max  # [..., 1]
+    alpha, beta, divergence = table.at(rho, *table.segment(low))
+    outright = table.full_kl <= bound  # accept every draft token: π = p
+    zero = torch.zeros_like(rho)
+    return _Solution(
+        table.q, table.p,
+        alpha=torch.where(outright, zero, alpha),
+        beta=torch.where(outright, torch.full_like(beta, float("inf")), beta),
+        rejected_mass=torch.where(outright, zero, rho),
+        kl=torch.where(outright, table.full_kl, divergence),
+    )  # fmt: skip
 
-    full_kl = kl_prefix[..., -1:]  # [..., 1]: KL(q ‖ p), inf where p misses q's support
-    ones = torch.ones_like(zero)
-    lo, hi = zero.clone(), ones.clone()  # KL(lo) > D(1+γ) side, KL(hi) < D(1-γ) side
-    found = torch.zeros_like(zero, dtype=torch.bool)
-    alpha = ones.clone()
-    if bound > 0:
-        for _ in range(_BISECTION_STEPS):
-            mid = (lo + hi) / 2
-            _, _, kl = evaluate(mid)
-            in_band = ~found & (kl >= (1 - tolerance) * bound) & (kl <= (1 + tolerance) * bound)
-            alpha = torch.where(in_band, mid, alpha)
-            found = found | in_band
-            hi = torch.where(kl < (1 - tolerance) * bound, mid, hi)
-            lo = torch.where(kl > (1 + tolerance) * bound, mid, lo)
-        # A row that never entered the band (D beyond reach, or D = 0) keeps its safe end: KL < D.
-        alpha = torch.where(found, alpha, hi)
-    beta, rejected, kl = evaluate(alpha)
-    outright = full_kl <= bound  # accept every draft token: π = p
-    alpha = torch.where(outright, zero, alpha)
-    beta = torch.where(outright, torch.full_like(beta, float("inf")), beta)
-    rejected = torch.where(outright, zero, rejected)
-    kl = torch.where(outright, full_kl, kl)
-    return _Solution(q, p, alpha, beta, rejected, kl)
+
+class _SortedTable:
+    """q and p sorted by t = q/p, with the prefix sums every KL evaluation needs (float64).
+
+    Zero-q tokens sort first (t = 0, always rejected), p = 0 < q tokens last (t = ∞, always in β's
+    group). A segment is (l, h): tokens [0, l) have t ≤ α, tokens [h, V) have t ≥ β.
+    """
+
+    def __init__(self, q: torch.Tensor, p: torch.Tensor):
+        self.q, self.p = q, p  # [..., V]
+        ratio = torch.where(q > 0, q / p, torch.zeros_like(q))  # [..., V]
+        self.t, order = ratio.sort(-1)  # [..., V] ascending
+        q_sorted, p_sorted = q.gather(-1, order), p.gather(-1, order)  # [..., V]
+        q_log_ratio = torch.where(q_sorted > 0, q_sorted * self.t.log(), torch.zeros_like(q_sorted))  # [..., V]
+        self.q_prefix, self.p_prefix, self.kl_prefix = (
+            torch.nn.functional.pad(values.cumsum(-1), (1, 0)) for values in (q_sorted, p_sorted, q_log_ratio)
+        )  # [..., V+1] each: Σ over tokens [0, k)
+        self.q_suffix = self.q_prefix[..., -1:] - self.q_prefix  # [..., V+1]: Σ over [k, V)
+        self.p_suffix = self.p_prefix[..., -1:] - self.p_prefix  # [..., V+1]
+        self.full_kl = self.kl_prefix[..., -1:]  # [..., 1]: KL(q ‖ p), inf where p misses q's support
+        # ρ at which α reaches t_k (tokens with t > 1 are never below α ≤ 1): non-decreasing in k.
+        alpha_rho = self.p_prefix[..., 1:] - self.q_prefix[..., 1:] / self.t.clamp_min(TINY)  # [..., V]
+        self.alpha_rho = torch.where(self.t <= 1, alpha_rho, torch.full_like(alpha_rho, float("inf")))
+        # -ρ at which β reaches t_j (β ≥ 1, so only tokens with t ≥ 1): non-decreasing in j.
+        beta_rho = (self.p_suffix[..., :-1] - self.q_suffix[..., :-1] / self.t).clamp_max(0)  # [..., V]
+        self.minus_beta_rho = torch.where(self.t >= 1, beta_rho, torch.full_like(beta_rho, -float("inf")))
+        self.rho_min = self.p_prefix.gather(-1, (self.t == 0).sum(-1, keepdim=True))  # [..., 1]: p(q = 0)
+        self.rho_max = (self.p - self.q).clamp_min(0).sum(-1, keepdim=True)  # [..., 1]: α = 1, speculative
+
+    def bracket(self, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two consecutive breakpoints ρ (a token crossing α or β) with KL ≥ D at the first and
+        KL < D at the second (ρ_min and ρ_max at the ends) → ``[..., 1]`` each."""
+        clip = functools.partial(_clip, low=self.rho_min, high=self.rho_max)
+        low, high = self.rho_min, self.rho_max
+        # α's breakpoints ascend with the token index, β's descend: flipped so both ascend.
+        for points in (clip(self.alpha_rho), clip(-self.minus_beta_rho).flip(-1)):  # [..., V] each
+            count = self._count_at_or_above(points, bound)  # [..., 1]
+            last = points.gather(-1, (count - 1).clamp_min(0))
+            following = points.gather(-1, count.clamp(max=points.shape[-1] - 1))
+            low = torch.maximum(low, torch.where(count > 0, last, self.rho_min))
+            high = torch.minimum(high, torch.where(count < points.shape[-1], following, self.rho_max))
+        return low, high.clamp_min(low)
+
+    def _count_at_or_above(self, points: torch.Tensor, bound: float) -> torch.Tensor:
+        """How many of the ascending ``points`` ``[..., V]`` have KL ≥ D (a prefix: KL falls with ρ),
+        by binary search: O(log V) evaluations of KL, each O(log V)."""
+        size = points.shape[-1]
+        low = torch.zeros_like(points[..., :1], dtype=torch.long)  # [..., 1]
+        high = torch.full_like(low, size)
+        for _ in range(size.bit_length()):
+            middle = (low + high) // 2
+            above = (self.kl_at(points.gather(-1, middle.clamp(max=size - 1))) >= bound) & (middle < high)
+            low = torch.where(above, middle + 1, low)
+            high = torch.where(above, high, middle)
+        return low
+
+    def segment(self, rho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(l, h) for ρ ``[..., M]`` (the segment just right of ρ at a breakpoint) → two ``[..., M]``."""
+        low = torch.searchsorted(self.alpha_rho.contiguous(), rho.contiguous(), right=True)
+        high = torch.searchsorted(self.minus_beta_rho.contiguous(), (-rho).contiguous(), right=False)
+        return low, high
+
+    def at(self, rho: torch.Tensor, low: torch.Tensor, high: torch.Tensor):
+        """α, β and KL(ρ) ``[..., M]`` each, for ρ inside segment (l, h) (eq. 24, 27-28)."""
+        return _Segment(self, low, high).at(rho)
+
+    def kl_at(self, rho: torch.Tensor) -> torch.Tensor:
+        return self.at(rho, *self.segment(rho))[2]
+
+    def newton(self, low: torch.Tensor, high: torch.Tensor, bound: float) -> torch.Tensor:
+        """The root of KL(ρ) = D in [low, high] ``[..., 1]`` (KL ≥ D at low, < D at high).
+
+        Two Newton steps are on offer each iteration. On √KL - √D: fast near ρ_max, where KL
+        vanishes quadratically (α and β both reach 1) and Newton on KL would only halve the error
+        per step; but it may overshoot. On KL from the bracket's left end: never overshoots (KL is
+        convex and decreasing), so it is the fallback whenever the first leaves the bracket.
+        """
+        segment = _Segment(self, *self.segment(low))
+        alpha, beta, kl = segment.at(low)
+        safe = low - (kl - bound) / (alpha - beta).clamp(max=-TINY)  # [..., 1]
+        rho = low
+        for _ in range(_NEWTON_STEPS):
+            alpha, beta, kl = segment.at(rho)
+            above = kl >= bound  # [..., 1]
+            slope = (alpha - beta).clamp(max=-TINY)  # [..., 1]: dKL/dρ
+            low = torch.where(above, rho, low)
+            high = torch.where(above, high, rho)
+            safe = torch.where(above, rho - (kl - bound) / slope, safe).clamp(min=low, max=high)
+            root = kl.clamp_min(0).sqrt()
+            fast = rho - (root - math.sqrt(bound)) * 2 * root / slope  # Newton on √KL: d√KL = dKL / 2√KL
+            # KL = ∞ at ρ = 0 when p misses q's support: no step from there, so bisect once.
+            fallback = torch.where(safe.isfinite(), safe, (low + high) / 2)
+            rho = torch.where((fast > low) & (fast < high), fast, fallback)
+        return rho
+
+
+class _Segment:
+    """The sums that stay fixed while ρ moves inside one segment (l, h): KL(ρ) in O(1)."""
+
+    def __init__(self, table: _SortedTable, low: torch.Tensor, high: torch.Tensor):
+        high = high.clamp(max=table.t.shape[-1] - 1)  # the largest ratio is always in β's group
+        self.q_low, self.p_low = table.q_prefix.gather(-1, low), table.p_prefix.gather(-1, low)  # [..., M]
+        self.q_high, self.p_high = table.q_suffix.gather(-1, high), table.p_suffix.gather(-1, high)  # [..., M]
+        self.band = table.kl_prefix.gather(-1, high) - table.kl_prefix.gather(-1, low)  # [..., M]
+
+    def at(self, rho: torch.Tensor):
+        """α, β and KL at ρ ``[..., M]``."""
+        # Only zero-q tokens below α: any α below the smallest positive ratio; TINY stands for it.
+        alpha = torch.where(self.q_low > 0, self.q_low / (self.p_low - rho).clamp_min(TINY), TINY)
+        beta = self.q_high / (self.p_high + rho)  # [..., M]
+        return alpha, beta, self.q_low * alpha.log() + self.band + self.q_high * beta.log()
+
+
+def _clip(values: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(torch.minimum(values, high), low)

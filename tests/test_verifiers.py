@@ -197,22 +197,57 @@ def _mentored_optimum(target, draft, bound) -> float:
 
 
 @pytest.mark.parametrize("bound", [0.01, 0.05, 0.2])
-def test_mentored_meets_its_kl_bound_with_optimal_acceptance(bound):
+def test_mentored_meets_its_kl_bound_exactly_with_optimal_acceptance(bound):
+    """KL(q ‖ output) = D exactly (enumerated output law) and no rule within D accepts more (SLSQP)."""
     generator = torch.Generator().manual_seed(11)
-    tolerance = 1e-3
-    verifier = load_verifier("mentored", {"kl": bound, "tolerance": tolerance})
+    verifier = load_verifier("mentored", {"kl": bound})
     for _ in range(6):
         target, draft = random_distributions(generator, (2, 5), sparsity=0.0)
         law = enumerate_output_law(verifier, target, draft.unsqueeze(0))
         divergence = _kl(target, law)
-        assert divergence <= bound * (1 + tolerance) + 1e-12
-        assert float(verifier.output_kl(target, draft.unsqueeze(0))) == pytest.approx(divergence, abs=1e-9)
+        assert float(verifier.output_kl(target, draft.unsqueeze(0))) == pytest.approx(divergence, abs=1e-12)
         acceptance = float(verifier.acceptance_probability(target, draft.unsqueeze(0)))
         if _kl(target, draft) <= bound:
             assert acceptance == pytest.approx(1.0)
             continue
-        assert acceptance >= _mentored_optimum(target, draft, bound * (1 - tolerance)) - 1e-6
-        assert acceptance <= _mentored_optimum(target, draft, bound * (1 + tolerance)) + 1e-6
+        assert divergence == pytest.approx(bound, rel=1e-9)
+        assert acceptance == pytest.approx(_mentored_optimum(target, draft, bound), abs=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [2, 50, 4000])
+def test_mentored_solves_kl_equals_d_to_rounding_at_any_vocabulary(vocab):
+    """The one-sort solve hits D to 1e-9 relative across bounds spanning 1e-6..2 nats, peaked or flat laws.
+
+    KL is recomputed here from α and β by the proof's output law, independently of the solver's sums.
+    """
+    generator = torch.Generator().manual_seed(vocab)
+    verifier = load_verifier("mentored", {"kl": 0.0})
+    checked = 0
+    for sharpness in (1.0, 3.0):
+        target, draft = random_distributions(generator, (2, vocab), sparsity=0.0)
+        target = (target.log() * sharpness).softmax(-1)
+        for bound in (1e-6, 1e-3, 0.05, 0.5, 2.0):
+            if bound >= _kl(target, draft):
+                continue
+            verifier.kl = bound
+            solution = verifier.solve(target, draft.unsqueeze(0))
+            ratio = target / draft
+            output = torch.where(ratio <= solution.alpha, target / solution.alpha,
+                                 torch.where(ratio >= solution.beta, target / solution.beta, draft))  # fmt: skip
+            assert float(output.sum()) == pytest.approx(1.0, abs=1e-12)
+            assert _kl(target, output) == pytest.approx(bound, rel=1e-9)
+            # Negative control: the old bisection's band (D ± 0.1 %) would fail this check.
+            assert _kl(target, output) != pytest.approx(bound * (1 + 1e-3), rel=1e-9)
+            checked += 1
+    assert checked >= 4
+
+
+def test_mentored_tolerance_is_accepted_and_ignored():
+    generator = torch.Generator().manual_seed(3)
+    target, draft = random_distributions(generator, (2, 6), sparsity=0.0)
+    drafts = draft.unsqueeze(0)
+    exact = load_verifier("mentored", {"kl": 0.05}).acceptance_probability(target, drafts)
+    assert load_verifier("mentored", {"kl": 0.05, "tolerance": 0.1}).acceptance_probability(target, drafts) == exact
 
 
 def test_mentored_acceptance_grows_with_the_bound_and_zero_is_speculative():
