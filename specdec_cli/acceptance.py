@@ -4,8 +4,9 @@ For each prompt the target alone generates a continuation (seeded); at every gen
 position the target law q and each draft config's law p are computed for the same prefix,
 and each verifier's ``acceptance_probability`` is evaluated there for every number of drafts K.
 K drafts are drawn round-robin from the draft configs (one config: K identical drafts).
-The optimum row is Khisti et al.'s Theorem 3 (exact for K = 2 identical drafts; with exponent
-K the paper's conjecture for other K), computed exactly on the full vocabulary.
+The optimum row is the best acceptance of any lossless rule (the optimal-transport dual of Hu et
+al. 2025; Khisti et al., Theorem 3): exact on the full vocabulary for K identical drafts, and for
+K = 2 different drafts when they share at most ``MAX_TWO_DRAFT_SUPPORT`` tokens (see ``theory``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from .engine import SpeculativeDecoder, load_drafts, sample_seed
 from .errors import SpecdecError, UsageError
 from .recipe import Recipe
 from .sampling import probs_from_logits
-from .theory import optimal_acceptance
+from .theory import (
+    MAX_TWO_DRAFT_SUPPORT,
+    optimal_acceptance,
+    optimal_acceptance_two_drafts,
+    two_draft_support,
+)
 from .verifiers import VerifierRegistry
 
 OPTIMUM = "optimum"
@@ -168,12 +174,11 @@ class AcceptanceAnalysis:
         for num_drafts in self.request.num_drafts:
             drafts = configs[:, [k % self.num_configs for k in range(num_drafts)]]  # [T, K, V]
             identical = self.num_configs == 1 or num_drafts == 1
-            if identical:
-                result.values.setdefault(OPTIMUM, {})[num_drafts] = optimal_acceptance(
-                    target, drafts[:, 0], num_drafts
-                ).tolist()
+            optimum, reason = _optimum(target, drafts, identical)
+            if optimum is None:
+                unavailable[f"{OPTIMUM}|{num_drafts}"] = reason
             else:
-                unavailable[f"{OPTIMUM}|{num_drafts}"] = "the closed-form optimum is for identical drafts"
+                result.values.setdefault(OPTIMUM, {})[num_drafts] = optimum
             for name, verifier in self.verifiers.items():
                 reason = _why_not(verifier, num_drafts, identical)
                 if reason is None:
@@ -191,6 +196,22 @@ class AcceptanceAnalysis:
                 else:
                     unavailable[f"{row}|{num_drafts}"] = "mentored takes one draft"
         return result
+
+
+def _optimum(target: torch.Tensor, drafts: torch.Tensor, identical: bool) -> tuple[list[float] | None, str]:
+    """The optimum at each position for target ``[T, V]`` and drafts ``[T, K, V]``, or why it is not given."""
+    num_drafts = drafts.shape[1]
+    if identical:
+        return optimal_acceptance(target, drafts[:, 0], num_drafts).tolist(), ""
+    if num_drafts > 2:
+        return None, "not computed for K > 2 different drafts (exact here for identical drafts and for K = 2)"
+    support = int(two_draft_support(drafts[:, 0], drafts[:, 1]).max())
+    if support > MAX_TWO_DRAFT_SUPPORT:
+        return None, (
+            f"not computed: the two different drafts share up to {support} tokens, and the exact optimum "
+            f"for different drafts takes at most {MAX_TWO_DRAFT_SUPPORT} (restrict sampling, e.g. --top-k 50)"
+        )
+    return [float(optimal_acceptance_two_drafts(q, p[0], p[1])) for q, p in zip(target, drafts)], ""
 
 
 def _why_not(verifier, num_drafts: int, identical: bool) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .sampling import SamplingParams, probs_from_logits
-from .theory import optimal_acceptance  # noqa: F401  (re-exported for plugin authors)
+from .theory import optimal_acceptance, optimal_acceptance_two_drafts  # noqa: F401  (re-exported for plugin authors)
 
 TINY_VOCAB = ["<pad>", "</s>", "<unk>", "a", "b", "c", "d", "e"]
 PAD_ID, EOS_ID = 0, 1

@@ -103,7 +103,8 @@ def render_table(report: AcceptanceReport) -> Table:
         title="token-level acceptance probability",
         caption=(
             f"mean ± standard error over {positions} positions of {len(report.prompts)} prompts; "
-            "optimum: Theorem 3 (exact for K=2 identical drafts, conjectured for K>2), exact on the full vocabulary"
+            "optimum: best of any lossless rule (Hu et al. 2025; Khisti et al. Thm 3), exact: full vocabulary "
+            "for identical drafts, K=2 different drafts sharing at most 128 tokens"
         ),
     )
     table.add_column("verifier", no_wrap=True)
