@@ -10,7 +10,12 @@ w_ij = P(Y = i | X1 = i, X2 = j), and
     p_I(i) = a_i b_i + Σ_{j≠i} a_i b_j w_ij + Σ_{j≠i} a_j b_i (1 - w_ji).
 Tokens are ranked by c_i - a_i b_i (c = target law); the weights among the *free* tokens are
 LP variables, and every pair that involves another token goes to its higher-ranked member
-(§4's truncated LP; with every token free this is the exact LP). K > 2 drafts: successive
+(§4's truncated LP; with every token free this is the exact LP). That ranked tail can accept far
+less than one draft when the draft is close to the target (p_I of a pair's winner is no longer
+near q). So each stage also solves the LP with a fair-coin tail (a pair with a non-free token
+goes to either member with probability 1/2: with identical drafts and every weight 1/2, p_I = p)
+and keeps whichever reaches the larger Σ min(c, p_I): lossless either way, the choice depending
+on the laws only, never below one draft's acceptance, and never below §4's guarantee. K > 2 drafts: successive
 pairwise selection, (x1, x2) → Y1 of law p_I1, then (Y1, x3) with laws (p_I1, p_3), … (Remark 4).
 
 The LPs are solved on the host with scipy's HiGHS: one call per selection stage for every row
@@ -22,6 +27,7 @@ decision goes back to the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,10 +50,14 @@ class PairSelection:
     free_position: np.ndarray  # [V]: index into the free tokens, -1 if not free
     weights: np.ndarray  # [m, m]: P(Y = free_i | X1 = free_i, X2 = free_j)
     law: np.ndarray  # [V]: p_I, the law of the selected token
+    even: bool  # a pair that involves a non-free token: a fair coin (True) or the higher rank (False)
 
     def keep_first(self, second: int) -> np.ndarray:
         """P(Y = y | X1 = y, X2 = second) for every y ``[V]`` (1 where y = second)."""
-        keep = (self.rank < self.rank[second]).astype(np.float64)  # [V]: deterministic: higher rank wins
+        if self.even:
+            keep = np.full(self.rank.shape, 0.5)  # [V]
+        else:
+            keep = (self.rank < self.rank[second]).astype(np.float64)  # [V]: higher rank wins
         j = self.free_position[second]
         if j >= 0:
             free = self.free_position >= 0  # [V]
@@ -66,9 +76,10 @@ class ImportanceSampling(Verifier):
         """Token ids whose pair weights are LP variables, given tokens in rank order and the draft support."""
         raise NotImplementedError
 
-    def alphabet_size(self, vocab: int) -> int:
-        """How many of the target's most likely tokens the scheme runs on (the rest is mixed back exactly)."""
-        return vocab
+    def alphabet_size(self, target_descending: np.ndarray) -> int:
+        """How many of the target's most likely tokens the scheme runs on (the rest is mixed back exactly),
+        given the target's probabilities in descending order ``[V]``."""
+        return len(target_descending)
 
     # ----------------------------------------------------------------------- contract
 
@@ -137,11 +148,11 @@ class ImportanceSampling(Verifier):
 
     def _plans(self, rows: np.ndarray) -> tuple[list["_Plan"], np.ndarray]:
         """One plan per distinct (q, p_1..p_K) row of ``rows`` ``[N, K+1, V]``, and each row's plan index."""
-        vocab, num_drafts = rows.shape[-1], rows.shape[-2] - 1
+        num_drafts = rows.shape[-2] - 1
         prepared = getattr(self, "_prepared", {})
         # One candidate needs no selection LP, so no alphabet truncation either: the scheme is then
         # exactly speculative sampling, as every multi-draft scheme must be with one draft.
-        alphabet = self.alphabet_size(vocab) if num_drafts > 1 else vocab
+        alphabet = self.alphabet_size if num_drafts > 1 else len
         by_key: dict[bytes, int] = {}
         plans, inverse = [], []
         for row in rows:
@@ -164,18 +175,23 @@ class ImportanceSampling(Verifier):
             support = (first > 0) | (second > 0)  # [V]
             rankings.append(order)
             free_sets.append(self.free_tokens(order, support))
-        return solve_pair_selections(pairs, rankings, free_sets)
+        ranked = solve_pair_selections(pairs, rankings, free_sets, even=False)
+        even = solve_pair_selections(pairs, rankings, free_sets, even=True)
+        # Either rule is lossless, and which one a row uses depends on its laws only: keep the better.
+        return [max(options, key=lambda selection: np.minimum(target, selection.law).sum())
+                for options, (_, _, target) in zip(zip(ranked, even), pairs)]  # fmt: skip
 
 
 class _Plan:
     """Everything about one row: its target, drafts, alphabet and selection stages."""
 
-    def __init__(self, target: np.ndarray, drafts: np.ndarray, alphabet: int, key: bytes):
+    def __init__(self, target: np.ndarray, drafts: np.ndarray, alphabet: Callable[[np.ndarray], int], key: bytes):
         self.key = key
         self.target = target  # [V]
         self.drafts = drafts  # [K, V]
         inside = np.zeros(target.shape, dtype=bool)  # [V]
-        inside[np.argsort(-target, kind="stable")[:alphabet]] = True
+        order = np.argsort(-target, kind="stable")  # [V]
+        inside[order[: alphabet(target[order])]] = True
         self.inside_mass = float(target[inside].sum())  # q(O)
         outside = np.where(inside, 0.0, target)  # [V]
         # Decided on the outside mass itself: q(O) can round below 1 when O holds every token.
@@ -210,12 +226,16 @@ def solve_pair_selections(
     pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
     rankings: list[np.ndarray],
     free_sets: list[np.ndarray],
+    even: bool = False,
 ) -> list[PairSelection]:
     """Solve every row's pairwise-selection LP in one HiGHS call (a block-diagonal LP).
 
     Row r: laws (a, b) of the first and second candidate, target c, tokens in rank order, free
     token ids F (m of them). Variables w_ij (i, j in F; w_ii fixed at 0) and t_k (k in F):
-    maximise Σ t_k  s.t.  t_k ≤ c_k,  t_k ≤ p_I(k),  0 ≤ w ≤ 1.
+    maximise Σ t_k  s.t.  t_k ≤ c_k,  t_k ≤ p_I(k),  0 ≤ w ≤ 1. A pair that involves a token
+    outside F goes to its higher-ranked member (Khisti et al. §4), or with ``even`` to either
+    member with probability 1/2: then a non-free token's p_I is (a + b)/2, so with identical drafts
+    and every weight at 1/2 p_I = p, and the LP never accepts less than one draft does.
     """
     from scipy.optimize import linprog
     from scipy.sparse import coo_matrix
@@ -230,8 +250,8 @@ def solve_pair_selections(
         is_free[free] = True
         fa, fb, fc = a[free], b[free], c[free]  # [m] each
         outside_a, outside_b = a[~is_free].sum(), b[~is_free].sum()
-        # Free tokens outrank every other token, so they win all pairs with one.
-        base = fa * fb + fa * outside_b + fb * outside_a  # [m]
+        # Free tokens outrank every other token, so they win all pairs with one (half of them if even).
+        base = fa * fb + (fa * outside_b + fb * outside_a) * (0.5 if even else 1.0)  # [m]
         pair_mass = np.outer(fa, fb)  # [m, m]: a_i b_j
         np.fill_diagonal(pair_mass, 0.0)
         # Constraint k: t_k - Σ_j a_k b_j w_kj + Σ_j a_j b_k w_jk ≤ base_k + Σ_j a_j b_k
@@ -245,7 +265,7 @@ def solve_pair_selections(
         w_bounds = [(0.0, 0.0 if i == j else 1.0) for i in range(m) for j in range(m)]
         bounds += w_bounds + [(0.0, float(ck)) for ck in fc]
         objective.append(np.concatenate([np.zeros(m * m), -np.ones(m)]))
-        layouts.append((column, m, order, free, is_free))
+        layouts.append((column, m, order, free, is_free, even))
         column += m * m + m
         constraint += m
     solution = np.zeros(0)
@@ -262,21 +282,24 @@ def solve_pair_selections(
     return [_selection(a, b, solution, *layout) for (a, b, _), layout in zip(pairs, layouts)]
 
 
-def _selection(a, b, solution, start, m, order, free, is_free) -> PairSelection:
+def _selection(a, b, solution, start, m, order, free, is_free, even) -> PairSelection:
     """One row's solved rule: its LP weights and the law p_I of the selected candidate."""
     weights = solution[start : start + m * m].reshape(m, m).clip(0, 1)  # [m, m]
     np.fill_diagonal(weights, 0.0)
-    # Non-free tokens: they win exactly the pairs with lower-ranked tokens.
-    law = a * b + a * _mass_ranked_below(b, order) + b * _mass_ranked_below(a, order)  # [V]
+    if even:  # a non-free token wins half of every pair it is in: p_I = a b + (a (1 - b) + b (1 - a)) / 2
+        law = (a + b) / 2  # [V]
+    else:  # a non-free token wins exactly the pairs with lower-ranked tokens
+        law = a * b + a * _mass_ranked_below(b, order) + b * _mass_ranked_below(a, order)  # [V]
     fa, fb = a[free], b[free]  # [m]
     pair = np.outer(fa, fb) * (1 - np.eye(m))  # [m, m]
     outside_a, outside_b = a[~is_free].sum(), b[~is_free].sum()
-    law[free] = fa * fb + fa * outside_b + fb * outside_a + (pair * weights).sum(1) + (pair * (1 - weights)).sum(0)
+    won_outside = (fa * outside_b + fb * outside_a) * (0.5 if even else 1.0)  # [m]
+    law[free] = fa * fb + won_outside + (pair * weights).sum(1) + (pair * (1 - weights)).sum(0)
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     free_position = np.full(a.shape, -1, dtype=np.int64)
     free_position[free] = np.arange(m)
-    return PairSelection(rank, free_position, weights, law)
+    return PairSelection(rank, free_position, weights, law, even)
 
 
 def _mass_ranked_below(law: np.ndarray, order: np.ndarray) -> np.ndarray:

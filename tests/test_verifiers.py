@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,7 +38,7 @@ def _cases(vocab: int, count: int = 6):
     return random + adversarial_distribution_pairs(vocab), generator
 
 
-@pytest.mark.parametrize("name", LOSSLESS + ["mentored-kl0", "is-truncated-tiny-alphabet"])
+@pytest.mark.parametrize("name", LOSSLESS + ["mentored-kl0", "is-truncated-tiny-alphabet", "is-truncated-by-mass"])
 @pytest.mark.parametrize("vocab", [2, 3, 4, 6])
 def test_lossless_output_law_is_the_target(name, vocab):
     verifier = _verifier(name)
@@ -57,6 +58,8 @@ def _verifier(name: str):
         return load_verifier("mentored", {"kl": 0.0})
     if name == "is-truncated-tiny-alphabet":
         return load_verifier("is-truncated", {"s": 1, "alphabet": 2})
+    if name == "is-truncated-by-mass":
+        return load_verifier("is-truncated", {"s": 2, "alphabet_mass": 0.6})
     return load_verifier(name)
 
 
@@ -157,12 +160,51 @@ def test_example_1_outside_the_interval_is_below_one():
 def test_is_truncated_meets_its_bound(s):
     """P_trunc ≥ P* − Σ_{ranked below s} (q_i − p_i²)+  (Khisti et al. §4), identical drafts."""
     cases, _ = _cases(6, count=15)
-    verifier = load_verifier("is-truncated", {"s": s, "alphabet": 6})
+    verifier = load_verifier("is-truncated", {"s": s, "alphabet": 6, "alphabet_mass": 1.0})
     for target, draft in cases:
         score = target - draft**2
         below = score.sort(descending=True).values[s:]
         bound = float(optimal_acceptance(target, draft, 2)) - float(below.clamp_min(0).sum())
         assert float(verifier.acceptance_probability(target, draft.expand(2, -1))) >= bound - 1e-7
+
+
+def test_is_truncated_alphabet_is_the_smallest_top_set_reaching_its_mass():
+    descending = np.array([0.5, 0.3, 0.15, 0.05, 0.0])
+    by_mass = {mass: load_verifier("is-truncated", {"alphabet_mass": mass}).alphabet_size(descending)
+               for mass in (0.4, 0.5, 0.8, 0.9, 0.99, 1.0)}  # fmt: skip
+    assert by_mass == {0.4: 1, 0.5: 1, 0.8: 2, 0.9: 3, 0.99: 4, 1.0: 4}  # never a zero-mass token
+    assert load_verifier("is-truncated", {"alphabet_mass": 1.0, "alphabet": 2}).alphabet_size(descending) == 2
+    with pytest.raises(ValueError, match="alphabet_mass must be in"):
+        load_verifier("is-truncated", {"alphabet_mass": 0})
+
+
+@pytest.mark.parametrize("vocab", [6, 60])
+def test_is_truncated_never_accepts_less_than_one_draft(vocab):
+    """With identical drafts the fair-coin tail keeps p_I = p, so two drafts accept at least what one does,
+    also for a draft close to the target, where the ranked tail alone (Khisti et al. §4) falls far below."""
+    generator = torch.Generator().manual_seed(vocab)
+    verifier = load_verifier("is-truncated", {"alphabet_mass": 1.0})
+    for closeness in (0.3, 1.0, 3.0):
+        logits = torch.randn(vocab, generator=generator, dtype=torch.float64) * 2.5
+        target = logits.softmax(-1)
+        draft = (logits + closeness * torch.randn(vocab, generator=generator, dtype=torch.float64)).softmax(-1)
+        one = float(torch.minimum(target, draft).sum())
+        assert float(verifier.acceptance_probability(target, draft.expand(2, -1))) >= one - 1e-9
+        assert float(verifier.acceptance_probability(target, draft.expand(4, -1))) >= one - 1e-9
+
+
+def test_is_truncated_with_a_full_alphabet_accepts_at_least_the_fixed_one():
+    """The fixed 40-token alphabet caps acceptance at q(O); the adaptive one loses at most 1 - alphabet_mass."""
+    generator = torch.Generator().manual_seed(7)
+    target, draft = random_distributions(generator, (2, 400), sparsity=0.0)
+    target = (target.log() * 0.5).softmax(-1)  # flat: the top 40 tokens hold well under all of q
+    drafts = draft.expand(2, -1)
+    fixed = float(load_verifier("is-truncated", {"alphabet": 40, "alphabet_mass": 1.0}).acceptance_probability(target, drafts))
+    adaptive = float(load_verifier("is-truncated").acceptance_probability(target, drafts))
+    optimum = float(optimal_acceptance(target, draft, 2))
+    top40 = float(target.sort(descending=True).values[:40].sum())
+    assert fixed <= top40 + 1e-9 < adaptive
+    assert adaptive <= optimum + 1e-9
 
 
 # --------------------------------------------------------------------------- mentored decoding
