@@ -175,11 +175,12 @@ class ImportanceSampling(Verifier):
             support = (first > 0) | (second > 0)  # [V]
             rankings.append(order)
             free_sets.append(self.free_tokens(order, support))
-        ranked = solve_pair_selections(pairs, rankings, free_sets, even=False)
-        even = solve_pair_selections(pairs, rankings, free_sets, even=True)
-        # Either rule is lossless, and which one a row uses depends on its laws only: keep the better.
+        # Both tails for every row in one LP call. Either rule is lossless, and which one a row uses
+        # depends on its laws only: keep the better.
+        tails = [False] * len(pairs) + [True] * len(pairs)
+        solved = solve_pair_selections(pairs * 2, rankings * 2, free_sets * 2, tails)
         return [max(options, key=lambda selection: np.minimum(target, selection.law).sum())
-                for options, (_, _, target) in zip(zip(ranked, even), pairs)]  # fmt: skip
+                for options, (_, _, target) in zip(zip(solved[: len(pairs)], solved[len(pairs) :]), pairs)]  # fmt: skip
 
 
 class _Plan:
@@ -226,15 +227,15 @@ def solve_pair_selections(
     pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
     rankings: list[np.ndarray],
     free_sets: list[np.ndarray],
-    even: bool = False,
+    tails: list[bool],
 ) -> list[PairSelection]:
     """Solve every row's pairwise-selection LP in one HiGHS call (a block-diagonal LP).
 
     Row r: laws (a, b) of the first and second candidate, target c, tokens in rank order, free
     token ids F (m of them). Variables w_ij (i, j in F; w_ii fixed at 0) and t_k (k in F):
     maximise Σ t_k  s.t.  t_k ≤ c_k,  t_k ≤ p_I(k),  0 ≤ w ≤ 1. A pair that involves a token
-    outside F goes to its higher-ranked member (Khisti et al. §4), or with ``even`` to either
-    member with probability 1/2: then a non-free token's p_I is (a + b)/2, so with identical drafts
+    outside F goes to its higher-ranked member (Khisti et al. §4), or, where the row's entry of
+    ``tails`` is True, to either member with probability 1/2: then a non-free token's p_I is (a + b)/2, so with identical drafts
     and every weight at 1/2 p_I = p, and the LP never accepts less than one draft does.
     """
     from scipy.optimize import linprog
@@ -244,7 +245,7 @@ def solve_pair_selections(
     entries_row, entries_col, entries_value = [], [], []
     layouts = []
     column = constraint = 0
-    for (a, b, c), order, free in zip(pairs, rankings, free_sets):
+    for (a, b, c), order, free, even in zip(pairs, rankings, free_sets, tails):
         m = len(free)
         is_free = np.zeros(a.shape, dtype=bool)  # [V]
         is_free[free] = True
@@ -265,7 +266,7 @@ def solve_pair_selections(
         w_bounds = [(0.0, 0.0 if i == j else 1.0) for i in range(m) for j in range(m)]
         bounds += w_bounds + [(0.0, float(ck)) for ck in fc]
         objective.append(np.concatenate([np.zeros(m * m), -np.ones(m)]))
-        layouts.append((column, m, order, free, is_free, even))
+        layouts.append((column, m, order, free, base, even))
         column += m * m + m
         constraint += m
     solution = np.zeros(0)
@@ -282,8 +283,12 @@ def solve_pair_selections(
     return [_selection(a, b, solution, *layout) for (a, b, _), layout in zip(pairs, layouts)]
 
 
-def _selection(a, b, solution, start, m, order, free, is_free, even) -> PairSelection:
-    """One row's solved rule: its LP weights and the law p_I of the selected candidate."""
+def _selection(a, b, solution, start, m, order, free, base, even) -> PairSelection:
+    """One row's solved rule: its LP weights and the law p_I of the selected candidate.
+
+    base ``[m]``: what each free token wins without LP weights (its pairs with itself and with
+    non-free tokens), as the LP's constraints had it.
+    """
     weights = solution[start : start + m * m].reshape(m, m).clip(0, 1)  # [m, m]
     np.fill_diagonal(weights, 0.0)
     if even:  # a non-free token wins half of every pair it is in: p_I = a b + (a (1 - b) + b (1 - a)) / 2
@@ -292,9 +297,7 @@ def _selection(a, b, solution, start, m, order, free, is_free, even) -> PairSele
         law = a * b + a * _mass_ranked_below(b, order) + b * _mass_ranked_below(a, order)  # [V]
     fa, fb = a[free], b[free]  # [m]
     pair = np.outer(fa, fb) * (1 - np.eye(m))  # [m, m]
-    outside_a, outside_b = a[~is_free].sum(), b[~is_free].sum()
-    won_outside = (fa * outside_b + fb * outside_a) * (0.5 if even else 1.0)  # [m]
-    law[free] = fa * fb + won_outside + (pair * weights).sum(1) + (pair * (1 - weights)).sum(0)
+    law[free] = base + (pair * weights).sum(1) + (pair * (1 - weights)).sum(0)
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     free_position = np.full(a.shape, -1, dtype=np.int64)

@@ -66,10 +66,9 @@ class MentoredDecoding(Verifier):
         return law.scatter_add(-1, x, r_x).to(target_probs.dtype)
 
     def select(self, target_probs, draft_probs, draft_tokens, generator=None):
-        q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
         x = draft_tokens[..., :1]  # [..., 1]
-        u = torch.rand(x.shape, generator=generator, device=q.device, dtype=torch.float64)  # [..., 1]
-        solution = _solve(q, p, self.kl)
+        u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float64)  # [..., 1]
+        solution = self.solve(target_probs, draft_probs)
         return first_accepted(u, solution.acceptance_of(x), x, solution.residual(), generator)
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
@@ -226,9 +225,7 @@ class _SortedTable:
         convex and decreasing), so it is the fallback whenever the first leaves the bracket.
         """
         segment = _Segment(self, *self.segment(low))
-        alpha, beta, kl = segment.at(low)
-        safe = low - (kl - bound) / (alpha - beta).clamp(max=-TINY)  # [..., 1]
-        rho = low
+        rho = safe = low  # the first iteration evaluates at low and sets the first safe step
         for _ in range(_NEWTON_STEPS):
             alpha, beta, kl = segment.at(rho)
             above = kl >= bound  # [..., 1]
