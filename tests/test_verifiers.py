@@ -181,16 +181,26 @@ def test_is_truncated_alphabet_is_the_smallest_top_set_reaching_its_mass():
 @pytest.mark.parametrize("vocab", [6, 60])
 def test_is_truncated_never_accepts_less_than_one_draft(vocab):
     """With identical drafts the fair-coin tail keeps p_I = p, so two drafts accept at least what one does,
-    also for a draft close to the target, where the ranked tail alone (Khisti et al. §4) falls far below."""
+    also for drafts close to the target, where the ranked tail alone (Khisti et al. §4) often falls far below."""
+    import specdec_plugins._importance as importance
+
     generator = torch.Generator().manual_seed(vocab)
     verifier = load_verifier("is-truncated", {"alphabet_mass": 1.0})
-    for closeness in (0.3, 1.0, 3.0):
+    ranked_below_one = 0
+    for closeness in [0.3] * 8 + [1.0, 3.0]:
         logits = torch.randn(vocab, generator=generator, dtype=torch.float64) * 2.5
         target = logits.softmax(-1)
         draft = (logits + closeness * torch.randn(vocab, generator=generator, dtype=torch.float64)).softmax(-1)
         one = float(torch.minimum(target, draft).sum())
         assert float(verifier.acceptance_probability(target, draft.expand(2, -1))) >= one - 1e-9
         assert float(verifier.acceptance_probability(target, draft.expand(4, -1))) >= one - 1e-9
+        # Negative control: §4's ranked tail on its own, the rule the fair-coin tail is there to back up.
+        q, p = target.numpy(), draft.numpy()
+        order = np.argsort(-(q - p * p), kind="stable")
+        ranked = importance.solve_pair_selections([(p, p, q)], [order], [verifier.free_tokens(order, p > 0)], [False])
+        ranked_below_one += float(np.minimum(q, ranked[0].law).sum()) < one - 0.05
+    if vocab == 60:
+        assert ranked_below_one >= 3
 
 
 def test_is_truncated_with_a_full_alphabet_accepts_at_least_the_fixed_one():
