@@ -4,9 +4,14 @@ One verification = what the engine does per block: ``verify_block`` on the targe
 K × (L+1) positions, the K × L draft laws and tokens, then the one read of the decision. Laws are
 random and peaked like a language model's, the drafts close to the target (long accepted
 prefixes); is-lp needs a bounded draft support, so its laws are cut to their 50 most likely
-tokens (as top-k 50 sampling would). Runs on the CPU, and on CUDA too when a GPU is present.
+tokens (as top-k 50 sampling would).
+
+The reference forward is the default recipe's target (SmolLM2-135M) unless ``--target`` names a real
+shape built with random weights (``model_shapes.py``): on a GPU, Llama-3.1-8B is the target a
+deployment would verify for.
 
     python benchmarks/verifier_speed.py > benchmarks/results/verifier_speed_cpu.md
+    python benchmarks/verifier_speed.py --device cuda --target llama-3.1-8b > benchmarks/results/verifier_speed_cuda.md
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import transformers
 from specdec_cli import SpeculativeDecoder, load_recipe, load_verifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verify_vs_hf import cpu_name  # noqa: E402
+from model_shapes import SHAPES, random_model  # noqa: E402
+from verify_vs_hf import device_name  # noqa: E402
 
 VERIFIERS = {
     "speculative": {},
@@ -65,11 +71,11 @@ def block_laws(vocab, num_drafts, draft_length, device, top_k):
 
 
 def time_verification(name, params, vocab, num_drafts, draft_length, device, repeats) -> float:
-    verifier = load_verifier(name, params)
     target, drafts, tokens = block_laws(vocab, num_drafts, draft_length, device, 50 if name == "is-lp" else 0)
     sampler = torch.Generator(device=device).manual_seed(1)
     times = []
     for repeat in range(repeats + 1):
+        verifier = load_verifier(name, params)  # a fresh one: nothing cached from the same laws a repeat ago
         synchronize(device)
         start = time.perf_counter()
         decision = verifier.verify_block(target, drafts, tokens, sampler)
@@ -79,9 +85,16 @@ def time_verification(name, params, vocab, num_drafts, draft_length, device, rep
     return statistics.median(times)
 
 
-def time_target_forward(device: str, num_drafts: int, draft_length: int, repeats: int) -> float:
-    decoder = SpeculativeDecoder.from_recipe(load_recipe("default", [f"target.device={device}"]), autoregressive=True)
-    model = decoder.target.model
+def load_target(target: str, device: str):
+    """The default recipe's target, or a real shape with random weights (bfloat16 on a GPU)."""
+    if target == "default":
+        return SpeculativeDecoder.from_recipe(load_recipe("default", [f"target.device={device}"]),
+                                              autoregressive=True).target.model
+    return random_model(target, device, torch.bfloat16 if device.startswith("cuda") else torch.float32)
+
+
+def time_target_forward(model, num_drafts: int, draft_length: int, repeats: int) -> float:
+    device = str(model.device)
     context = torch.randint(0, 1000, (1, 64), device=model.device)
     times = []
     with torch.inference_mode():
@@ -102,34 +115,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--vocab", default="32000,50257,128256")
+    parser.add_argument("--verifiers", default=",".join(VERIFIERS), help="comma list")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--target", default="default", choices=["default", *SHAPES],
+                        help="the model whose forward the verification is compared with")
     args = parser.parse_args()
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     print(f"command: python {' '.join(sys.argv)}")
-    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    print(f"machine: {cpu_name()}, {torch.get_num_threads()} CPU threads{gpu}; torch {torch.__version__}, "
-          f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}; median of {args.repeats}\n")
-    for device in devices:
-        print(f"## {device}\n")
-        print("| verifier | V | K | L | verification ms | ÷ target forward |")
-        print("|---|---|---|---|---|---|")
-        forwards = {}
-        for vocab in [int(v) for v in args.vocab.split(",")]:
-            for num_drafts in (1, 2, 4):
-                for draft_length in (4, 8):
-                    key = (num_drafts, draft_length)
-                    if key not in forwards:
-                        forwards[key] = time_target_forward(device, num_drafts, draft_length, args.repeats)
-                    for name, params in VERIFIERS.items():
-                        verifier = load_verifier(name, params)
-                        if verifier.max_drafts is not None and num_drafts > verifier.max_drafts:
-                            continue
-                        seconds = time_verification(name, params, vocab, num_drafts, draft_length, device, args.repeats)
-                        print(f"| {name} | {vocab} | {num_drafts} | {draft_length} | {1000 * seconds:.2f} | "
-                              f"{seconds / forwards[key]:.3f} |", flush=True)
-        print("\ntarget forward of the default model (SmolLM2-135M, K rows × L+1 tokens after a 64-token prefix):\n")
-        for (num_drafts, draft_length), seconds in sorted(forwards.items()):
-            print(f"- K={num_drafts}, L={draft_length}: {1000 * seconds:.1f} ms")
-        print()
+    print(f"device: {device_name(args.device)}; torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"date {time.strftime('%Y-%m-%d')}; median of {args.repeats}\n")
+    print("| verifier | V | K | L | verification ms | ÷ target forward |")
+    print("|---|---|---|---|---|---|")
+    model = load_target(args.target, args.device)
+    forwards = {}
+    for vocab in [int(v) for v in args.vocab.split(",")]:
+        for num_drafts in (1, 2, 4):
+            for draft_length in (4, 8):
+                key = (num_drafts, draft_length)
+                if key not in forwards:
+                    forwards[key] = time_target_forward(model, num_drafts, draft_length, args.repeats)
+                for name in args.verifiers.split(","):
+                    if num_drafts > (load_verifier(name, VERIFIERS[name]).max_drafts or num_drafts):
+                        continue
+                    seconds = time_verification(name, VERIFIERS[name], vocab, num_drafts, draft_length, args.device,
+                                                args.repeats)
+                    print(f"| {name} | {vocab} | {num_drafts} | {draft_length} | {1000 * seconds:.2f} | "
+                          f"{seconds / forwards[key]:.3f} |", flush=True)
+    print(f"\ntarget forward ({args.target}, {next(model.parameters()).dtype}, K rows × L+1 tokens after a "
+          "64-token prefix):\n")
+    for (num_drafts, draft_length), seconds in sorted(forwards.items()):
+        print(f"- K={num_drafts}, L={draft_length}: {1000 * seconds:.1f} ms")
 
 
 if __name__ == "__main__":

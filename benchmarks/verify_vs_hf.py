@@ -8,11 +8,13 @@ it), so it is timed separately: "specdec + draft law" adds it, for exactly the s
 transformers'. Both run in this process on the same tensors, interleaved, median of the repeats.
 
     python benchmarks/verify_vs_hf.py > benchmarks/results/verify_vs_hf_cpu.md
+    python benchmarks/verify_vs_hf.py --device cuda > benchmarks/results/verify_vs_hf_cuda.md
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import platform
 import statistics
 import sys
@@ -26,6 +28,8 @@ from specdec_cli import load_verifier
 from specdec_cli.sampling import SamplingParams, sampling_law
 
 PARAMS = SamplingParams(temperature=1.0)
+# Older transformers (before 5.2x) also ask whether the last candidate is an end of sequence: it is not.
+HF_EXTRA = {"is_done_candidate": False} if "is_done_candidate" in inspect.signature(_speculative_sampling).parameters else {}
 
 
 def block_inputs(vocab: int, draft_length: int, generator: torch.Generator):
@@ -44,21 +48,25 @@ def specdec_block(verifier, target_logits, draft_probs, draft_tokens, generator)
     return packed.tolist()  # the engine's one read of the block
 
 
-def time_once(function) -> float:
+def time_once(function, device: str) -> float:
     start = time.perf_counter()
     function()
+    if device.startswith("cuda"):  # transformers' function may return before the GPU is done
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def measure(vocab: int, draft_length: int, repeats: int) -> dict[str, float]:
+def measure(vocab: int, draft_length: int, repeats: int, device: str) -> dict[str, float]:
     generator = torch.Generator().manual_seed(vocab + draft_length)
-    sampler = torch.Generator().manual_seed(1)
+    sampler = torch.Generator(device=device).manual_seed(1)
     torch.manual_seed(1)  # transformers draws from the global generator
-    target_logits, draft_logits, draft_tokens, candidate_ids = block_inputs(vocab, draft_length, generator)
+    inputs = block_inputs(vocab, draft_length, generator)
+    target_logits, draft_logits, draft_tokens, candidate_ids = (tensor.to(device) for tensor in inputs)
     draft_probs, _ = sampling_law(draft_logits, PARAMS)
     verifiers = {name: load_verifier(name) for name in ("speculative", "block")}
     runs = {
-        "transformers": lambda: _speculative_sampling(candidate_ids, draft_logits, draft_length, target_logits),
+        "transformers": lambda: _speculative_sampling(candidate_ids, draft_logits, draft_length, target_logits,
+                                                      **HF_EXTRA),
         "specdec speculative": lambda: specdec_block(verifiers["speculative"], target_logits, draft_probs,
                                                      draft_tokens, sampler),
         "specdec speculative + draft law": lambda: specdec_block(
@@ -69,7 +77,7 @@ def measure(vocab: int, draft_length: int, repeats: int) -> dict[str, float]:
     for repeat in range(repeats + 1):
         order = list(runs) if repeat % 2 else list(reversed(runs))  # interleaved, alternating order
         for name in order:
-            seconds = time_once(runs[name])
+            seconds = time_once(runs[name], device)
             if repeat:  # the first round warms up
                 times[name].append(seconds)
     return {name: statistics.median(values) for name, values in times.items()}
@@ -83,14 +91,22 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def device_name(device: str) -> str:
+    """The device in words: the GPU's name, or the CPU's model and thread count."""
+    if device.startswith("cuda"):
+        return f"cuda ({torch.cuda.get_device_name(device)}; host CPU {cpu_name()})"
+    return f"cpu ({cpu_name()}, {torch.get_num_threads()} threads)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--vocab", default="32000,49152,128256")
     parser.add_argument("--draft-length", default="4,8")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"device: cpu ({cpu_name()}, {torch.get_num_threads()} threads); torch {torch.__version__}, "
+    print(f"device: {device_name(args.device)}; torch {torch.__version__}, "
           f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}; "
           f"median of {args.repeats} interleaved repeats; temperature 1, K = 1\n")  # fmt: skip
     print("| V | L | transformers ms | specdec speculative ms | ÷ transformers | + draft law ms | ÷ transformers "
@@ -98,7 +114,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for vocab in [int(v) for v in args.vocab.split(",")]:
         for draft_length in [int(v) for v in args.draft_length.split(",")]:
-            t = measure(vocab, draft_length, args.repeats)
+            t = measure(vocab, draft_length, args.repeats, args.device)
             hf = t["transformers"]
             cells = [t["specdec speculative"], t["specdec speculative + draft law"], t["specdec block"]]
             print(f"| {vocab} | {draft_length} | {1000 * hf:.3f} | "
