@@ -3,91 +3,210 @@
 Canonical two-step architecture: (a) select one candidate Y from the drafts with weights
 β_y(S), whose law is p_I(y); (b) speculative sampling of Y against q: accept with
 min(1, q(Y)/p_I(Y)), else sample (q - p_I)+ normalised. Lossless for any weights; the
-acceptance Σ_y min(q(y), p_I(y)) is maximised by a linear program (Theorem 1).
+acceptance Σ_y min(q(y), p_I(y)) is maximised by a linear program (Theorem 1). K > 2 drafts:
+successive pairwise selection, (x1, x2) → Y1 of law p_I1, then (Y1, x3) with laws (p_I1, p_3), …
+(Remark 4). One stage is :mod:`._pair_selection`; each stage solves both tails and keeps, per
+problem, the one that reaches the larger Σ min(c, p_I): lossless either way, the choice depending
+on the laws only.
 
-Pairwise selection between a candidate of law a and one of law b (ordered drafts, Thm 4):
-w_ij = P(Y = i | X1 = i, X2 = j), and
-    p_I(i) = a_i b_i + Σ_{j≠i} a_i b_j w_ij + Σ_{j≠i} a_j b_i (1 - w_ji).
-Tokens are ranked by c_i - a_i b_i (c = target law); the weights among the *free* tokens are
-LP variables, and every pair that involves another token goes to its higher-ranked member
-(§4's truncated LP; with every token free this is the exact LP). That ranked tail can accept far
-less than one draft when the draft is close to the target (p_I of a pair's winner is no longer
-near q). So each stage also solves the LP with a fair-coin tail (a pair with a non-free token
-goes to either member with probability 1/2: with identical drafts and every weight 1/2, p_I = p)
-and keeps whichever reaches the larger Σ min(c, p_I): lossless either way, the choice depending
-on the laws only, never below one draft's acceptance, and never below §4's guarantee. K > 2 drafts: successive
-pairwise selection, (x1, x2) → Y1 of law p_I1, then (Y1, x3) with laws (p_I1, p_3), … (Remark 4).
-
-The LPs are solved on the host with scipy's HiGHS: one call per selection stage for every row
-of the batch (identical rows are solved once). So in a block the laws cross to the host in one
-transfer, and the selection, the walk over positions (alive rows, as the base class walks them)
-and the draws run there in NumPy, with a NumPy generator seeded from the block's generator; the
-decision goes back to the device.
+Everything over the vocabulary stays on the tensors' device. Each stage reads the device once,
+for its free LPs (a few hundred numbers); with two drafts that is the block's only read besides
+the engine's. In a block, the problems are "position t, the rows that share row k's prefix"
+(found by comparing tokens, never laws); every problem's output is drawn at once and the walk
+follows the rows that match the outputs, as :func:`~specdec_cli.verifiers.walk_alive_rows` does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from specdec_cli.verifiers import BlockDecision, Verifier, shared_prefix_length
+from specdec_cli.sampling import sample
+from specdec_cli.verifiers import Verifier, walk_alive_rows
 
+from ._laws import TINY, normalized_or
+from ._pair_selection import COIN, RANKED, StageInputs, coin_tail, ranked_tail, solve_free_problems, stage_inputs
 from .speculative import SpeculativeSampling
 
-TINY = np.finfo(np.float64).tiny
-_BELOW_ONE = 1.0 - 2.0**-52
-_SEED_RANGE = 2**52  # seeds travel as float64 with the laws: exact below 2^53
+_MAX_SOLVED = 100_000  # cached free-LP solutions per verifier before the cache starts over
 
 
 @dataclass
-class PairSelection:
-    """The selection rule between a first and a second candidate, for one row (float64, host)."""
+class Problems:
+    """P selection problems: a target law and up to K candidates (laws and tokens) in member order."""
 
-    rank: np.ndarray  # [V]: 0 = highest ranked
-    free_position: np.ndarray  # [V]: index into the free tokens, -1 if not free
-    weights: np.ndarray  # [m, m]: P(Y = free_i | X1 = free_i, X2 = free_j)
-    law: np.ndarray  # [V]: p_I, the law of the selected token
-    even: bool  # a pair that involves a non-free token: a fair coin (True) or the higher rank (False)
+    target: torch.Tensor  # [P, V] q
+    laws: torch.Tensor  # [R, V]: the candidates' laws, indexed by ``rows``
+    rows: torch.Tensor  # [P, K] int64: row of ``laws`` for each candidate slot
+    tokens: torch.Tensor  # [P, K] int64: candidate tokens (slots past ``count`` are filler)
+    count: torch.Tensor  # [P] int64 in 1..K: how many candidates the problem has
+    stage_rows: list[int]  # [K-1]: only problems 0 .. stage_rows[j-1]-1 can have a stage j
+    first_laws: torch.Tensor  # [P, V]: the first candidate's law (a view where the layout allows)
 
-    def keep_first(self, second: int) -> np.ndarray:
-        """P(Y = y | X1 = y, X2 = second) for every y ``[V]`` (1 where y = second)."""
-        if self.even:
-            keep = np.full(self.rank.shape, 0.5)  # [V]
-        else:
-            keep = (self.rank < self.rank[second]).astype(np.float64)  # [V]: higher rank wins
-        j = self.free_position[second]
-        if j >= 0:
-            free = self.free_position >= 0  # [V]
-            keep[free] = self.weights[self.free_position[free], j]
-        keep[second] = 1.0
-        return keep
+    def candidate_law(self, slot: int, upto: int) -> torch.Tensor:
+        if slot == 0:
+            return self.first_laws[:upto]
+        return self.laws.index_select(0, self.rows[:upto, slot])  # [upto, V]
+
+    @classmethod
+    def independent(cls, target_probs, draft_probs, draft_tokens) -> "Problems":
+        """One problem per leading index: target ``[..., V]``, drafts ``[..., K, V]``, tokens ``[..., K]``."""
+        vocab, num_drafts = target_probs.shape[-1], draft_probs.shape[-2]
+        target = target_probs.reshape(-1, vocab)  # [P, V]
+        count = target.shape[0]
+        rows = torch.arange(count * num_drafts, device=target.device).view(count, num_drafts)  # [P, K]
+        tokens = draft_tokens.reshape(count, num_drafts)  # [P, K]
+        full = torch.full((count,), num_drafts, device=target.device)  # [P]
+        laws = draft_probs.reshape(-1, vocab)  # [P K, V]
+        return cls(target, laws, rows, tokens, full, [count] * (num_drafts - 1), laws[::num_drafts])
+
+    @classmethod
+    def block(cls, target_probs, draft_probs, draft_tokens) -> "Problems":
+        """Problem (k, t), at index k L + t: position t, candidates the rows j ≥ k that share row k's prefix.
+
+        The walk's alive rows at t are exactly the prefix class of the first of them, so the problem
+        of (t, first alive row) is the one the walk needs; a row that cannot lead a class of j+1 rows
+        (k > K-1-j) never needs stage j, hence ``stage_rows``.
+        """
+        num_drafts, draft_length = draft_tokens.shape
+        device = draft_tokens.device
+        same = draft_tokens[:, None, :] == draft_tokens[None, :, :]  # [K, K, L]
+        before = torch.ones_like(same[..., :1])  # [K, K, 1]: the empty prefix is shared
+        shared = torch.cat([before, same.long().cumprod(-1)[..., :-1].bool()], -1)  # [K, K, L]: prefixes equal
+        slots = torch.arange(num_drafts, device=device)  # [K]
+        member = (shared & (slots[None, :] >= slots[:, None])[..., None]).transpose(1, 2)  # [K(k), L, K(j)]
+        order = torch.argsort((~member).to(torch.uint8), dim=-1, stable=True)  # [K, L, K]: members first
+        positions = torch.arange(draft_length, device=device)[None, :, None]  # [1, L, 1]
+        rows = (order * draft_length + positions).reshape(-1, num_drafts)  # [K L, K]: index j L + t
+        vocab = target_probs.shape[-1]
+        target = target_probs[:, :draft_length].reshape(-1, vocab)  # [K L, V]
+        laws = draft_probs.reshape(-1, vocab)  # [K L, V]
+        stage_rows = [(num_drafts - j) * draft_length for j in range(1, num_drafts)]
+        # A problem's first member is its own row k, so the first laws are the table itself.
+        return cls(target, laws, rows, draft_tokens.reshape(-1)[rows], member.sum(-1).reshape(-1), stage_rows, laws)
+
+
+@dataclass
+class Stage:
+    """One solved selection stage, for the A problems it applies to (device tensors)."""
+
+    rows: torch.Tensor  # [A] int64: the problems with a (j+1)-th candidate
+    free_ids: torch.Tensor  # [A, M]
+    free_valid: torch.Tensor  # [A, M] bool
+    weights: torch.Tensor  # [A, M, M]: the kept tail's LP weights
+    coin: torch.Tensor  # [A] bool: the kept tail is the fair coin (else ranked)
+    rank_key: torch.Tensor | None  # [A, V] int64: larger ranks higher (None without a ranked tail)
+    law: torch.Tensor  # [A, V]: p_I after this stage
+
+    def keep_first(self, tokens: torch.Tensor, second: int) -> torch.Tensor:
+        """P(Y = x_i | X1 = x_i, X2 = x_second) for each candidate slot i of ``tokens`` ``[A, K]`` → ``[A, K]``."""
+        match = (tokens[:, :, None] == self.free_ids[:, None, :]) & self.free_valid[:, None, :]  # [A, K, M]
+        free = match.any(-1)  # [A, K]
+        position = match.long().argmax(-1)  # [A, K]
+        width = self.free_ids.shape[-1]
+        weight_rows = self.weights.gather(1, position[:, :, None].expand(-1, -1, width))  # [A, K, M]
+        weight = weight_rows.gather(2, position[:, second, None, None].expand(-1, tokens.shape[1], 1)).squeeze(-1)
+        ranked = torch.zeros_like(weight)  # [A, K]
+        if self.rank_key is not None:
+            keys = self.rank_key.gather(1, tokens)  # [A, K]
+            ranked = (keys > keys[:, second, None]).to(weight.dtype)  # the higher rank wins
+        tail = torch.where(self.coin[:, None], torch.full_like(ranked, 0.5), ranked)  # [A, K]
+        keep = torch.where(free & free[:, second, None], weight, tail)  # [A, K]
+        return torch.where(tokens == tokens[:, second, None], torch.ones_like(keep), keep)
+
+
+@dataclass
+class Plan:
+    """Every problem's solved scheme: its alphabet, its stages and the law p_I of the selected candidate."""
+
+    scheme_target: torch.Tensor  # [P, V] q~: q on the alphabet O, renormalised
+    inside_mass: torch.Tensor  # [P, 1] q(O)
+    outside: torch.Tensor | None  # [P, V] q off the alphabet (None when O is always q's support)
+    selected_law: torch.Tensor  # [P, V] p_I after every stage
+    stages: list[Stage]
+
+    def selection(self, tokens: torch.Tensor) -> torch.Tensor:
+        """P(Y = candidate slot i) given the candidates ``[P, K]`` → ``[P, K]``."""
+        chosen = torch.zeros_like(tokens, dtype=torch.float64)  # [P, K]
+        chosen[:, 0] = 1.0
+        for second, stage in enumerate(self.stages, start=1):
+            before = chosen.index_select(0, stage.rows)  # [A, K]
+            keep = stage.keep_first(tokens.index_select(0, stage.rows), second)  # [A, K]
+            after = before * keep
+            after[:, second] += (before * (1 - keep)).sum(-1)
+            chosen = chosen.index_copy(0, stage.rows, after)
+        return chosen
+
+    def acceptance(self) -> torch.Tensor:
+        return self.inside_mass.squeeze(-1) * torch.minimum(self.scheme_target, self.selected_law).sum(-1)  # [P]
+
+    def _step_b(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Selection masses ``[P, K]``, their acceptance min(1, q~/p_I) ``[P, K]`` and the residual ``[P, V]``."""
+        chosen = self.selection(tokens)
+        accept = (self.scheme_target.gather(1, tokens) / self.selected_law.gather(1, tokens).clamp_min(TINY)).clamp(max=1)
+        residual = torch.sub(self.scheme_target, self.selected_law).clamp_(min=0)  # [P, V]
+        return chosen, accept, residual
+
+    def output_law(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The law of the output given the candidates ``[P, K]`` → ``[P, V]``."""
+        chosen, accept, residual = self._step_b(tokens)
+        rejected = (chosen * (1 - accept)).sum(-1, keepdim=True).to(residual.dtype)  # [P, 1]
+        inner = torch.zeros_like(residual).scatter_add(1, tokens, (chosen * accept).to(residual.dtype))  # [P, V]
+        inner = inner + rejected * normalized_or(residual, self.scheme_target)
+        if self.outside is None:
+            return inner
+        return self.inside_mass * inner + (1 - self.inside_mass) * self.outside
+
+    def sample(self, tokens: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """One output per problem given the candidates ``[P, K]`` → ``[P]``, on the device."""
+        chosen, accept, residual = self._step_b(tokens)
+        slot = sample(chosen, generator)[:, None]  # [P, 1]
+        uniform = torch.rand(slot.shape, generator=generator, device=slot.device, dtype=accept.dtype)  # [P, 1]
+        taken = uniform < accept.gather(1, slot)  # [P, 1]
+        empty = residual.sum(-1, keepdim=True) <= 0  # [P, 1]: p_I = q~, so a rejection has probability 0
+        fallback = sample(torch.where(empty, self.scheme_target, residual, out=residual), generator)  # [P]
+        output = torch.where(taken.squeeze(1), tokens.gather(1, slot).squeeze(1), fallback)  # [P]
+        if self.outside is None:
+            return output
+        uniform = torch.rand(output.shape, generator=generator, device=output.device, dtype=accept.dtype)  # [P]
+        return torch.where(uniform < self.inside_mass.squeeze(1), output, sample(self.outside, generator))
 
 
 class ImportanceSampling(Verifier):
-    """Shared body of ``is-lp`` and ``is-truncated``; subclasses choose the free tokens and the alphabet."""
+    """Shared body of ``is-lp`` and ``is-truncated``: they choose the free width, the tails and the alphabet."""
 
     lossless = True
     max_drafts = None
+    tails: tuple[str, ...] = (RANKED, COIN)
+    """The tail rules each stage solves (the better one per problem is kept)."""
 
-    def free_tokens(self, order: np.ndarray, support: np.ndarray) -> np.ndarray:
-        """Token ids whose pair weights are LP variables, given tokens in rank order and the draft support."""
+    @property
+    def _solved(self) -> dict:
+        """Free LP solutions met so far, by the sub-problem's numbers (see :func:`solve_free_problems`)."""
+        if "_solutions" not in self.__dict__:
+            self._solutions: dict = {}
+        return self._solutions
+
+    @property
+    def free_width(self) -> int:
+        """How many of the top-ranked support tokens get free LP weights."""
         raise NotImplementedError
 
-    def alphabet_size(self, target_descending: np.ndarray) -> int:
-        """How many of the target's most likely tokens the scheme runs on (the rest is mixed back exactly),
-        given the target's probabilities in descending order ``[V]``."""
-        return len(target_descending)
+    def check_support(self, support_sizes: np.ndarray) -> None:
+        """Refuse problems whose drafts' support is too large (host array of the active problems' sizes)."""
+
+    def alphabet_mask(self, target: torch.Tensor) -> torch.Tensor | None:
+        """The alphabet O ``[P, V]`` bool the scheme runs on, or None for q's whole support."""
+        return None
 
     # ----------------------------------------------------------------------- contract
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
-        plans, inverse = self._plans(_host_rows(target_probs, draft_probs))
-        tokens = draft_tokens.reshape(-1, draft_tokens.shape[-1]).numpy(force=True)  # [N, K]
-        laws = np.stack([plans[i].output_law(tokens[n]) for n, i in enumerate(inverse)])  # [N, V]
-        return torch.from_numpy(laws).reshape(target_probs.shape).to(target_probs)  # [..., V]
+        problems = Problems.independent(target_probs, draft_probs, draft_tokens)
+        law = self.plan(problems).output_law(problems.tokens)  # [P, V]
+        return law.reshape(target_probs.shape).to(target_probs.dtype)
 
     def acceptance_probability(self, target_probs, draft_probs):
         """Σ_y min(q(y), p_I(y)) (times q(O) under alphabet truncation).
@@ -96,240 +215,97 @@ class ImportanceSampling(Verifier):
         residual happens to return another candidate, so the true P(output ∈ candidates) can be
         higher: this value is a lower bound.
         """
-        plans, inverse = self._plans(_host_rows(target_probs, draft_probs))
-        values = np.array([plans[i].canonical_acceptance() for i in inverse])
-        return torch.from_numpy(values).reshape(target_probs.shape[:-1]).to(target_probs)
-
-    def prepare(self, target_probs, draft_probs):
-        """Solve every position's LPs in one call per stage; later calls find them in a cache."""
-        self._prepare_rows(_host_rows(target_probs, draft_probs))
+        tokens = torch.zeros(draft_probs.shape[:-1], dtype=torch.long, device=draft_probs.device)  # [..., K]
+        acceptance = self.plan(Problems.independent(target_probs, draft_probs, tokens)).acceptance()  # [P]
+        return acceptance.reshape(target_probs.shape[:-1]).to(target_probs.dtype)
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
         num_drafts, draft_length = draft_tokens.shape
         if num_drafts == 1:  # one candidate: the scheme is speculative sampling, decided on the device
             return SpeculativeSampling().verify_block(target_probs, draft_probs, draft_tokens, generator)
-        vocab = target_probs.shape[-1]
-        seed = torch.randint(0, _SEED_RANGE, (1,), generator=generator, device=draft_tokens.device)  # [1]
-        packed = torch.cat([target_probs.reshape(-1).double(), draft_probs.reshape(-1).double(),
-                            draft_tokens.reshape(-1).double(), seed.double()])  # fmt: skip
-        host = packed.numpy(force=True)  # the verifier's one device read of the block
-        sizes = np.cumsum([num_drafts * (draft_length + 1) * vocab, num_drafts * draft_length * vocab])
-        target = host[: sizes[0]].reshape(num_drafts, draft_length + 1, vocab)  # [K, L+1, V]
-        drafts = host[sizes[0] : sizes[1]].reshape(num_drafts, draft_length, vocab)  # [K, L, V]
-        tokens = host[sizes[1] : -1].astype(np.int64).reshape(num_drafts, draft_length)  # [K, L]
-        committed, accepted, row = self._walk_on_host(target, drafts, tokens, np.random.default_rng(int(host[-1])))
-        device = draft_tokens.device
-        return BlockDecision(torch.tensor(committed, device=device), torch.tensor(accepted, device=device),
-                             torch.tensor(row, device=device))  # fmt: skip
+        problems = Problems.block(target_probs, draft_probs, draft_tokens)
+        outputs = self.plan(problems).sample(problems.tokens, generator).view(num_drafts, draft_length)  # [K, L]
+
+        def choose(t: int, alive: torch.Tensor, leader: torch.Tensor) -> torch.Tensor:
+            return outputs[:, t].gather(0, leader.view(1)).squeeze(0)  # the problem of (leader, t)
+
+        return walk_alive_rows(choose, target_probs, draft_tokens, generator)
 
     # ----------------------------------------------------------------------- planning
 
-    def _walk_on_host(self, target: np.ndarray, drafts: np.ndarray, tokens: np.ndarray, rng: np.random.Generator):
-        """The alive-row walk of :class:`~specdec_cli.verifiers.Verifier` → (tokens [L+1], accepted, row)."""
-        num_drafts, draft_length = tokens.shape
-        shared = shared_prefix_length(tokens)  # positions where all rows can be alive: solved at once
-        self._prepare_rows(np.concatenate([target[0, :shared, None], drafts[:, :shared].transpose(1, 0, 2)], axis=1))
-        alive = list(range(num_drafts))
-        outputs: list[int] = []
-        for t in range(draft_length):
-            rows = np.concatenate([target[alive[0], t][None], drafts[alive, t]])[None]  # [1, K'+1, V]
-            plans, _ = self._plans(rows)
-            outputs.append(_draw(plans[0].output_law(tokens[alive, t]), rng))
-            survivors = [k for k in alive if tokens[k, t] == outputs[-1]]
-            if not survivors:
-                return outputs + [0] * (draft_length - t), t, alive[0]
-            alive = survivors
-        return outputs + [_draw(target[alive[0], draft_length], rng)], draft_length, alive[0]
+    def plan(self, problems: Problems) -> Plan:
+        """Solve every problem's stages: one device read and one LP call per stage."""
+        plan = self._alphabet_plan(problems)
+        for second, upto in enumerate(problems.stage_rows, start=1):
+            inputs = stage_inputs(plan.selected_law[:upto], problems.candidate_law(second, upto),
+                                  plan.scheme_target[:upto], self.free_width, self.tails)  # fmt: skip
+            stage = self._solve_stage(inputs, problems.count[:upto] > second)
+            plan.selected_law = plan.selected_law.index_copy(0, stage.rows, stage.law)
+            plan.stages.append(stage)
+        return plan
 
-    def _prepare_rows(self, rows: np.ndarray) -> None:
-        self._prepared = {}
-        plans, _ = self._plans(rows)
-        self._prepared = {plan.key: plan for plan in plans}
+    def _alphabet_plan(self, problems: Problems) -> Plan:
+        """q~ = q on the alphabet, renormalised, for problems of two or more candidates; q itself for one.
 
-    def _plans(self, rows: np.ndarray) -> tuple[list["_Plan"], np.ndarray]:
-        """One plan per distinct (q, p_1..p_K) row of ``rows`` ``[N, K+1, V]``, and each row's plan index."""
-        num_drafts = rows.shape[-2] - 1
-        prepared = getattr(self, "_prepared", {})
-        # One candidate needs no selection LP, so no alphabet truncation either: the scheme is then
-        # exactly speculative sampling, as every multi-draft scheme must be with one draft.
-        alphabet = self.alphabet_size if num_drafts > 1 else len
-        by_key: dict[bytes, int] = {}
-        plans, inverse = [], []
-        for row in rows:
-            key = row.tobytes()  # exact content: a plan is shared (or reused from the cache) only for identical laws
-            if key not in by_key:
-                by_key[key] = len(plans)
-                plans.append(prepared.get(key) or _Plan(row[0], row[1:], alphabet, key))
-            inverse.append(by_key[key])
-        unsolved = [plan for plan in plans if len(plan.stages) < num_drafts - 1]
-        for stage in range(num_drafts - 1 if unsolved else 0):
-            pairs = [(plan.selected_law(), plan.drafts[stage + 1], plan.scheme_target) for plan in unsolved]
-            for plan, selection in zip(unsolved, self._solve_stage(pairs)):
-                plan.stages.append(selection)
-        return plans, np.array(inverse, dtype=np.int64)
+        One candidate needs no selection LP, so no alphabet either: the scheme is then exactly
+        speculative sampling, as every multi-draft scheme must be with one draft.
+        """
+        target = problems.target  # [P, V]
+        selected = problems.candidate_law(0, target.shape[0])  # [P, V]
+        inside = self.alphabet_mask(target)
+        if inside is None:
+            return Plan(target, torch.ones_like(target[:, :1]), None, selected, [])
+        inside = inside | (problems.count < 2)[:, None]  # [P, V]
+        inside_mass = target.masked_fill(~inside, 0).sum(-1, keepdim=True)  # [P, 1]
+        scheme = torch.where(inside, target / inside_mass, torch.zeros_like(target))  # [P, V]
+        scheme = torch.where(problems.count[:, None] < 2, target, scheme)  # exactly q with one candidate
+        inside_mass = torch.where(problems.count[:, None] < 2, torch.ones_like(inside_mass), inside_mass)
+        outside = normalized_or(target.masked_fill(inside, 0), target)  # [P, V]
+        return Plan(scheme, inside_mass, outside, selected, [])
 
-    def _solve_stage(self, pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[PairSelection]:
-        rankings, free_sets = [], []
-        for first, second, target in pairs:
-            order = np.argsort(-(target - first * second), kind="stable")  # [V]: descending rank score
-            support = (first > 0) | (second > 0)  # [V]
-            rankings.append(order)
-            free_sets.append(self.free_tokens(order, support))
-        # Both tails for every row in one LP call. Either rule is lossless, and which one a row uses
-        # depends on its laws only: keep the better.
-        tails = [False] * len(pairs) + [True] * len(pairs)
-        solved = solve_pair_selections(pairs * 2, rankings * 2, free_sets * 2, tails)
-        return [max(options, key=lambda selection: np.minimum(target, selection.law).sum())
-                for options, (_, _, target) in zip(zip(solved[: len(pairs)], solved[len(pairs) :]), pairs)]  # fmt: skip
+    def _solve_stage(self, inputs: StageInputs, active: torch.Tensor) -> Stage:
+        """The free LPs of the problems with a second candidate on the host (the stage's one read), then,
+        on the device and for those problems only, each tail's law and the better tail per problem."""
+        host = torch.cat([inputs.host_arrays(), active.double()[:, None]], -1).numpy(force=True)
+        is_active = host[:, -1] > 0.5
+        self.check_support(host[is_active, -2])
+        if len(self._solved) > _MAX_SOLVED:
+            self._solved.clear()
+        weights, free_laws, free_acceptance = (
+            torch.as_tensor(array, device=inputs.first.device)
+            for array in solve_free_problems(host[is_active, :-1], inputs.free_ids.shape[-1], len(self.tails),
+                                             self._solved)
+        )  # [A, T, M, M], [A, T, M], [A, T]  # fmt: skip
+        inputs = inputs.restricted(torch.as_tensor(np.flatnonzero(is_active), device=inputs.first.device))
+        laws, rank_key = self._tail_laws(inputs)  # T × [A, V]
+        best, best_total = laws[0], _nonfree_acceptance(inputs, laws[0]) + free_acceptance[:, 0]  # [A, V], [A]
+        choice = torch.zeros_like(best_total, dtype=torch.long)  # [A]: the first tail on ties (ranked before coin)
+        for tail in range(1, len(laws)):
+            total = _nonfree_acceptance(inputs, laws[tail]) + free_acceptance[:, tail]  # [A]
+            better = total > best_total
+            best, best_total = torch.where(better[:, None], laws[tail], best), torch.maximum(total, best_total)
+            choice = torch.where(better, tail, choice)
+        problem = torch.arange(len(choice), device=choice.device)  # [A]
+        free_law = free_laws[problem, choice].to(best.dtype)  # [A, M]
+        kept = torch.where(inputs.free_valid, free_law, best.gather(1, inputs.free_ids))  # [A, M]
+        is_coin = torch.tensor([tail == COIN for tail in self.tails], device=choice.device)[choice]  # [A]
+        return Stage(inputs.rows, inputs.free_ids, inputs.free_valid, weights[problem, choice], is_coin, rank_key,
+                     best.scatter(1, inputs.free_ids, kept))  # fmt: skip
 
-
-class _Plan:
-    """Everything about one row: its target, drafts, alphabet and selection stages."""
-
-    def __init__(self, target: np.ndarray, drafts: np.ndarray, alphabet: Callable[[np.ndarray], int], key: bytes):
-        self.key = key
-        self.target = target  # [V]
-        self.drafts = drafts  # [K, V]
-        inside = np.zeros(target.shape, dtype=bool)  # [V]
-        order = np.argsort(-target, kind="stable")  # [V]
-        inside[order[: alphabet(target[order])]] = True
-        self.inside_mass = float(target[inside].sum())  # q(O)
-        outside = np.where(inside, 0.0, target)  # [V]
-        # Decided on the outside mass itself: q(O) can round below 1 when O holds every token.
-        outside_mass = outside.sum()
-        self.outside_law = outside / outside_mass if outside_mass > 0 else outside  # [V]
-        self.scheme_target = np.where(inside, target, 0.0) / self.inside_mass  # q~ [V]
-        self.stages: list[PairSelection] = []
-
-    def selected_law(self) -> np.ndarray:
-        return self.stages[-1].law if self.stages else self.drafts[0]  # [V]
-
-    def canonical_acceptance(self) -> float:
-        return self.inside_mass * float(np.minimum(self.scheme_target, self.selected_law()).sum())
-
-    def output_law(self, candidates: np.ndarray) -> np.ndarray:
-        """The law of the output given the candidate tokens ``[K]`` → ``[V]``."""
-        selected = np.zeros_like(self.target)  # [V]: law of Y given the candidates
-        selected[candidates[0]] = 1.0
-        for stage, second in zip(self.stages, candidates[1:]):
-            keep = stage.keep_first(second)  # [V]
-            switched = (selected * (1 - keep)).sum()
-            selected = selected * keep
-            selected[second] += switched
-        p_selected, q = self.selected_law(), self.scheme_target  # [V]
-        accept = np.minimum(q / np.maximum(p_selected, TINY), 1.0)  # [V]
-        rejected = (selected * (1 - accept)).sum()
-        law = selected * accept + rejected * _normalized_excess(q, p_selected)  # [V]
-        return self.inside_mass * law + (1 - self.inside_mass) * self.outside_law
+    def _tail_laws(self, inputs: StageInputs) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Each tail's p_I off the free set ``[A, V]``, and the ranked tail's rank keys if it is one of them."""
+        laws, rank_key = [], None
+        for tail in self.tails:
+            if tail == COIN:
+                laws.append(coin_tail(inputs.first, inputs.second))
+            else:
+                law, rank_key = ranked_tail(inputs)
+                laws.append(law)
+        return laws, rank_key
 
 
-def solve_pair_selections(
-    pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-    rankings: list[np.ndarray],
-    free_sets: list[np.ndarray],
-    tails: list[bool],
-) -> list[PairSelection]:
-    """Solve every row's pairwise-selection LP in one HiGHS call (a block-diagonal LP).
-
-    Row r: laws (a, b) of the first and second candidate, target c, tokens in rank order, free
-    token ids F (m of them). Variables w_ij (i, j in F; w_ii fixed at 0) and t_k (k in F):
-    maximise Σ t_k  s.t.  t_k ≤ c_k,  t_k ≤ p_I(k),  0 ≤ w ≤ 1. A pair that involves a token
-    outside F goes to its higher-ranked member (Khisti et al. §4), or, where the row's entry of
-    ``tails`` is True, to either member with probability 1/2: then a non-free token's p_I is (a + b)/2, so with identical drafts
-    and every weight at 1/2 p_I = p, and the LP never accepts less than one draft does.
-    """
-    from scipy.optimize import linprog
-    from scipy.sparse import coo_matrix
-
-    objective, bounds, upper = [], [], []
-    entries_row, entries_col, entries_value = [], [], []
-    layouts = []
-    column = constraint = 0
-    for (a, b, c), order, free, even in zip(pairs, rankings, free_sets, tails):
-        m = len(free)
-        is_free = np.zeros(a.shape, dtype=bool)  # [V]
-        is_free[free] = True
-        fa, fb, fc = a[free], b[free], c[free]  # [m] each
-        outside_a, outside_b = a[~is_free].sum(), b[~is_free].sum()
-        # Free tokens outrank every other token, so they win all pairs with one (half of them if even).
-        base = fa * fb + (fa * outside_b + fb * outside_a) * (0.5 if even else 1.0)  # [m]
-        pair_mass = np.outer(fa, fb)  # [m, m]: a_i b_j
-        np.fill_diagonal(pair_mass, 0.0)
-        # Constraint k: t_k - Σ_j a_k b_j w_kj + Σ_j a_j b_k w_jk ≤ base_k + Σ_j a_j b_k
-        ii, jj = np.nonzero(pair_mass)
-        values = pair_mass[ii, jj]
-        w_index = column + ii * m + jj
-        entries_row += [constraint + ii, constraint + jj, constraint + np.arange(m)]
-        entries_col += [w_index, w_index, column + m * m + np.arange(m)]
-        entries_value += [-values, values, np.ones(m)]
-        upper.append(base + pair_mass.sum(0))
-        w_bounds = [(0.0, 0.0 if i == j else 1.0) for i in range(m) for j in range(m)]
-        bounds += w_bounds + [(0.0, float(ck)) for ck in fc]
-        objective.append(np.concatenate([np.zeros(m * m), -np.ones(m)]))
-        layouts.append((column, m, order, free, base, even))
-        column += m * m + m
-        constraint += m
-    solution = np.zeros(0)
-    if column:
-        matrix = coo_matrix(
-            (np.concatenate(entries_value), (np.concatenate(entries_row), np.concatenate(entries_col))),
-            shape=(constraint, column),
-        )
-        result = linprog(np.concatenate(objective), A_ub=matrix, b_ub=np.concatenate(upper), bounds=bounds,
-                         method="highs")  # fmt: skip
-        if result.status != 0:
-            raise RuntimeError(f"importance-sampling LP failed: {result.message}")
-        solution = result.x
-    return [_selection(a, b, solution, *layout) for (a, b, _), layout in zip(pairs, layouts)]
-
-
-def _selection(a, b, solution, start, m, order, free, base, even) -> PairSelection:
-    """One row's solved rule: its LP weights and the law p_I of the selected candidate.
-
-    base ``[m]``: what each free token wins without LP weights (its pairs with itself and with
-    non-free tokens), as the LP's constraints had it.
-    """
-    weights = solution[start : start + m * m].reshape(m, m).clip(0, 1)  # [m, m]
-    np.fill_diagonal(weights, 0.0)
-    if even:  # a non-free token wins half of every pair it is in: p_I = a b + (a (1 - b) + b (1 - a)) / 2
-        law = (a + b) / 2  # [V]
-    else:  # a non-free token wins exactly the pairs with lower-ranked tokens
-        law = a * b + a * _mass_ranked_below(b, order) + b * _mass_ranked_below(a, order)  # [V]
-    fa, fb = a[free], b[free]  # [m]
-    pair = np.outer(fa, fb) * (1 - np.eye(m))  # [m, m]
-    law[free] = base + (pair * weights).sum(1) + (pair * (1 - weights)).sum(0)
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(order))
-    free_position = np.full(a.shape, -1, dtype=np.int64)
-    free_position[free] = np.arange(m)
-    return PairSelection(rank, free_position, weights, law, even)
-
-
-def _mass_ranked_below(law: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """For each token, the mass of ``law`` on tokens ranked strictly below it ``[V]``."""
-    in_order = law[order]  # [V]
-    below = np.empty_like(law)
-    below[order] = in_order[::-1].cumsum()[::-1] - in_order
-    return below
-
-
-def _normalized_excess(target: np.ndarray, proposal: np.ndarray) -> np.ndarray:
-    """(target - proposal)+ normalised ``[V]``; ``target`` itself where the excess is empty."""
-    excess = np.maximum(target - proposal, 0.0)
-    mass = excess.sum()
-    return excess / mass if mass > 0 else target
-
-
-def _draw(law: np.ndarray, rng: np.random.Generator) -> int:
-    """Inverse-CDF draw from ``law`` ``[V]`` (never a token of zero mass), as :func:`specdec_cli.sampling.sample`."""
-    cumulative = np.cumsum(law)  # [V]
-    total = cumulative[-1]
-    threshold = min(rng.random() * total, total * _BELOW_ONE)
-    return int(min(np.searchsorted(cumulative, threshold, side="right"), len(law) - 1))
-
-
-def _host_rows(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> np.ndarray:
-    """q ``[..., V]`` and p ``[..., K, V]`` as float64 host rows ``[N, K+1, V]``."""
-    vocab, num_drafts = target_probs.shape[-1], draft_probs.shape[-2]
-    rows = torch.cat([target_probs.reshape(-1, 1, vocab), draft_probs.reshape(-1, num_drafts, vocab)], dim=1)
-    return rows.double().numpy(force=True)
+def _nonfree_acceptance(inputs: StageInputs, law: torch.Tensor) -> torch.Tensor:
+    """Σ over the non-free tokens of min(c, p_I) ``[P_j]``."""
+    everywhere = torch.minimum(inputs.target, law).sum(-1)  # [P_j]
+    on_free = torch.minimum(inputs.target.gather(1, inputs.free_ids), law.gather(1, inputs.free_ids))  # [P_j, M]
+    return everywhere - (on_free * inputs.free_valid).sum(-1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from specdec_cli.errors import UsageError
 
 from ._importance import ImportanceSampling
+from ._pair_selection import COIN
 
 
 class ImportanceSamplingLP(ImportanceSampling):
@@ -22,12 +23,17 @@ class ImportanceSamplingLP(ImportanceSampling):
             raise ValueError(f"is-lp: max_support must be >= 1, got {max_support}")
         self.max_support = int(max_support)
 
-    def free_tokens(self, order, support):
-        free = order[support[order]]  # every token some draft can propose, in rank order
-        if len(free) > self.max_support:
+    # Every token some draft can propose is free, so no pair reaches a tail: one tail rule is enough.
+    tails = (COIN,)
+
+    @property
+    def free_width(self) -> int:
+        return self.max_support
+
+    def check_support(self, support_sizes):
+        if len(support_sizes) and support_sizes.max() > self.max_support:
             raise UsageError(
-                f"is-lp: the drafts put mass on {len(free)} tokens, more than max_support={self.max_support} "
+                f"is-lp: the drafts put mass on {int(support_sizes.max())} tokens, more than max_support={self.max_support} "
                 "allows for the exact LP; restrict sampling (e.g. --top-k 20), raise max_support "
                 "(--set verifier.params.max_support=N), or use is-truncated"
             )
-        return free

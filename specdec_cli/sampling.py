@@ -90,7 +90,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     and draws V exponentials per row, which costs more than the rest of a block's verification).
     The threshold stays strictly below the total mass, so a token of zero weight is never drawn.
     """
-    cumulative = probs.double().cumsum(-1)  # [..., V]
+    cumulative = probs.cumsum(-1, dtype=torch.float64)  # [..., V]
     total = cumulative[..., -1:]  # [..., 1]
     uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64)  # [..., 1]
     threshold = torch.minimum(uniform * total, total * _BELOW_ONE)  # [..., 1]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -199,26 +200,13 @@ class Verifier(BlockVerifier):
 
     def _walk(self, target_probs, draft_probs, draft_tokens, generator) -> BlockDecision:
         """The multi-draft walk over positions with an alive mask, all on the device."""
-        num_drafts, draft_length = draft_tokens.shape
+        draft_length = draft_tokens.shape[1]
         self.prepare(target_probs[0, :draft_length], draft_probs.transpose(0, 1))  # [L, V], [L, K, V]
-        device = draft_tokens.device
-        alive = torch.ones(num_drafts, dtype=torch.bool, device=device)  # [K]: rows matching every output so far
-        ended = torch.zeros((), dtype=torch.bool, device=device)  # []: a position had no survivor
-        num_accepted = torch.zeros((), dtype=torch.long, device=device)  # []
-        outputs = []
-        for t in range(draft_length):
-            # Alive rows share the committed prefix, so their q_t are equal: read the first.
-            first = alive.to(torch.uint8).argmax()  # []
-            token = self.select_alive(target_probs[first, t], draft_probs[:, t], draft_tokens[:, t], alive, generator)
-            survivors = alive & (draft_tokens[:, t] == token)  # [K]
-            outputs.append(token)
-            num_accepted = num_accepted + (~ended & survivors.any()).long()
-            ended = ended | ~survivors.any()
-            alive = torch.where(ended, alive, survivors)  # the last non-empty set: the rows followed
-        row = alive.to(torch.uint8).argmax()  # []
-        outputs.append(sample(target_probs[row, draft_length], generator))  # bonus, kept if no position ended
-        tokens = torch.stack(outputs)  # [L+1]: position num_accepted holds the correction or the bonus
-        return BlockDecision(tokens, num_accepted, row)
+
+        def choose(t: int, alive: torch.Tensor, leader: torch.Tensor) -> torch.Tensor:
+            return self.select_alive(target_probs[leader, t], draft_probs[:, t], draft_tokens[:, t], alive, generator)
+
+        return walk_alive_rows(choose, target_probs, draft_tokens, generator)
 
     def block_law(self, target_probs, draft_probs, draft_tokens):
         """The walk's exact law, by recursion over the alive sets (host loops: for tests only)."""
@@ -241,6 +229,39 @@ class Verifier(BlockVerifier):
 
         walk(0, list(range(num_drafts)), 1.0)
         return law
+
+
+def walk_alive_rows(
+    choose: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None,
+) -> BlockDecision:
+    """The multi-draft block decision, on the device: follow the rows that match every output so far.
+
+    ``choose(t, alive, leader)`` gives the output token ``[]`` at position t, where alive ``[K]`` bool
+    marks the rows whose tokens equal every output before t and leader ``[]`` is the first of
+    them (alive rows share the committed prefix, so their q_t are equal). The block stops committing
+    at the first position where no row survives; a row alive after all L earns a bonus token from q.
+    target_probs ``[K, L+1, V]``, draft_tokens ``[K, L]``.
+    """
+    num_drafts, draft_length = draft_tokens.shape
+    device = draft_tokens.device
+    alive = torch.ones(num_drafts, dtype=torch.bool, device=device)  # [K]: rows matching every output so far
+    ended = torch.zeros((), dtype=torch.bool, device=device)  # []: a position had no survivor
+    num_accepted = torch.zeros((), dtype=torch.long, device=device)  # []
+    outputs = []
+    for t in range(draft_length):
+        token = choose(t, alive, alive.to(torch.uint8).argmax())
+        survivors = alive & (draft_tokens[:, t] == token)  # [K]
+        outputs.append(token)
+        num_accepted = num_accepted + (~ended & survivors.any()).long()
+        ended = ended | ~survivors.any()
+        alive = torch.where(ended, alive, survivors)  # the last non-empty set: the rows followed
+    row = alive.to(torch.uint8).argmax()  # []
+    outputs.append(sample(target_probs[row, draft_length], generator))  # bonus, kept if no position ended
+    tokens = torch.stack(outputs)  # [L+1]: position num_accepted holds the correction or the bonus
+    return BlockDecision(tokens, num_accepted, row)
 
 
 def shared_prefix_length(draft_tokens: np.ndarray) -> int:

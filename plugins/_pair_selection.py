@@ -1,0 +1,200 @@
+"""One stage of importance-weighted selection between two candidates (Khisti et al., §3-4, Theorem 4).
+
+A first candidate of law a and a second of law b; the selected token Y has the law p_I with, for a
+pair of different tokens (i, j), w_ij = P(Y = i | X1 = i, X2 = j):
+
+    p_I(i) = a_i b_i + Σ_{j≠i} a_i b_j w_ij + Σ_{j≠i} a_j b_i (1 - w_ji).                  (Thm 4)
+
+Tokens are ranked by c_i - a_i b_i (c = the scheme's target). The top ``width`` tokens of the
+drafts' support are *free*: their pair weights are variables of the linear program
+max Σ_k min(c_k, p_I(k)) (§3, Theorem 1; the LP is solved on the host, where it is a few hundred
+numbers). A pair that involves a non-free token is decided by a *tail* rule:
+
+- ranked (§4's truncated LP): the higher-ranked member wins, so a non-free token gets
+  p_I(i) = a_i b_i + a_i B_<(i) + b_i A_<(i), with A_<(i), B_<(i) the masses ranked below i;
+- coin: either member with probability 1/2, so p_I(i) = (a_i + b_i) / 2 and, with identical
+  drafts and every free weight at 1/2, p_I = p: two drafts never accept less than one.
+
+Everything over the vocabulary runs on the tensors' device, in the laws' dtype with sums in
+float64: the free set (a top-k), the ranking (a sort of unique 64-bit keys, only for the problems
+that need it), the tails' laws and their acceptance outside the free set. Only the free
+sub-problems cross to the host, where the LP runs in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+RANKED, COIN = "ranked", "coin"
+_HIGHEST_KEY = 2**31 - 1
+
+
+@dataclass
+class StageInputs:
+    """What one stage knows before its LP, for P pair problems (device tensors)."""
+
+    first: torch.Tensor  # [P, V] a: law of the first candidate
+    second: torch.Tensor  # [P, V] b: law of the second candidate
+    target: torch.Tensor  # [P, V] c: the scheme's target
+    score: torch.Tensor  # [P, V] c - a b, -inf off the drafts' support
+    free_ids: torch.Tensor  # [P, M] int64: the top M tokens by key, in rank order
+    free_valid: torch.Tensor  # [P, M] bool: in the drafts' support (free), else padding
+    is_free: torch.Tensor  # [P, V] bool
+    support_size: torch.Tensor  # [P] int64: tokens some candidate can be
+    base: torch.Tensor  # [P, T, M]: what each free token wins outside the LP's pairs, per tail
+    rows: torch.Tensor  # [P] int64: which problems of the stage these are
+
+    def restricted(self, rows: torch.Tensor) -> "StageInputs":
+        """The same inputs for the problems ``rows`` ``[A]`` only."""
+        picked = {name: getattr(self, name).index_select(0, rows) for name in self.__dataclass_fields__}
+        return StageInputs(**picked)
+
+    def host_arrays(self) -> torch.Tensor:
+        """The free sub-problems packed as one float64 tensor ``[P, (3 + T) M + 2]`` for one transfer."""
+        gathered = [values.gather(-1, self.free_ids).double() * self.free_valid
+                    for values in (self.first, self.second, self.target)]  # fmt: skip
+        return torch.cat([*gathered, self.base.flatten(1), self.free_valid.double(),
+                          self.support_size.double().unsqueeze(-1)], dim=-1)  # fmt: skip
+
+
+def ascending_order(score: torch.Tensor, top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens from the lowest rank to the highest, by float32(score) then the lower id ranking higher,
+    the ``top`` tokens above all others → (order ``[A, V]``, unique int64 rank keys ``[A, V]``).
+
+    One 1-D sort of int64 keys per row: on the CPU that is several times faster than sorting the
+    floats, or a 2-D int64 tensor, along its last dimension.
+    """
+    bits = score.float().view(torch.int32).long()  # [A, V]
+    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [A, V]: negative floats' magnitude flipped: ordered as the reals
+    if top is not None:
+        monotone = monotone.masked_fill(top, _HIGHEST_KEY)
+    vocab = score.shape[-1]
+    key = ((monotone + 2**31) << 31) | (2**31 - 1 - torch.arange(vocab, device=score.device))  # [A, V]
+    ascending = torch.stack([row.sort().values for row in key]) if len(key) else key  # [A, V]
+    return 2**31 - 1 - (ascending & (2**31 - 1)), key
+
+
+def stage_inputs(first: torch.Tensor, second: torch.Tensor, target: torch.Tensor, width: int, tails) -> StageInputs:
+    """Free set and free tokens' base for P pair problems ``[P, V]`` each: the top ``width`` support
+    tokens by c - a b (any fixed tie rule will do: :func:`ranked_tail` puts the free tokens first)."""
+    support = (first > 0) | (second > 0)  # [P, V]
+    score = torch.addcmul(target, first, second, value=-1).masked_fill_(~support, -torch.inf)  # [P, V]
+    free_ids = score.topk(min(width, score.shape[-1]), dim=-1).indices  # [P, M]
+    free_valid = support.gather(-1, free_ids)  # [P, M]
+    is_free = torch.zeros_like(support).scatter_(-1, free_ids, free_valid)  # [P, V]
+    fa, fb = first.gather(-1, free_ids) * free_valid, second.gather(-1, free_ids) * free_valid  # [P, M]
+    fa, fb = fa.double(), fb.double()  # [P, M]: the LP's side in float64
+    outside_a = first.sum(-1, keepdim=True, dtype=torch.float64) - fa.sum(-1, keepdim=True)  # [P, 1]
+    outside_b = second.sum(-1, keepdim=True, dtype=torch.float64) - fb.sum(-1, keepdim=True)  # [P, 1]
+    cross = fa * outside_b + fb * outside_a  # [P, M]: pairs of a free token with a non-free one
+    # Free tokens outrank every other token: they win all those pairs (ranked) or half of them (coin).
+    base = torch.stack([fa * fb + cross * (0.5 if tail == COIN else 1.0) for tail in tails], dim=1)  # [P, T, M]
+    rows = torch.arange(len(first), device=first.device)  # [P]
+    return StageInputs(first, second, target, score, free_ids, free_valid, is_free, support.sum(-1), base, rows)
+
+
+def ranked_tail(inputs: StageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """§4's tail: p_I = a b + a B_< + b A_< ``[P, V]``, and the rank keys ``[P, V]`` (larger ranks higher).
+
+    The order is c - a b in float32, ties to the lower token id, with the free tokens first: they win
+    every pair with a non-free token, so the masses below a non-free token never include theirs.
+    """
+    first, second = inputs.first, inputs.second  # [P, V] each
+    order, key = ascending_order(inputs.score, inputs.is_free)  # [P, V] each
+    laws = torch.stack([first, second])  # [2, P, V]
+    in_order = laws.gather(-1, order.expand(2, -1, -1))  # [2, P, V]
+    suffix = in_order.cumsum(-1, dtype=torch.float64).sub_(in_order).to(laws.dtype)  # [2, P, V]: sums in float64
+    below = torch.empty_like(laws).scatter_(-1, order.expand(2, -1, -1), suffix)  # [2, P, V]
+    return first * second + first * below[1] + second * below[0], key
+
+
+def coin_tail(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """The fair-coin tail: p_I = a b + (a (1 - b) + b (1 - a)) / 2 = (a + b) / 2 ``[P, V]``."""
+    return torch.add(first, second).mul_(0.5)
+
+
+@dataclass
+class FreeSolution:
+    """The LP's answer for one stage, as device tensors: per tail, the free weights and laws."""
+
+    weights: torch.Tensor  # [P, T, M, M]: P(Y = free_i | X1 = free_i, X2 = free_j)
+    law: torch.Tensor  # [P, T, M]: p_I on the free tokens
+    acceptance: torch.Tensor  # [P, T]: Σ_free min(c, p_I)
+
+
+def solve_free_problems(host: np.ndarray, width: int, num_tails: int, solved: dict) -> tuple[np.ndarray, ...]:
+    """Every problem's free LP, for every tail, in one HiGHS call (a block-diagonal LP).
+
+    ``host`` ``[A, (3 + T) M + 2]`` as :meth:`StageInputs.host_arrays` packs it. Returns weights
+    ``[A, T, M, M]``, free laws ``[A, T, M]`` and free acceptance Σ min(c, p_I) ``[A, T]``.
+    ``solved`` maps a sub-problem's numbers to its solution: a sub-problem met before (in this
+    batch or an earlier one) gets the same solution, so the rule is a function of the laws and
+    never mixes two optimal vertices for the same laws. New solutions are added to it.
+    """
+    fa, fb, fc = (host[:, i * width : (i + 1) * width] for i in range(3))  # [A, M] each
+    base = host[:, 3 * width : (3 + num_tails) * width].reshape(-1, num_tails, width)  # [A, T, M]
+    valid = host[:, (3 + num_tails) * width : (4 + num_tails) * width] > 0.5  # [A, M]
+    keys, fresh = [], {}
+    for p in range(len(host)):
+        for tail in range(num_tails):
+            problem = (fa[p][valid[p]], fb[p][valid[p]], fc[p][valid[p]], base[p, tail][valid[p]])
+            keys.append(np.concatenate(problem).tobytes())
+            if keys[-1] not in solved:
+                fresh[keys[-1]] = problem
+    solved.update(zip(fresh, _solve_lps(list(fresh.values()))))
+    weights = np.zeros((len(host), num_tails, width, width))
+    laws = np.zeros((len(host), num_tails, width))
+    for (p, tail), key in zip(np.ndindex(len(host), num_tails), keys):
+        w, law = solved[key]
+        weights[p, tail, : len(law), : len(law)], laws[p, tail, : len(law)] = w, law
+    return weights, laws, np.minimum(fc[:, None, :], laws).sum(-1)
+
+
+def _solve_lps(problems: list[tuple[np.ndarray, ...]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Free problems (a, b, c, base) ``[m]`` each → (weights ``[m, m]``, p_I ``[m]``), one HiGHS call.
+
+    Variables w_ij (w_ii fixed at 0) and t_k: maximise Σ t_k s.t. t_k ≤ c_k, t_k ≤ p_I(k), 0 ≤ w ≤ 1,
+    where p_I(k) = base_k + Σ_j a_k b_j w_kj + Σ_j a_j b_k (1 - w_jk).
+    """
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    objective, bounds, upper, rows, cols, values, starts = [], [], [], [], [], [], []
+    column = constraint = 0
+    for a, b, c, base in problems:
+        m = len(a)
+        pair_mass = np.outer(a, b)  # [m, m]: a_i b_j
+        np.fill_diagonal(pair_mass, 0.0)
+        ii, jj = np.nonzero(pair_mass)
+        w_index = column + ii * m + jj
+        # Constraint k: t_k - Σ_j a_k b_j w_kj + Σ_j a_j b_k w_jk ≤ base_k + Σ_j a_j b_k
+        rows += [constraint + ii, constraint + jj, constraint + np.arange(m)]
+        cols += [w_index, w_index, column + m * m + np.arange(m)]
+        values += [-pair_mass[ii, jj], pair_mass[ii, jj], np.ones(m)]
+        upper.append(base + pair_mass.sum(0))
+        bounds += [(0.0, 0.0 if i == j else 1.0) for i in range(m) for j in range(m)] + [(0.0, float(x)) for x in c]
+        objective.append(np.concatenate([np.zeros(m * m), -np.ones(m)]))
+        starts.append(column)
+        column += m * m + m
+        constraint += m
+    solution = np.zeros(0)
+    if column:
+        matrix = coo_matrix((np.concatenate(values), (np.concatenate(rows), np.concatenate(cols))),
+                            shape=(constraint, column))  # fmt: skip
+        result = linprog(np.concatenate(objective), A_ub=matrix, b_ub=np.concatenate(upper), bounds=bounds,
+                         method="highs")  # fmt: skip
+        if result.status != 0:
+            raise RuntimeError(f"importance-sampling LP failed: {result.message}")
+        solution = result.x
+    return [_free_law(a, b, base, solution[start : start + len(a) ** 2]) for (a, b, _, base), start in zip(problems, starts)]
+
+
+def _free_law(a: np.ndarray, b: np.ndarray, base: np.ndarray, flat_weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    m = len(a)
+    weights = flat_weights.reshape(m, m).clip(0, 1)  # [m, m]
+    np.fill_diagonal(weights, 0.0)
+    pair = np.outer(a, b) * (1 - np.eye(m))  # [m, m]
+    return weights, base + (pair * weights).sum(1) + (pair * (1 - weights)).sum(0)
