@@ -12,8 +12,8 @@ on the laws only.
 Everything over the vocabulary stays on the tensors' device. Each stage reads the device once,
 for its free LPs (a few hundred numbers); with two drafts that is the block's only read besides
 the engine's. In a block, the problems are "position t, the rows that share row k's prefix"
-(found by comparing tokens, never laws); every problem's output is drawn at once and the walk
-follows the rows that match the outputs, as :func:`~specdec_cli.verifiers.walk_alive_rows` does.
+(found by comparing tokens, never laws); the walk (:func:`~specdec_cli.verifiers.walk_alive_rows`)
+draws at each position the output of the problem its alive rows make, indexed on the device.
 """
 
 from __future__ import annotations
@@ -142,36 +142,42 @@ class Plan:
     def acceptance(self) -> torch.Tensor:
         return self.inside_mass.squeeze(-1) * torch.minimum(self.scheme_target, self.selected_law).sum(-1)  # [P]
 
-    def _step_b(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Selection masses ``[P, K]``, their acceptance min(1, q~/p_I) ``[P, K]`` and the residual ``[P, V]``."""
-        chosen = self.selection(tokens)
-        accept = (self.scheme_target.gather(1, tokens) / self.selected_law.gather(1, tokens).clamp_min(TINY)).clamp(max=1)
-        residual = torch.sub(self.scheme_target, self.selected_law).clamp_(min=0)  # [P, V]
-        return chosen, accept, residual
+    def _step_b(self, tokens: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """For the problems ``rows`` ``[n]``: q~ ``[n, V]``, the candidates' acceptance min(1, q~/p_I) ``[n, K]``
+        and the residual (q~ - p_I)+ ``[n, V]``; tokens ``[n, K]``."""
+        target, law = self.scheme_target.index_select(0, rows), self.selected_law.index_select(0, rows)  # [n, V]
+        accept = (target.gather(1, tokens) / law.gather(1, tokens).clamp_min(TINY)).clamp(max=1)  # [n, K]
+        return target, accept, torch.sub(target, law).clamp_(min=0)
 
     def output_law(self, tokens: torch.Tensor) -> torch.Tensor:
         """The law of the output given the candidates ``[P, K]`` → ``[P, V]``."""
-        chosen, accept, residual = self._step_b(tokens)
+        chosen = self.selection(tokens)  # [P, K]
+        target, accept, residual = self._step_b(tokens, torch.arange(len(tokens), device=tokens.device))
         rejected = (chosen * (1 - accept)).sum(-1, keepdim=True).to(residual.dtype)  # [P, 1]
         inner = torch.zeros_like(residual).scatter_add(1, tokens, (chosen * accept).to(residual.dtype))  # [P, V]
-        inner = inner + rejected * normalized_or(residual, self.scheme_target)
+        inner = inner + rejected * normalized_or(residual, target)
         if self.outside is None:
             return inner
         return self.inside_mass * inner + (1 - self.inside_mass) * self.outside
 
-    def sample(self, tokens: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """One output per problem given the candidates ``[P, K]`` → ``[P]``, on the device."""
-        chosen, accept, residual = self._step_b(tokens)
-        slot = sample(chosen, generator)[:, None]  # [P, 1]
-        uniform = torch.rand(slot.shape, generator=generator, device=slot.device, dtype=accept.dtype)  # [P, 1]
-        taken = uniform < accept.gather(1, slot)  # [P, 1]
-        empty = residual.sum(-1, keepdim=True) <= 0  # [P, 1]: p_I = q~, so a rejection has probability 0
-        fallback = sample(torch.where(empty, self.scheme_target, residual, out=residual), generator)  # [P]
-        output = torch.where(taken.squeeze(1), tokens.gather(1, slot).squeeze(1), fallback)  # [P]
+    def sample(self, chosen: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, generator) -> torch.Tensor:
+        """One output for each problem of ``rows`` ``[n]`` (device indices), on the device → ``[n]``.
+
+        chosen ``[P, K]``: :meth:`selection` of every problem's candidates ``tokens`` ``[P, K]``.
+        """
+        tokens = tokens.index_select(0, rows)  # [n, K]
+        target, accept, residual = self._step_b(tokens, rows)
+        slot = sample(chosen.index_select(0, rows), generator)[:, None]  # [n, 1]
+        uniform = torch.rand(slot.shape, generator=generator, device=slot.device, dtype=accept.dtype)  # [n, 1]
+        taken = uniform < accept.gather(1, slot)  # [n, 1]
+        empty = residual.sum(-1, keepdim=True) <= 0  # [n, 1]: p_I = q~, so a rejection has probability 0
+        fallback = sample(torch.where(empty, target, residual, out=residual), generator)  # [n]
+        output = torch.where(taken.squeeze(1), tokens.gather(1, slot).squeeze(1), fallback)  # [n]
         if self.outside is None:
             return output
-        uniform = torch.rand(output.shape, generator=generator, device=output.device, dtype=accept.dtype)  # [P]
-        return torch.where(uniform < self.inside_mass.squeeze(1), output, sample(self.outside, generator))
+        uniform = torch.rand(output.shape, generator=generator, device=output.device, dtype=accept.dtype)  # [n]
+        outside = sample(self.outside.index_select(0, rows), generator)  # [n]
+        return torch.where(uniform < self.inside_mass.index_select(0, rows).squeeze(1), output, outside)
 
 
 class ImportanceSampling(Verifier):
@@ -224,10 +230,12 @@ class ImportanceSampling(Verifier):
         if num_drafts == 1:  # one candidate: the scheme is speculative sampling, decided on the device
             return SpeculativeSampling().verify_block(target_probs, draft_probs, draft_tokens, generator)
         problems = Problems.block(target_probs, draft_probs, draft_tokens)
-        outputs = self.plan(problems).sample(problems.tokens, generator).view(num_drafts, draft_length)  # [K, L]
+        plan = self.plan(problems)
+        chosen = plan.selection(problems.tokens)  # [K L, K]
 
         def choose(t: int, alive: torch.Tensor, leader: torch.Tensor) -> torch.Tensor:
-            return outputs[:, t].gather(0, leader.view(1)).squeeze(0)  # the problem of (leader, t)
+            problem = (leader * draft_length + t).view(1)  # [1]: the problem of (leader, t), drawn alone
+            return plan.sample(chosen, problems.tokens, problem, generator).squeeze(0)
 
         return walk_alive_rows(choose, target_probs, draft_tokens, generator)
 
