@@ -97,7 +97,7 @@ class Stage:
     free_valid: torch.Tensor  # [A, M] bool
     weights: torch.Tensor  # [A, M, M]: the kept tail's LP weights
     coin: torch.Tensor  # [A] bool: the kept tail is the fair coin (else ranked)
-    rank_key: torch.Tensor | None  # [A, V] int64: larger ranks higher (None without a ranked tail)
+    rank_key: torch.Tensor | None  # [A, V] int32: ranks by (key, token id) (None without a ranked tail)
     law: torch.Tensor  # [A, V]: p_I after this stage
 
     def keep_first(self, tokens: torch.Tensor, second: int) -> torch.Tensor:
@@ -109,9 +109,10 @@ class Stage:
         weight_rows = self.weights.gather(1, position[:, :, None].expand(-1, -1, width))  # [A, K, M]
         weight = weight_rows.gather(2, position[:, second, None, None].expand(-1, tokens.shape[1], 1)).squeeze(-1)
         ranked = torch.zeros_like(weight)  # [A, K]
-        if self.rank_key is not None:
-            keys = self.rank_key.gather(1, tokens)  # [A, K]
-            ranked = (keys > keys[:, second, None]).to(weight.dtype)  # the higher rank wins
+        if self.rank_key is not None:  # the higher rank wins: the larger key, then the larger id
+            keys, other = self.rank_key.gather(1, tokens), self.rank_key.gather(1, tokens[:, second, None])  # [A, K], [A, 1]
+            above = (keys > other) | ((keys == other) & (tokens > tokens[:, second, None]))  # [A, K]
+            ranked = above.to(weight.dtype)
         tail = torch.where(self.coin[:, None], torch.full_like(ranked, 0.5), ranked)  # [A, K]
         keep = torch.where(free & free[:, second, None], weight, tail)  # [A, K]
         return torch.where(tokens == tokens[:, second, None], torch.ones_like(keep), keep)

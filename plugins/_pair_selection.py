@@ -42,7 +42,6 @@ class StageInputs:
     score: torch.Tensor  # [P, V] c - a b, -inf off the drafts' support
     free_ids: torch.Tensor  # [P, M] int64: the top M tokens by key, in rank order
     free_valid: torch.Tensor  # [P, M] bool: in the drafts' support (free), else padding
-    is_free: torch.Tensor  # [P, V] bool
     support_size: torch.Tensor  # [P] int64: tokens some candidate can be
     base: torch.Tensor  # [P, T, M]: what each free token wins outside the LP's pairs, per tail
     rows: torch.Tensor  # [P] int64: which problems of the stage these are
@@ -61,49 +60,48 @@ class StageInputs:
 
 
 def ascending_order(score: torch.Tensor, top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens from the lowest rank to the highest, by float32(score) then the lower id ranking higher,
-    the ``top`` tokens above all others → (order ``[A, V]``, unique int64 rank keys ``[A, V]``).
+    """Tokens from the lowest rank to the highest → (order ``[A, V]``, int32 rank keys ``[A, V]``).
 
-    One 1-D sort of int64 keys per row: on the CPU that is several times faster than sorting the
-    floats, or a 2-D int64 tensor, along its last dimension.
+    Ranks follow float32(score), the ``top`` tokens above all others, ties to the higher token id
+    (so a rank is the pair (key, id)). One stable ascending 1-D sort of int32 keys per row: on the
+    CPU that is a radix sort, several times faster than sorting floats or a 2-D tensor.
     """
-    bits = score.float().view(torch.int32).long()  # [A, V]
-    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [A, V]: negative floats' magnitude flipped: ordered as the reals
+    bits = score.float().view(torch.int32)  # [A, V]
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [A, V]: negative floats' magnitude flipped: ordered as the reals
     if top is not None:
-        monotone = monotone.masked_fill(top, _HIGHEST_KEY)
-    vocab = score.shape[-1]
-    key = ((monotone + 2**31) << 31) | (2**31 - 1 - torch.arange(vocab, device=score.device))  # [A, V]
-    ascending = torch.stack([row.sort().values for row in key]) if len(key) else key  # [A, V]
-    return 2**31 - 1 - (ascending & (2**31 - 1)), key
+        key = key.masked_fill(top, _HIGHEST_KEY)
+    order = torch.stack([row.sort(stable=True).indices for row in key]) if len(key) else key.long()  # [A, V]
+    return order, key
 
 
 def stage_inputs(first: torch.Tensor, second: torch.Tensor, target: torch.Tensor, width: int, tails) -> StageInputs:
     """Free set and free tokens' base for P pair problems ``[P, V]`` each: the top ``width`` support
     tokens by c - a b (any fixed tie rule will do: :func:`ranked_tail` puts the free tokens first)."""
-    support = (first > 0) | (second > 0)  # [P, V]
-    score = torch.addcmul(target, first, second, value=-1).masked_fill_(~support, -torch.inf)  # [P, V]
+    unsupported = (first == 0) & (second == 0)  # [P, V]: no candidate can be these tokens
+    score = torch.addcmul(target, first, second, value=-1).masked_fill_(unsupported, -torch.inf)  # [P, V]
     free_ids = score.topk(min(width, score.shape[-1]), dim=-1).indices  # [P, M]
-    free_valid = support.gather(-1, free_ids)  # [P, M]
-    is_free = torch.zeros_like(support).scatter_(-1, free_ids, free_valid)  # [P, V]
-    fa, fb = first.gather(-1, free_ids) * free_valid, second.gather(-1, free_ids) * free_valid  # [P, M]
-    fa, fb = fa.double(), fb.double()  # [P, M]: the LP's side in float64
-    outside_a = first.sum(-1, keepdim=True, dtype=torch.float64) - fa.sum(-1, keepdim=True)  # [P, 1]
-    outside_b = second.sum(-1, keepdim=True, dtype=torch.float64) - fb.sum(-1, keepdim=True)  # [P, 1]
+    free_valid = ~unsupported.gather(-1, free_ids)  # [P, M]
+    fa, fb = (law.gather(-1, free_ids).double() * free_valid for law in (first, second))  # [P, M]: the LP's side
+    # Totals in the laws' own dtype (torch sums pairwise): a float64 sum would first copy the laws.
+    outside_a = first.sum(-1, keepdim=True).double() - fa.sum(-1, keepdim=True)  # [P, 1]
+    outside_b = second.sum(-1, keepdim=True).double() - fb.sum(-1, keepdim=True)  # [P, 1]
     cross = fa * outside_b + fb * outside_a  # [P, M]: pairs of a free token with a non-free one
     # Free tokens outrank every other token: they win all those pairs (ranked) or half of them (coin).
     base = torch.stack([fa * fb + cross * (0.5 if tail == COIN else 1.0) for tail in tails], dim=1)  # [P, T, M]
+    support_size = score.shape[-1] - unsupported.sum(-1)  # [P]
     rows = torch.arange(len(first), device=first.device)  # [P]
-    return StageInputs(first, second, target, score, free_ids, free_valid, is_free, support.sum(-1), base, rows)
+    return StageInputs(first, second, target, score, free_ids, free_valid, support_size, base, rows)
 
 
 def ranked_tail(inputs: StageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """§4's tail: p_I = a b + a B_< + b A_< ``[P, V]``, and the rank keys ``[P, V]`` (larger ranks higher).
+    """§4's tail: p_I = a b + a B_< + b A_< ``[P, V]``, and the rank keys ``[P, V]`` (see :func:`ascending_order`).
 
-    The order is c - a b in float32, ties to the lower token id, with the free tokens first: they win
+    The order is c - a b in float32, ties to the higher token id, with the free tokens first: they win
     every pair with a non-free token, so the masses below a non-free token never include theirs.
     """
     first, second = inputs.first, inputs.second  # [P, V] each
-    order, key = ascending_order(inputs.score, inputs.is_free)  # [P, V] each
+    is_free = torch.zeros_like(inputs.score, dtype=torch.bool).scatter_(-1, inputs.free_ids, inputs.free_valid)  # [P, V]
+    order, key = ascending_order(inputs.score, is_free)  # [P, V] each
     laws = torch.stack([first, second])  # [2, P, V]
     in_order = laws.gather(-1, order.expand(2, -1, -1))  # [2, P, V]
     suffix = in_order.cumsum(-1, dtype=torch.float64).sub_(in_order).to(laws.dtype)  # [2, P, V]: sums in float64
