@@ -7,8 +7,8 @@ pair of different tokens (i, j), w_ij = P(Y = i | X1 = i, X2 = j):
 
 Tokens are ranked by c_i - a_i b_i (c = the scheme's target). The top ``width`` tokens of the
 drafts' support are *free*: their pair weights are variables of the linear program
-max Σ_k min(c_k, p_I(k)) (§3, Theorem 1; the LP is solved on the host, where it is a few hundred
-numbers). A pair that involves a non-free token is decided by a *tail* rule:
+max Σ_k min(c_k, p_I(k)) (§3, Theorem 1; solved on the host as the maximum flow it is, a few
+hundred numbers). A pair that involves a non-free token is decided by a *tail* rule:
 
 - ranked (§4's truncated LP): the higher-ranked member wins, so a non-free token gets
   p_I(i) = a_i b_i + a_i B_<(i) + b_i A_<(i), with A_<(i), B_<(i) the masses ranked below i;
@@ -16,7 +16,7 @@ numbers). A pair that involves a non-free token is decided by a *tail* rule:
   drafts and every free weight at 1/2, p_I = p: two drafts never accept less than one.
 
 Everything over the vocabulary runs on the tensors' device, in the laws' dtype with sums in
-float64: the free set (a top-k), the ranking (a sort of unique 64-bit keys, only for the problems
+float64: the free set (a top-k), the ranking (a stable sort of 32-bit keys, only for the problems
 that need it), the tails' laws and their acceptance outside the free set. Only the free
 sub-problems cross to the host, where the LP runs in float64.
 """
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 RANKED, COIN = "ranked", "coin"
+_FLOW_RESOLUTION = 2.0**30  # the largest capacity in int32 steps (scipy's maximum flow takes int32)
 _HIGHEST_KEY = 2**31 - 1
 
 
@@ -124,7 +125,7 @@ class FreeSolution:
 
 
 def solve_free_problems(host: np.ndarray, width: int, num_tails: int, solved: dict) -> tuple[np.ndarray, ...]:
-    """Every problem's free LP, for every tail, in one HiGHS call (a block-diagonal LP).
+    """Every problem's free LP, for every tail, on the host (as a maximum flow: :func:`_solve_lps`).
 
     ``host`` ``[A, (3 + T) M + 2]`` as :meth:`StageInputs.host_arrays` packs it. Returns weights
     ``[A, T, M, M]``, free laws ``[A, T, M]`` and free acceptance Σ min(c, p_I) ``[A, T]``.
@@ -152,47 +153,53 @@ def solve_free_problems(host: np.ndarray, width: int, num_tails: int, solved: di
 
 
 def _solve_lps(problems: list[tuple[np.ndarray, ...]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Free problems (a, b, c, base) ``[m]`` each → (weights ``[m, m]``, p_I ``[m]``), one HiGHS call.
+    """Free problems (a, b, c, base) ``[m]`` each → (weights ``[m, m]``, p_I ``[m]``).
 
-    Variables w_ij (w_ii fixed at 0) and t_k: maximise Σ t_k s.t. t_k ≤ c_k, t_k ≤ p_I(k), 0 ≤ w ≤ 1,
-    where p_I(k) = base_k + Σ_j a_k b_j w_kj + Σ_j a_j b_k (1 - w_jk).
+    The LP max Σ_k min(c_k, p_I(k)) over w, with p_I(k) = base_k + Σ_j a_k b_j w_kj +
+    Σ_j a_j b_k (1 - w_jk), is a maximum flow: the pair {i, j} holds a_i b_j + a_j b_i to share
+    between i and j in any proportion (w_ij and w_ji are free), and token k usefully takes
+    (c_k - base_k)+ more. So it is solved as one, exactly up to the capacities' resolution.
     """
-    from scipy.optimize import linprog
-    from scipy.sparse import coo_matrix
-
-    objective, bounds, upper, rows, cols, values, starts = [], [], [], [], [], [], []
-    column = constraint = 0
-    for a, b, c, base in problems:
-        m = len(a)
-        pair_mass = np.outer(a, b)  # [m, m]: a_i b_j
-        np.fill_diagonal(pair_mass, 0.0)
-        ii, jj = np.nonzero(pair_mass)
-        w_index = column + ii * m + jj
-        # Constraint k: t_k - Σ_j a_k b_j w_kj + Σ_j a_j b_k w_jk ≤ base_k + Σ_j a_j b_k
-        rows += [constraint + ii, constraint + jj, constraint + np.arange(m)]
-        cols += [w_index, w_index, column + m * m + np.arange(m)]
-        values += [-pair_mass[ii, jj], pair_mass[ii, jj], np.ones(m)]
-        upper.append(base + pair_mass.sum(0))
-        bounds += [(0.0, 0.0 if i == j else 1.0) for i in range(m) for j in range(m)] + [(0.0, float(x)) for x in c]
-        objective.append(np.concatenate([np.zeros(m * m), -np.ones(m)]))
-        starts.append(column)
-        column += m * m + m
-        constraint += m
-    solution = np.zeros(0)
-    if column:
-        matrix = coo_matrix((np.concatenate(values), (np.concatenate(rows), np.concatenate(cols))),
-                            shape=(constraint, column))  # fmt: skip
-        result = linprog(np.concatenate(objective), A_ub=matrix, b_ub=np.concatenate(upper), bounds=bounds,
-                         method="highs")  # fmt: skip
-        if result.status != 0:
-            raise RuntimeError(f"importance-sampling LP failed: {result.message}")
-        solution = result.x
-    return [_free_law(a, b, base, solution[start : start + len(a) ** 2]) for (a, b, _, base), start in zip(problems, starts)]
+    return [_free_law(a, b, base, _flow_weights(a, b, c, base)) for a, b, c, base in problems]
 
 
-def _free_law(a: np.ndarray, b: np.ndarray, base: np.ndarray, flat_weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _flow_weights(a: np.ndarray, b: np.ndarray, c: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """Pair weights ``[m, m]`` from a maximum flow (scipy's, on int32 capacities).
+
+    Capacities are floored to 2^-30 of the largest, so the flow fits the true masses and falls short
+    of the optimum by at most one such step per pair; the weights are exact for the law they give.
+    """
+    from scipy.sparse import csr_array
+    from scipy.sparse.csgraph import maximum_flow
+
     m = len(a)
-    weights = flat_weights.reshape(m, m).clip(0, 1)  # [m, m]
+    first, second = np.triu_indices(m, 1)  # [n]: the pairs i < j
+    forward, backward = a[first] * b[second], a[second] * b[first]  # [n]: (X1, X2) = (i, j), (j, i)
+    mass = forward + backward  # [n]
+    room = np.maximum(c - base, 0.0)  # [m]
+    weights = np.zeros((m, m))
+    if not (mass > 0).any() or not (room > 0).any():  # nothing to share, or nowhere it helps: any weights do
+        return weights
+    pairs, tokens = 1 + np.arange(len(first)), 1 + len(first) + np.arange(m)  # node ids; 0 = source
+    sink = tokens[-1] + 1
+    rows = np.concatenate([np.zeros_like(pairs), pairs, pairs, tokens])
+    cols = np.concatenate([pairs, tokens[first], tokens[second], np.full(m, sink)])
+    capacity = np.concatenate([mass, mass, mass, room])
+    scale = _FLOW_RESOLUTION / capacity.max()
+    graph = csr_array((np.floor(capacity * scale).astype(np.int32), (rows, cols)), shape=(sink + 1, sink + 1))
+    flow = maximum_flow(graph, 0, sink).flow
+    to_second = np.asarray(flow[pairs, tokens[second]], dtype=np.float64).ravel() / scale  # [n]
+    to_first = np.clip(mass - to_second, 0.0, None)  # the rest of the pair, useful or not, goes to i
+    keep = np.divide(to_first, forward, out=np.zeros_like(mass), where=forward > 0).clip(0, 1)  # [n]: w_ij
+    taken = np.divide(to_first - forward * keep, backward, out=np.zeros_like(mass), where=backward > 0)  # 1 - w_ji
+    weights[first, second], weights[second, first] = keep, 1 - taken.clip(0, 1)
+    return weights
+
+
+def _free_law(a: np.ndarray, b: np.ndarray, base: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The weights ``[m, m]`` (clipped to [0, 1], none on the diagonal) and the p_I they give the free tokens ``[m]``."""
+    m = len(a)
+    weights = weights.clip(0, 1)  # [m, m]
     np.fill_diagonal(weights, 0.0)
     pair = np.outer(a, b) * (1 - np.eye(m))  # [m, m]
     return weights, base + (pair * weights).sum(1) + (pair * (1 - weights)).sum(0)
