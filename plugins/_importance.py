@@ -26,7 +26,7 @@ import torch
 from specdec_cli.sampling import sample
 from specdec_cli.verifiers import Verifier, walk_alive_rows
 
-from ._laws import TINY, normalized_or
+from ._laws import normalized_or, ratio_acceptance
 from ._pair_selection import COIN, RANKED, StageInputs, coin_tail, ranked_tail, solve_free_problems, stage_inputs
 from .speculative import SpeculativeSampling
 
@@ -147,7 +147,7 @@ class Plan:
         """For the problems ``rows`` ``[n]``: q~ ``[n, V]``, the candidates' acceptance min(1, q~/p_I) ``[n, K]``
         and the residual (q~ - p_I)+ ``[n, V]``; tokens ``[n, K]``."""
         target, law = self.scheme_target.index_select(0, rows), self.selected_law.index_select(0, rows)  # [n, V]
-        accept = (target.gather(1, tokens) / law.gather(1, tokens).clamp_min(TINY)).clamp(max=1)  # [n, K]
+        accept = ratio_acceptance(target, law, tokens)  # [n, K]
         return target, accept, torch.sub(target, law).clamp_(min=0)
 
     def output_law(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ class StageInputs:
     second: torch.Tensor  # [P, V] b: law of the second candidate
     target: torch.Tensor  # [P, V] c: the scheme's target
     score: torch.Tensor  # [P, V] c - a b, -inf off the drafts' support
-    free_ids: torch.Tensor  # [P, M] int64: the top M tokens by key, in rank order
+    free_ids: torch.Tensor  # [P, M] int64: the top M tokens by score
     free_valid: torch.Tensor  # [P, M] bool: in the drafts' support (free), else padding
     support_size: torch.Tensor  # [P] int64: tokens some candidate can be
     base: torch.Tensor  # [P, T, M]: what each free token wins outside the LP's pairs, per tail
@@ -113,15 +113,6 @@ def ranked_tail(inputs: StageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 def coin_tail(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """The fair-coin tail: p_I = a b + (a (1 - b) + b (1 - a)) / 2 = (a + b) / 2 ``[P, V]``."""
     return torch.add(first, second).mul_(0.5)
-
-
-@dataclass
-class FreeSolution:
-    """The LP's answer for one stage, as device tensors: per tail, the free weights and laws."""
-
-    weights: torch.Tensor  # [P, T, M, M]: P(Y = free_i | X1 = free_i, X2 = free_j)
-    law: torch.Tensor  # [P, T, M]: p_I on the free tokens
-    acceptance: torch.Tensor  # [P, T]: Σ_free min(c, p_I)
 
 
 def solve_free_problems(host: np.ndarray, width: int, num_tails: int, solved: dict) -> tuple[np.ndarray, ...]:

@@ -185,9 +185,8 @@ class Verifier(BlockVerifier):
 
         target_probs ``[n, V]``, draft_probs ``[n, K, V]`` as if all drafts were alive (the device walk
         passes all L positions; where the tokens are known on the host, only the first
-        :func:`shared_prefix_length` positions, the ones where that can happen). Schemes that solve a
-        problem per position (the importance-sampling LPs) solve them here in one batched call;
-        the default does nothing.
+        :func:`shared_prefix_length` positions, the ones where that can happen). A scheme that solves
+        a problem per position can solve them here in one batched call; the default does nothing.
         """
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None) -> BlockDecision:
