@@ -35,22 +35,24 @@ def conversions(monkeypatch):
     return counter
 
 
-def _decoder(models, family: str, name: str, num_drafts: int, **generation) -> SpeculativeDecoder:
+def _decoder(models, family: str, name: str, num_drafts: int, params=None, **generation) -> SpeculativeDecoder:
     recipe = tiny_recipe(
-        models, family, verifier={"name": name}, speculation={"draft_length": 4, "num_drafts": num_drafts},
+        models, family, verifier={"name": name, "params": params or {}},
+        speculation={"draft_length": 4, "num_drafts": num_drafts},
         generation={"max_new_tokens": 24, **generation},
     )  # fmt: skip
     return SpeculativeDecoder.from_recipe(build_recipe(recipe))
 
 
-BUILT_INS = [("speculative", 1), ("mentored", 1), ("block", 1), ("specinfer", 3), ("spectr", 3),
-             ("is-lp", 2), ("is-truncated", 2), ("is-truncated", 1)]  # fmt: skip
+BUILT_INS = [("speculative", 1, None), ("mentored", 1, None), ("mentored", 1, {"kl": 0.3}), ("block", 1, None),
+             ("specinfer", 3, None), ("spectr", 3, None), ("is-lp", 2, None), ("is-truncated", 2, None),
+             ("is-truncated", 1, None)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "num_drafts"), BUILT_INS)
+@pytest.mark.parametrize(("name", "num_drafts", "params"), BUILT_INS)
 @pytest.mark.parametrize("family", ["llama", "t5"])
-def test_at_most_two_reads_per_block(tiny_models, conversions, name, num_drafts, family):
-    decoder = _decoder(tiny_models, family, name, num_drafts)
+def test_at_most_two_reads_per_block(tiny_models, conversions, name, num_drafts, params, family):
+    decoder = _decoder(tiny_models, family, name, num_drafts, params)
     prompt_ids = decoder.encode_prompt("a b c d")
     conversions.clear()
     blocks = 0

@@ -296,6 +296,47 @@ def test_mentored_solves_kl_equals_d_to_rounding_at_any_vocabulary(vocab):
     assert checked >= 4
 
 
+def test_mentored_accepts_draft_tokens_the_target_rules_out_when_the_bound_allows():
+    """p on a token q rules out (top-k or top-p on the target): below α = 0+ those tokens share the
+    rejection, so the bound is still met exactly. q = (½, ½, 0), p = (0.3, 0.3, 0.4): both live
+    tokens sit above β, KL = -ln(0.6 + ρ), and D = 0.1 gives 1 - R = e^-0.1 - 0.6. Rejecting all
+    of token 3 (the threshold form with α > 0) would stop at R = 0.6 with KL = 0.
+    """
+    verifier = load_verifier("mentored", {"kl": 0.1})
+    target = torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
+    drafts = torch.tensor([[0.3, 0.3, 0.4]], dtype=torch.float64)
+    assert float(verifier.acceptance_probability(target, drafts)) == pytest.approx(1.6 - math.exp(-0.1), rel=1e-12)
+    law = enumerate_output_law(verifier, target, drafts)
+    assert float(law.sum()) == pytest.approx(1.0, abs=1e-12)
+    assert _kl(target, law) == pytest.approx(0.1, rel=1e-9)
+
+
+@pytest.mark.parametrize("max_set_steps", [1, None])
+def test_mentored_is_exact_on_sparse_laws_and_from_the_sorted_table(monkeypatch, max_set_steps):
+    """Zero-q tokens, p = 0 < q tokens and bounds from 1e-6 to 1 nat: KL(q ‖ output) = D wherever
+    D < KL(q ‖ p) and the root is representable. With one set step no row settles, so the same
+    answers must come from the sorted-table fallback."""
+    from specdec_plugins import mentored
+
+    if max_set_steps:
+        monkeypatch.setattr(mentored, "_MAX_SET_STEPS", max_set_steps)
+    generator = torch.Generator().manual_seed(21)
+    checked = 0
+    for vocab in (3, 40, 3000):
+        target = random_distributions(generator, (8, vocab), sparsity=0.3)
+        draft = random_distributions(generator, (8, vocab), sparsity=0.1)
+        for bound in (1e-6, 1e-3, 0.1, 1.0):
+            verifier = load_verifier("mentored", {"kl": bound})
+            solution = verifier.solve(target, draft.unsqueeze(-2))
+            full = torch.tensor([_kl(t, d) if (d[t > 0] > 0).all() else math.inf for t, d in zip(target, draft)],
+                                dtype=torch.float64)  # fmt: skip
+            exact = (full > bound) & (solution.rejected_mass.squeeze(-1) > 1e-290)  # [8]
+            assert torch.allclose(solution.kl.squeeze(-1)[exact], torch.full_like(full[exact], bound), rtol=1e-9, atol=0)
+            assert (solution.rejected_mass.squeeze(-1)[full <= bound] == 0).all()
+            checked += int(exact.sum())
+    assert checked >= 40
+
+
 def test_mentored_tolerance_is_accepted_and_ignored():
     generator = torch.Generator().manual_seed(3)
     target, draft = random_distributions(generator, (2, 6), sparsity=0.0)
