@@ -66,8 +66,8 @@ class MentoredDecoding(Verifier):
 
     def __init__(self, *, kl: float = 0.0, tolerance: float | None = None):
         """``tolerance`` is accepted and ignored: the bound is now met exactly (kept so recipes still load)."""
-        if not kl >= 0:
-            raise ValueError(f"mentored: kl must be >= 0 (nats), got {kl}")
+        if not 0 <= kl < math.inf:
+            raise ValueError(f"mentored: kl must be a finite number >= 0 (nats), got {kl}")
         if tolerance is not None and not 0 < tolerance < 1:
             raise ValueError(f"mentored: tolerance must be in ]0, 1[, got {tolerance}")
         self.kl = float(kl)

@@ -121,13 +121,17 @@ class AcceptanceAnalysis:
         self.recipe = recipe
         self.request = request
         self.registry = registry or VerifierRegistry()
-        self.verifiers = {name: self.registry.create(name) for name in request.verifiers if name.lower() != MENTORED}
+        params = recipe.verifier.params  # each verifier gets those it takes (is-lp's max_support, ...)
+        self.verifiers = {
+            name: self.registry.create(name, self.registry.params_for(name, params))
+            for name in request.verifiers if name.lower() != MENTORED
+        }  # fmt: skip
         single = dataclasses.replace(recipe, speculation=dataclasses.replace(recipe.speculation, num_drafts=1))
         self.decoder = SpeculativeDecoder.from_recipe(single, autoregressive=True)
         self.draft_groups = load_drafts(single, self.decoder.target)
         self.num_configs = sum(len(params) for _, params in self.draft_groups)
         self.mentored = [
-            (mentored_row(d), self.registry.create(MENTORED, {"kl": d}))
+            (mentored_row(d), self.registry.create(MENTORED, {**self.registry.params_for(MENTORED, params), "kl": d}))
             for d in (request.kl_values if any(n.lower() == MENTORED for n in request.verifiers) else ())
         ]
 

@@ -193,7 +193,7 @@ class SpeculativeDecoder:
             if not recipe.drafts:
                 raise UsageError("the recipe has no draft: add a 'draft:' section, or use --autoregressive")
             verifier = (registry or VerifierRegistry()).create(recipe.verifier.name, recipe.verifier.params)
-            _check_drafts(verifier, recipe)  # before the slow model loads
+            check_drafts(verifier, recipe)  # before the slow model loads
         target = load_model(recipe.target, "target")
         drafts = [] if autoregressive else load_drafts(recipe, target)
         return cls(target, drafts, verifier, recipe)
@@ -216,13 +216,16 @@ class SpeculativeDecoder:
         if not ids:
             raise UsageError("the prompt encodes to no tokens; give some text to continue")
         context = self.target.context_length
+        if context is not None and self.draft_length >= context:
+            raise UsageError(f"draft_length {self.draft_length} does not fit the target's context of {context} tokens; "
+                             "lower --draft-length")
         if context is not None and not self.target.is_encoder_decoder:
             needed = len(ids) + self.recipe.generation.max_new_tokens + self.draft_length
             if needed > context:
                 raise UsageError(
                     f"the prompt has {len(ids)} tokens; with max_new_tokens {self.recipe.generation.max_new_tokens} "
                     f"(and {self.draft_length} draft tokens) that exceeds the model's context of {context}; "
-                    "shorten the prompt or lower --max-new-tokens"
+                    "shorten the prompt or lower --max-new-tokens or --draft-length"
                 )
         return ids
 
@@ -432,7 +435,8 @@ _IDENTICAL_DRAFTS_MESSAGE = (
 )
 
 
-def _check_drafts(verifier: BlockVerifier, recipe: Recipe) -> None:
+def check_drafts(verifier: BlockVerifier, recipe: Recipe) -> None:
+    """The recipe's drafts suit the verifier (count, identical laws): checked before any model loads."""
     _check_draft_count(verifier, len(recipe.drafts) * recipe.speculation.num_drafts)
     if verifier.identical_drafts and len(set(recipe.drafts)) > 1:
         raise UsageError(_IDENTICAL_DRAFTS_MESSAGE.format(name=verifier.name))

@@ -109,7 +109,7 @@ def read_recipe_file(recipe: str | Path | None) -> dict[str, Any]:
         source = f"shipped recipe '{recipe}'"
     else:
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise RecipeError(
                 f"recipe file '{recipe}' not found; give a YAML file path or one of the shipped recipes: "
@@ -117,6 +117,8 @@ def read_recipe_file(recipe: str | Path | None) -> dict[str, Any]:
             ) from None
         except OSError as error:
             raise RecipeError(f"cannot read recipe file '{recipe}': {error.strerror}") from None
+        except UnicodeDecodeError:
+            raise RecipeError(f"recipe file '{recipe}' is not UTF-8 text; a recipe is a YAML file") from None
         source = str(recipe)
     try:
         data = yaml.safe_load(text)
@@ -135,6 +137,8 @@ def read_recipe_file(recipe: str | Path | None) -> dict[str, Any]:
 def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
     """Apply ``key.path=value`` assignments (value parsed as YAML) to a copy of ``data``."""
     data = _deep_copy(data)
+    if any(a.startswith("drafts.") for a in assignments) and "draft" in data and "drafts" not in data:
+        data["drafts"] = [] if data["draft"] is None else [data.pop("draft")]  # 'draft:' is drafts.0
     for assignment in assignments:
         path, sep, raw_value = assignment.partition("=")
         if not sep or not path.strip():
@@ -156,8 +160,11 @@ def set_path(data: dict[str, Any], path: str, value: Any) -> None:
     last = keys[-1]
     if isinstance(node, list):
         node[_list_index(node, last, path)] = value
-    else:
+    elif isinstance(node, dict):
         node[last] = value
+    else:
+        parent = ".".join(keys[:-1])
+        raise RecipeError(f"cannot set '{path}': '{parent}' is a {type(node).__name__}, not a mapping; set '{parent}=…'")
 
 
 def _child(node: Any, key: str, path: str, create: bool) -> Any:
@@ -198,7 +205,7 @@ def build_recipe(data: dict[str, Any]) -> Recipe:
     if "target" not in data or data["target"] is None:
         raise RecipeError("the recipe has no 'target:' section; add e.g. target: {model: path/or/hub-id}")
     recipe = _build(Recipe, data, "")
-    _validate(recipe)
+    validate(recipe)
     return recipe
 
 
@@ -261,7 +268,8 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
     return value
 
 
-def _validate(recipe: Recipe) -> None:
+def validate(recipe: Recipe) -> None:
+    """Value checks of a built recipe (also for recipes a grid derives from one): a RecipeError if any fails."""
     checks: list[tuple[bool, str, str]] = [
         (recipe.speculation.draft_length >= 1, "speculation.draft_length", "must be >= 1"),
         (recipe.speculation.num_drafts >= 1, "speculation.num_drafts", "must be >= 1"),

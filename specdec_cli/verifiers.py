@@ -322,8 +322,30 @@ class VerifierRegistry:
             raise UsageError(f"unknown verifier '{name}'; installed verifiers: {installed} (see `specdec verifiers`)")
         return key
 
+    def params_for(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
+        """The entries of ``params`` (a recipe's verifier.params) that verifier ``name`` takes.
+
+        A run that compares several verifiers gives each the parameters it has: ``max_support``
+        reaches ``is-lp`` whichever verifier the recipe names.
+        """
+        accepted = parameter_defaults(self.load_class(self.canonical(name)))
+        return {key: value for key, value in params.items() if key in accepted}
+
     def create(self, name: str, params: dict[str, Any] | None = None) -> BlockVerifier:
-        return self.load_class(self.canonical(name))(**(params or {}))
+        """An instance of ``name``; a plugin's own ValueError or TypeError about its parameters becomes
+        one line for the user (VerifierParameterError), naming the verifier."""
+        key = self.canonical(name)
+        cls = self.load_class(key)
+        try:
+            return cls(**(params or {}))
+        except VerifierParameterError:
+            raise
+        except (ValueError, TypeError) as error:
+            reason = str(error).removeprefix(f"{key}: ")
+            raise VerifierParameterError(
+                f"verifier '{key}': {reason} (given {params or {}}; fix verifier.params in the recipe, "
+                "or --set verifier.params.NAME=VALUE)"
+            ) from error
 
 
 def load_verifier(name: str, params: dict[str, Any] | None = None) -> BlockVerifier:

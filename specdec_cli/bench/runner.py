@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..engine import SpeculativeDecoder, load_drafts, sample_seed
+from ..engine import SpeculativeDecoder, check_drafts, load_drafts, sample_seed
 from ..errors import SpecdecError, UsageError
 from ..models import load_model
-from ..recipe import DraftConfig, Recipe
+from ..recipe import DraftConfig, Recipe, validate
 from ..verifiers import VerifierRegistry, parameter_defaults
 from .metrics import corpus_quality, expected_speedup, mean_and_std, speed_summary
 from .store import ResultsStore
@@ -50,20 +50,21 @@ class Cell:
     def baseline_key(self) -> str:
         return Cell(BASELINE, None, 0, 0, self.temperature, None).key
 
-    def recipe(self, base: Recipe) -> Recipe:
+    def recipe(self, base: Recipe, registry: VerifierRegistry) -> Recipe:
+        """The base recipe with this cell's settings; the verifier gets the base's parameters it takes."""
+        if self.verifier == BASELINE:
+            return dataclasses.replace(base, generation=dataclasses.replace(base.generation, temperature=self.temperature))
         drafts = base.drafts
         if self.draft_temperatures is not None:
             drafts = tuple(dataclasses.replace(base.drafts[0], temperature=t) for t in self.draft_temperatures)
-        params = dict(base.verifier.params) if self.verifier == base.verifier.name else {}
+        params = registry.params_for(self.verifier, base.verifier.params)
         if self.kl is not None:
             params["kl"] = self.kl
         return dataclasses.replace(
             base,
             drafts=drafts,
             verifier=dataclasses.replace(base.verifier, name=self.verifier, params=params),
-            speculation=dataclasses.replace(
-                base.speculation, num_drafts=max(1, self.num_drafts), draft_length=max(1, self.draft_length)
-            ),
+            speculation=dataclasses.replace(base.speculation, num_drafts=self.num_drafts, draft_length=self.draft_length),
             generation=dataclasses.replace(base.generation, temperature=self.temperature),
         )
 
@@ -142,7 +143,7 @@ class BenchRunner:
         return self._models[key]
 
     def decoder(self, cell: Cell) -> SpeculativeDecoder:
-        recipe = cell.recipe(self.recipe)
+        recipe = cell.recipe(self.recipe, self.registry)
         if cell.verifier == BASELINE:
             return SpeculativeDecoder(self.target, [], None, recipe)
         verifier = self.registry.create(cell.verifier, recipe.verifier.params)
@@ -278,6 +279,21 @@ def environment() -> dict:
     }  # fmt: skip
 
 
-def check_cells(cells: list[Cell]) -> None:
+def check_cells(cells: list[Cell], skipped: list[str], base: Recipe, registry: VerifierRegistry) -> list[str]:
+    """Every cell's recipe, verifier parameters and drafts, before the first model loads: a bad grid
+    value fails here with the cell it belongs to, not after earlier cells ran. Returns notes on the
+    base's verifier parameters that no verifier of the grid takes (they are ignored)."""
     if len(cells) == sum(c.verifier == BASELINE for c in cells):
-        raise UsageError("the grid has no speculative configuration to compare with the baseline")
+        why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+        raise UsageError(f"the grid has no speculative configuration to compare with the baseline{why}")
+    for cell in cells:
+        try:
+            recipe = cell.recipe(base, registry)
+            validate(recipe)
+            if cell.verifier != BASELINE:
+                check_drafts(registry.create(cell.verifier, recipe.verifier.params), recipe)
+        except UsageError as error:
+            raise type(error)(f"grid cell '{cell.key}': {error}") from None
+    taken = {key for c in cells if c.verifier != BASELINE for key in registry.params_for(c.verifier, base.verifier.params)}
+    return [f"verifier.params.{key} is taken by no verifier of the grid; ignored"
+            for key in sorted(set(base.verifier.params) - taken)]

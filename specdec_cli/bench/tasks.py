@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecdecError, UsageError
+from ..inputs import read_text, text_value
 
 LANGUAGES = {"en": "English", "fr": "French", "de": "German", "cs": "Czech", "ru": "Russian", "hi": "Hindi"}
 
@@ -111,9 +112,22 @@ def load_examples(spec: DataSource) -> list[Example]:
         examples = _jsonl(spec.dataset, task, spec)
     else:
         examples = _online(task, spec)
+    _check_unique_ids(examples)
     if spec.shuffle:
         random.Random(spec.seed).shuffle(examples)
     return examples[: spec.limit] if spec.limit else examples
+
+
+def _check_unique_ids(examples: list[Example]) -> None:
+    """Results are stored and resumed per example id, so two examples with one id would collapse."""
+    first_with: dict[str, int] = {}
+    for number, example in enumerate(examples, 1):
+        if example.id in first_with:
+            raise UsageError(
+                f"examples {first_with[example.id]} and {number} share the id '{example.id}'; results are kept "
+                "per id, so give each example its own 'id' (or drop the field to number them by line)"
+            )
+        first_with[example.id] = number
 
 
 def fingerprint(examples: list[Example]) -> str:
@@ -125,10 +139,7 @@ def fingerprint(examples: list[Example]) -> str:
 
 
 def _read_lines(path: Path, what: str) -> list[str]:
-    try:
-        return path.read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise UsageError(f"cannot read {what} '{path}': {error.strerror}") from None
+    return read_text(path, what).splitlines()
 
 
 def _aligned_files(spec: DataSource) -> list[Example]:
@@ -162,8 +173,7 @@ def _jsonl(path: Path, task: Task, spec: DataSource) -> list[Example]:
             raise UsageError(
                 f"{path} line {number} has no '{source_field}' field; name the input field with --source-field"
             )
-        source = record[source_field]
-        source = source[0] if isinstance(source, list) else str(source)
+        source = text_value(record[source_field], f"{path} line {number}", source_field)
         if task.name == "dolly" and record.get("context"):
             source = f"{source}\n\n{record['context']}"
         reference = record.get(reference_field) if reference_field else None

@@ -29,7 +29,7 @@ def acceptance(
     prompt_file: Annotated[
         Optional[Path], typer.Option(help="Text file (one prompt per line) or .jsonl (Spec-Bench's format too).")
     ] = None,
-    field: Annotated[Optional[str], typer.Option(help="Prompt field of a .jsonl file (default: prompt, text, …, turns).")] = None,
+    field: common.FieldOption = None,
     recipe: common.RecipeOption = None,
     verifiers: Annotated[
         Optional[str], typer.Option("--verifier", help="Comma list of verifiers; default: all installed.")

@@ -86,7 +86,7 @@ def bench(
         _draft_temperature_sets(draft_temperatures),
     )
     cells, skipped = grid.cells(registry)
-    check_cells(cells)
+    notes = check_cells(cells, skipped, base, registry)
     seed_list = common.parse_list(seeds, int, "--seeds") or [base.seed]
     rank, world_size = _init_distributed()
     config = {
@@ -101,6 +101,8 @@ def bench(
     err = Console(stderr=True)
     for reason in skipped:
         err.print(f"skipped: {reason}", highlight=False)
+    for note in notes:
+        err.print(f"note: {note}", highlight=False)
     with err.status("Loading models…"):
         runner = BenchRunner(base, task_spec, examples, cells, seed_list, store, rank, world_size, registry,
                              template, parse_lang_pair(lang_pair))  # fmt: skip

@@ -10,7 +10,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..errors import UsageError
-from ..recipe import Recipe, apply_overrides, build_recipe, read_recipe_file
+from ..inputs import read_stdin, read_text, text_value
+from ..recipe import Recipe, apply_overrides, build_recipe, read_recipe_file, set_path
 
 RecipeOption = Annotated[
     Optional[str],
@@ -32,6 +33,9 @@ MaxNewTokensOption = Annotated[Optional[int], typer.Option(help="Most tokens to 
 TemperatureOption = Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 = greedy.")]
 TopKOption = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens; 0 = off.")]
 TopPOption = Annotated[Optional[float], typer.Option(help="Nucleus sampling mass in (0, 1]; 1 = off.")]
+FieldOption = Annotated[
+    Optional[str], typer.Option(help="Prompt field of a .jsonl prompt file (default: prompt, text, instruction, question, turns).")
+]
 SeedOption = Annotated[Optional[int], typer.Option(help="Random seed (same seed and device give the same output).")]
 DeviceOption = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N for every model.")]
 DtypeOption = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 for every model.")]
@@ -66,7 +70,6 @@ class RecipeOptions:
             if not isinstance(first, dict):
                 raise UsageError("--draft-temperatures needs a draft in the recipe to copy")
             data["drafts"] = [{**first, "temperature": t} for t in self.draft_temperatures]
-        assignments: list[str] = []
         if self.verifier is not None:
             current = str((data.get("verifier") or {}).get("name", "")).lower()
             if current != self.verifier.lower():
@@ -87,8 +90,11 @@ class RecipeOptions:
             value = getattr(self, setting)
             if value is not None:
                 named.update({f"{model}.{setting}": value for model in _model_paths(data)})
-        assignments += [f"{path}={_yaml_scalar(value)}" for path, value in named.items() if value is not None]
-        return build_recipe(apply_overrides(data, assignments + list(self.sets)))
+        data = apply_overrides(data, [])  # a copy: the flags' values are set as typed, never re-read as text
+        for path, value in named.items():
+            if value is not None:
+                set_path(data, path, value)
+        return build_recipe(apply_overrides(data, list(self.sets)))
 
 
 def _model_paths(data: dict[str, Any]) -> list[str]:
@@ -98,12 +104,6 @@ def _model_paths(data: dict[str, Any]) -> list[str]:
     if isinstance(data.get("drafts"), list):
         paths += [f"drafts.{i}" for i in range(len(data["drafts"]))]
     return paths
-
-
-def _yaml_scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 PROMPT_FIELDS = ("prompt", "text", "instruction", "question", "turns")
@@ -121,17 +121,14 @@ def read_prompts(prompt: str | None, prompt_file: Path | None, stdin: Any, field
     if prompt is not None:
         return [prompt]
     if prompt_file is not None:
-        try:
-            text = stdin.read() if str(prompt_file) == "-" else prompt_file.read_text()
-        except OSError as error:
-            raise UsageError(f"cannot read --prompt-file '{prompt_file}': {error.strerror}") from None
+        text = read_text(prompt_file, "--prompt-file", stdin)
         lines = [line for line in text.splitlines() if line.strip()]
         prompts = _jsonl_prompts(lines, prompt_file, field) if str(prompt_file).endswith(".jsonl") else lines
         if not prompts:
             raise UsageError(f"--prompt-file '{prompt_file}' has no prompts (one prompt per non-empty line)")
         return prompts
     if stdin is not None and not stdin.isatty():
-        return [stdin.read()]
+        return [read_stdin(stdin)]
     raise UsageError('give a prompt: specdec generate "Your prompt", --prompt-file FILE, or pipe text to stdin')
 
 
@@ -146,8 +143,7 @@ def _jsonl_prompts(lines: list[str], path: Path, field: str | None) -> list[str]
         if not names or names[0] not in record:
             wanted = f"'{field}'" if field else "one of " + ", ".join(PROMPT_FIELDS)
             raise UsageError(f"{path} line {number} has no {wanted} field; name the prompt field with --field")
-        value = record[names[0]]
-        prompts.append(value[0] if isinstance(value, list) else str(value))
+        prompts.append(text_value(record[names[0]], f"{path} line {number}", names[0]))
     return prompts
 
 

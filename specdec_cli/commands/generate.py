@@ -25,6 +25,7 @@ def generate(
     prompt_file: Annotated[
         Optional[Path], typer.Option(help="File with one prompt per non-empty line ('-' for stdin).")
     ] = None,
+    field: common.FieldOption = None,
     recipe: common.RecipeOption = None,
     verifier: common.VerifierOption = None,
     kl: common.KlOption = None,
@@ -55,7 +56,7 @@ def generate(
         temperature, top_k, top_p, seed, device, dtype, chat,
     )  # fmt: skip
     resolved = options.resolve()
-    prompts = common.read_prompts(prompt, prompt_file, sys.stdin)
+    prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
     for text in prompts:  # checked before the models load, which can take a while
         require_text(text)
     err = Console(stderr=True)

@@ -1,0 +1,38 @@
+"""Reading what users hand in (text files, stdin, JSON lines): every problem is a one-line UsageError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TextIO
+
+from .errors import UsageError
+
+
+def read_text(path: Path, what: str, stdin: TextIO | None = None) -> str:
+    """The UTF-8 text of ``path`` (``-`` = ``stdin``), named ``what`` in errors (e.g. "--prompt-file")."""
+    if stdin is not None and str(path) == "-":
+        return read_stdin(stdin)
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise UsageError(f"cannot read {what} '{path}': {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{what} '{path}' is not UTF-8 text (a binary file?); give a text file") from None
+
+
+def read_stdin(stdin: TextIO) -> str:
+    try:
+        text = stdin.read()
+        text.encode("utf-8")  # a C/POSIX locale decodes bytes that are not UTF-8 as lone surrogates
+        return text
+    except (UnicodeDecodeError, UnicodeEncodeError):
+        raise UsageError("standard input is not UTF-8 text; pipe text, or give --prompt-file") from None
+
+
+def text_value(value: Any, where: str, name: str) -> str:
+    """A JSON field holding text: a string, or a non-empty list whose first item is one (Spec-Bench's
+    ``turns``). Anything else (null, a number, an empty list) is refused rather than turned into "None"."""
+    first = value[0] if isinstance(value, list) and value else value
+    if not isinstance(first, str):
+        raise UsageError(f"{where}: '{name}' must be text or a list of texts, got {value!r}")
+    return first

@@ -1,0 +1,136 @@
+"""Bad input, command by command: one line that says what is wrong, exit 2, no traceback, no model loaded.
+
+Each row is (command and arguments, text the one error line must hold). ``{dir}`` stands for a
+folder of prepared files (see ``inputs``) and ``{recipe}`` for a tiny llama recipe. Every case
+fails before a model loads, so the table runs in seconds. Cases that must *succeed* where they
+used to fail follow the table.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import tiny_recipe
+from tests.test_cli import _one_error_line, run  # noqa: F401  (the fixture)
+
+GENERATE = [
+    ("generate -r {recipe} --verifier mentored --kl inf ab", "kl must be a finite number >= 0"),
+    ("generate -r {recipe} --verifier mentored --kl nan ab", "kl must be a finite number >= 0"),
+    ("generate -r {recipe} --verifier mentored --kl -1 ab", "verifier 'mentored': kl must be a finite number >= 0"),
+    ("generate -r {recipe} --verifier mentored --set verifier.params.tolerance=2 ab", "tolerance must be in ]0, 1["),
+    ("generate -r {recipe} --verifier is-lp --set verifier.params.max_support=0 ab", "max_support must be >= 1"),
+    ("generate -r {recipe} --verifier is-truncated --num-drafts 2 --set verifier.params.alphabet=0 ab", "alphabet"),
+    ("generate -r {recipe} --verifier is-truncated --num-drafts 2 --set verifier.params.s=x ab", "is-truncated"),
+    ("generate -r {recipe} --device mps ab", "no MPS"),
+    ("generate -r {recipe} --device cuda:0 ab", "no CUDA GPU"),
+    ("generate -r {recipe} --device tpu ab", "must be auto, cpu, cuda or cuda:N"),
+    ("generate -r {recipe} --dtype float8 ab", "dtype: must be one of"),
+    ("generate -r {recipe} --set generation.temperature.x=1 ab", "'generation.temperature' is a float, not a mapping"),
+    ("generate -r {recipe} --set drafts.5.temperature=1 ab", "use an index from 0 to 0"),
+    ("generate -r {recipe} --set generation=3 ab", "generation: expected a mapping"),
+    ("generate -r {recipe} --top-k -1 ab", "generation.top_k: must be >= 0"),
+    ("generate -r {recipe} --top-p 0 ab", "generation.top_p: must be in (0, 1]"),
+    ("generate -r {recipe} --max-new-tokens 0 ab", "generation.max_new_tokens: must be >= 1"),
+    ("generate -r {recipe} --draft-length 100000 ab", "lower --draft-length"),
+    ("generate -r {recipe} --prompt-file {dir}/null.jsonl", "'prompt' must be text or a list of texts, got None"),
+    ("generate -r {recipe} --prompt-file {dir}/empty-turns.jsonl", "'turns' must be text or a list of texts, got []"),
+    ("generate -r {recipe} --prompt-file {dir}/number-turns.jsonl", "got [5]"),
+    ("generate -r {recipe} --prompt-file {dir}/other-field.jsonl", "name the prompt field with --field"),
+    ("generate -r {recipe} --prompt-file {dir}/other-field.jsonl --field nosuch", "has no 'nosuch' field"),
+    ("generate -r {recipe} --prompt-file {dir}/binary.txt", "is not UTF-8 text"),
+    ("generate -r {recipe} --prompt-file {dir}/missing.txt", "cannot read --prompt-file"),
+    ("generate -r {dir}/binary.txt ab", "recipe file"),
+    ("generate -r {dir}/list.yaml ab", "must be a YAML mapping of keys"),
+]
+ACCEPTANCE = [
+    ("acceptance -r {recipe} --prompt ab --kl -1", "--kl values must be >= 0"),
+    ("acceptance -r {recipe} --prompt ab --kl inf", "kl must be a finite number >= 0"),
+    ("acceptance -r {recipe} --prompt ab --num-drafts 0", "--num-drafts values must be >= 1"),
+    ("acceptance -r {recipe} --prompt ab --num-drafts two", "--num-drafts expects a comma list of int"),
+    ("acceptance -r {recipe} --prompt-file {dir}/null.jsonl", "'prompt' must be text"),
+    ("acceptance -r {recipe} --prompt ab --verifier is-lp --set verifier.params.max_support=0", "max_support must be >= 1"),
+    ("acceptance -r {recipe} --prompt ab --verifier nosuch", "unknown verifier 'nosuch'"),
+    ("acceptance -r {recipe} --prompt ab --device mps", "no MPS"),
+]
+BENCH_DATA = "--source {dir}/source.txt --reference {dir}/reference.txt"
+BENCH = [
+    ("bench -r {recipe} %s --temperature -1" % BENCH_DATA, "grid cell 'baseline T=-1': generation.temperature: must be >= 0"),
+    ("bench -r {recipe} %s --draft-temperatures=-1" % BENCH_DATA, "drafts.0.temperature: must be >= 0"),
+    ("bench -r {recipe} %s --draft-length 0" % BENCH_DATA, "grid cell 'speculative K=1 L=0 T=1': speculation.draft_length"),
+    ("bench -r {recipe} %s --num-drafts 0" % BENCH_DATA, "speculation.num_drafts: must be >= 1"),
+    ("bench -r {recipe} %s --verifier is-lp,speculative --set verifier.params.max_support=0" % BENCH_DATA,
+     "grid cell 'is-lp K=1 L=3 T=1': verifier 'is-lp': max_support must be >= 1"),
+    ("bench -r {recipe} %s --verifier mentored --kl -1" % BENCH_DATA, "kl must be a finite number >= 0"),
+    ("bench -r {recipe} %s --verifier spectr --num-drafts 2 --draft-temperatures 1.0,1.2" % BENCH_DATA,
+     "no speculative configuration to compare with the baseline (skipped: spectr with drafts of different"),
+    ("bench -r {recipe} %s --verifier nosuch" % BENCH_DATA, "unknown verifier 'nosuch'"),
+    ("bench -r {recipe} %s --draft-length x" % BENCH_DATA, "--draft-length expects a comma list of int"),
+    ("bench -r {recipe} --dataset {dir}/duplicate-ids.jsonl --source-field text", "examples 1 and 2 share the id '1'"),
+    ("bench -r {recipe} --dataset {dir}/null.jsonl --source-field prompt", "'prompt' must be text"),
+    ("bench -r {recipe} --source {dir}/binary.txt", "is not UTF-8 text"),
+    ("bench -r {recipe} --source {dir}/source.txt --reference {dir}/short.txt", "the files must be aligned"),
+    ("bench -r {recipe} --task nosuch", "unknown task 'nosuch'"),
+    ("bench -r {recipe} --lang-pair enfr %s" % BENCH_DATA, "--lang-pair expects SRC-TGT"),
+]
+
+
+@pytest.fixture
+def inputs(tmp_path, tiny_models, write_recipe):
+    """The prepared files, and the substitutions for ``{dir}`` and ``{recipe}``."""
+    lines = {
+        "null.jsonl": [{"prompt": None}],
+        "empty-turns.jsonl": [{"turns": []}],
+        "number-turns.jsonl": [{"turns": [5]}],
+        "other-field.jsonl": [{"body": "a b"}],
+        "duplicate-ids.jsonl": [{"id": 1, "text": "a b"}, {"id": 1, "text": "c d"}],
+    }
+    for name, records in lines.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)) * 3)
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "source.txt").write_text("a b\nc d\n")
+    (tmp_path / "reference.txt").write_text("e f\ng h\n")
+    (tmp_path / "short.txt").write_text("e f\n")
+    return {"dir": str(tmp_path), "recipe": str(write_recipe(tiny_recipe(tiny_models, "llama")))}
+
+
+@pytest.mark.parametrize(("command", "message"), GENERATE + ACCEPTANCE + BENCH, ids=lambda v: v[:60])
+def test_bad_input_gives_one_line_and_exit_2(run, inputs, command, message):
+    code, out, err = run(command.format(**inputs).split())
+    assert code == 2, (out, err)
+    _one_error_line(err, message)
+
+
+def test_the_table_covers_every_model_running_command():
+    commands = {row[0].split()[0] for row in GENERATE + ACCEPTANCE + BENCH}
+    assert commands == {"generate", "acceptance", "bench"} and len(GENERATE + ACCEPTANCE + BENCH) >= 40
+
+
+def test_binary_stdin_is_one_line(run, inputs):
+    """A C locale hands undecodable bytes over as lone surrogates rather than raising."""
+    code, _, err = run(["generate", "-r", inputs["recipe"]], stdin="a \udcff b")
+    assert code == 2
+    _one_error_line(err, "standard input is not UTF-8 text")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--verifier", "mentored", "--kl", "0.00001"],  # used to reach the verifier as the text '1e-05'
+        ["--temperature", "0.00001"],
+        ["--top-p", "1e-9"],
+        ["--set", "drafts.0.temperature=0.5"],  # the recipe says 'draft:', which is drafts.0
+    ],
+)
+def test_flags_keep_their_types_and_draft_is_drafts_0(run, inputs, flags):
+    code, out, err = run(["generate", "-r", inputs["recipe"], "--json", "--max-new-tokens", "3", *flags, "a b"])
+    assert code == 0, err
+    recipe = json.loads(out)["recipe"]
+    if "--kl" in flags:
+        assert recipe["verifier"]["params"]["kl"] == 1e-5
+    if "--top-p" in flags:
+        assert recipe["generation"]["top_p"] == 1e-9
+    if "--set" in flags:
+        assert recipe["drafts"][0]["temperature"] == 0.5
