@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from typing import Annotated
 
 import typer
@@ -56,10 +58,17 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _terminate_like_ctrl_c(signum: int, frame: object) -> None:
+    """SIGTERM (a scheduler's kill, `timeout`) stops a run the way Ctrl-C does: what is done is kept."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: user errors become one line and an exit code."""
     args = sys.argv[1:] if argv is None else argv
     _quiet_libraries()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
     try:
         app(args=args, prog_name="specdec")
     except SpecdecError as error:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -36,3 +38,29 @@ def text_value(value: Any, where: str, name: str) -> str:
     if not isinstance(first, str):
         raise UsageError(f"{where}: '{name}' must be text or a list of texts, got {value!r}")
     return first
+
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def check_writable_folder(path: Path, what: str) -> None:
+    """``path`` is (or can be made) a folder this process can write: checked before any slow work."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{what} '{path}' is a file; give a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".specdec-write-test-"):
+            pass
+    except OSError as error:
+        raise UsageError(f"cannot write to {what} '{path}' ({error.strerror}); give a writable folder") from None
+
+
+def check_plot_path(path: Path | None) -> None:
+    """A ``--plot`` file name matplotlib can write, in a folder that exists and is writable."""
+    if path is None:
+        return
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--plot '{path}': name a {', '.join(PLOT_SUFFIXES)} file (the suffix picks the format)")
+    folder = path.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise UsageError(f"--plot '{path}': its folder '{folder}' does not exist or is not writable")

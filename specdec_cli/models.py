@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
+from .inputs import check_writable_folder
 from .errors import ModelLoadError, UsageError
 from .recipe import DraftConfig, ModelConfig
 
@@ -120,6 +122,11 @@ def load_model(spec: ModelConfig, role: str = "target") -> LoadedModel:
             warnings.simplefilter("ignore")
             model = model_class.from_pretrained(source, **load_kwargs)
         tokenizer = _load_tokenizer(source, common)
+    except SafetensorError as error:
+        raise ModelLoadError(
+            f"the {role}'s weights in '{source}' cannot be read ({error}): the file is damaged or incomplete; "
+            "download or save the model again"
+        ) from None
     except (OSError, ValueError) as error:
         raise _not_found(spec.model or source, error) from None
     if not spec.device_map:
@@ -229,6 +236,7 @@ def _cached_gguf_conversion(folder: str, gguf_file: str, common: dict[str, Any])
     target = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
     if (target / "config.json").is_file():
         return str(target)
+    check_writable_folder(target.parent, "the cache folder (SPECDEC_CACHE)")  # before a minute of conversion
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

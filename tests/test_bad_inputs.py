@@ -53,6 +53,9 @@ ACCEPTANCE = [
     ("acceptance -r {recipe} --prompt ab --verifier is-lp --set verifier.params.max_support=0", "max_support must be >= 1"),
     ("acceptance -r {recipe} --prompt ab --verifier nosuch", "unknown verifier 'nosuch'"),
     ("acceptance -r {recipe} --prompt ab --device mps", "no MPS"),
+    ("acceptance -r {recipe} --prompt ab --output {dir}/source.txt", "--output '{dir}/source.txt' is a file"),
+    ("acceptance -r {recipe} --prompt ab --plot {dir}/plot.txt", "name a .png, .pdf, .svg file"),
+    ("acceptance -r {recipe} --prompt ab --plot {dir}/no/such/plot.png", "does not exist or is not writable"),
 ]
 BENCH_DATA = "--source {dir}/source.txt --reference {dir}/reference.txt"
 BENCH = [
@@ -73,6 +76,11 @@ BENCH = [
     ("bench -r {recipe} --source {dir}/source.txt --reference {dir}/short.txt", "the files must be aligned"),
     ("bench -r {recipe} --task nosuch", "unknown task 'nosuch'"),
     ("bench -r {recipe} --lang-pair enfr %s" % BENCH_DATA, "--lang-pair expects SRC-TGT"),
+    ("bench -r {recipe} %s --output {dir}/source.txt" % BENCH_DATA, "is a file; give a folder"),
+    ("bench -r {recipe} %s --plot {dir}/plot.jpeg" % BENCH_DATA, "name a .png, .pdf, .svg file"),
+    ("bench --report {dir}", "is not a specdec bench results directory"),
+    ("bench --report {dir}/damaged-config", "config.json' is damaged"),
+    ("bench --report {dir}/empty-record", "line 1 is not a sample record; delete that line"),
 ]
 
 
@@ -93,6 +101,11 @@ def inputs(tmp_path, tiny_models, write_recipe):
     (tmp_path / "source.txt").write_text("a b\nc d\n")
     (tmp_path / "reference.txt").write_text("e f\ng h\n")
     (tmp_path / "short.txt").write_text("e f\n")
+    (tmp_path / "damaged-config").mkdir()
+    (tmp_path / "damaged-config" / "config.json").write_text('{"cells": [')
+    (tmp_path / "empty-record").mkdir()
+    (tmp_path / "empty-record" / "config.json").write_text('{"cells": []}')
+    (tmp_path / "empty-record" / "samples.jsonl").write_text("{}\n{}\n")
     return {"dir": str(tmp_path), "recipe": str(write_recipe(tiny_recipe(tiny_models, "llama")))}
 
 
@@ -100,12 +113,46 @@ def inputs(tmp_path, tiny_models, write_recipe):
 def test_bad_input_gives_one_line_and_exit_2(run, inputs, command, message):
     code, out, err = run(command.format(**inputs).split())
     assert code == 2, (out, err)
-    _one_error_line(err, message)
+    _one_error_line(err, message.format(**inputs))
 
 
 def test_the_table_covers_every_model_running_command():
     commands = {row[0].split()[0] for row in GENERATE + ACCEPTANCE + BENCH}
     assert commands == {"generate", "acceptance", "bench"} and len(GENERATE + ACCEPTANCE + BENCH) >= 40
+
+
+def test_world_size_without_torchrun_is_one_line(run, inputs, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    code, _, err = run(["bench", "-r", inputs["recipe"], "--source", f"{inputs['dir']}/source.txt"])
+    assert code == 2
+    _one_error_line(err, "WORLD_SIZE=2 is set without RANK")
+
+
+def test_an_unwritable_cache_is_refused_before_the_conversion(tmp_path, monkeypatch):
+    """The GGUF conversion takes a minute on the default model: the cache is checked first."""
+    from specdec_cli.errors import UsageError
+    from specdec_cli.models import _cached_gguf_conversion
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "not-a-folder"))
+    with pytest.raises(UsageError, match="cannot write to the cache folder .SPECDEC_CACHE."):
+        _cached_gguf_conversion(str(tmp_path), "model.gguf", {})
+
+
+def test_a_damaged_safetensors_file_is_one_line(run, tiny_models, write_recipe, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_models["llama-target"], broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    recipe = tiny_recipe(tiny_models, "llama")
+    recipe["target"]["model"] = str(broken)
+    code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "a b"])
+    assert code == 1
+    _one_error_line(err, "weights in")
 
 
 def test_binary_stdin_is_one_line(run, inputs):
@@ -134,3 +181,17 @@ def test_flags_keep_their_types_and_draft_is_drafts_0(run, inputs, flags):
         assert recipe["generation"]["top_p"] == 1e-9
     if "--set" in flags:
         assert recipe["drafts"][0]["temperature"] == 0.5
+
+
+def test_a_plot_that_fails_never_hides_the_table(run, inputs, monkeypatch, tmp_path):
+    from specdec_cli.commands import acceptance
+
+    def broken_plot(path, report):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(acceptance, "_plot", broken_plot)
+    code, out, err = run(["acceptance", "-r", inputs["recipe"], "--prompt", "a b", "--num-drafts", "1",
+                          "--max-new-tokens", "3", "--plot", str(tmp_path / "plot.png")])  # fmt: skip
+    assert code == 1
+    assert "token-level acceptance probability" in out  # the table came first
+    _one_error_line(err, "could not write the plot")

@@ -21,6 +21,7 @@ from .. import __version__
 from ..acceptance import MENTORED, OPTIMUM, AcceptanceAnalysis, AcceptanceReport, AcceptanceRequest
 from ..recipe import Recipe
 from ..verifiers import VerifierRegistry
+from ..inputs import check_plot_path, check_writable_folder
 from . import common
 
 
@@ -65,6 +66,9 @@ def acceptance(
         tuple(common.parse_list(kl, float, "--kl")),
     )  # fmt: skip
     texts = _prompts(prompts, prompt_file, field)
+    if output is not None:
+        check_writable_folder(output, "--output")
+    check_plot_path(plot)
     err = Console(stderr=True)
     with err.status("Loading models…"):
         analysis = AcceptanceAnalysis(resolved, request)
@@ -78,13 +82,13 @@ def acceptance(
     payload = _payload(resolved, request, report, analysis)
     if output is not None:
         _write(output, payload, report)
-    if plot is not None:
-        _plot(plot, report)
     if as_json:
         sys.stdout.write(json.dumps(payload, indent=2) + "\n")
     else:
         # Piped output has no terminal width: give the table room rather than cutting its cells.
         Console(width=None if sys.stdout.isatty() else 160).print(render_table(report))
+    if plot is not None:  # after the table: a failing plot never hides it
+        common.write_plot(lambda: _plot(plot, report), plot)
     if report.interrupted:
         raise typer.Exit(130)
 

@@ -19,6 +19,7 @@ from ..bench.runner import BenchRunner, Grid, check_cells, environment, summariz
 from ..bench.store import ResultsStore, load_saved
 from ..bench.tasks import DataSource, fingerprint, get_task, load_examples, parse_lang_pair
 from ..errors import UsageError
+from ..inputs import check_plot_path, check_writable_folder
 from ..verifiers import VerifierRegistry
 from . import common
 
@@ -62,6 +63,7 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="Print results.json instead of the table.")] = False,
 ) -> None:
     """Benchmark speed and quality of speculative configurations against the target alone."""
+    check_plot_path(plot)
     if report_dir is not None:
         config, records = load_saved(report_dir)
         _show(summarize(config, records) | {"config": config}, config, as_json, plot, "")
@@ -76,6 +78,8 @@ def bench(
                                         limit, shuffle, seed))  # fmt: skip
     if not examples:
         raise UsageError("the data has no examples")
+    if output is not None:
+        check_writable_folder(output, "--output")
     registry = VerifierRegistry()
     grid = Grid(
         tuple(common.parse_list(verifiers, str, "--verifier") or [base.verifier.name]),
@@ -99,6 +103,8 @@ def bench(
     }
     store = ResultsStore(output, config, rank, world_size)
     err = Console(stderr=True)
+    if store.dropped_cut_line:
+        err.print("note: the last sample line was cut short (a killed run or a full disk); it was dropped and runs again")
     for reason in skipped:
         err.print(f"skipped: {reason}", highlight=False)
     for note in notes:
@@ -132,8 +138,6 @@ def bench(
 
 
 def _show(results: dict, config: dict, as_json: bool, plot: Path | None, note: str) -> None:
-    if plot is not None:
-        report.plot(results, plot)
     if as_json:
         sys.stdout.write(json.dumps(results, indent=2) + "\n")
     else:
@@ -141,6 +145,8 @@ def _show(results: dict, config: dict, as_json: bool, plot: Path | None, note: s
         Console(width=None if sys.stdout.isatty() else 200).print(report.rich_table(results, title))
     if note:
         Console(stderr=True).print(note)
+    if plot is not None:  # after the table: a failing plot never hides it
+        common.write_plot(lambda: report.plot(results, plot), plot)
 
 
 def _draft_temperature_sets(text: str | None) -> tuple:
@@ -151,9 +157,16 @@ def _draft_temperature_sets(text: str | None) -> tuple:
 
 def _init_distributed() -> tuple[int, int]:
     """Rank and world size under torchrun / accelerate launch (gloo on CPU, nccl on GPUs)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise UsageError(f"WORLD_SIZE must be a number, got '{os.environ['WORLD_SIZE']}'") from None
     if world_size == 1:
         return 0, 1
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise UsageError(f"WORLD_SIZE={world_size} is set without {', '.join(missing)}; launch a data-parallel "
+                         "run with torchrun (it sets them), or unset WORLD_SIZE")
     import torch.distributed as dist
 
     if torch.cuda.is_available():

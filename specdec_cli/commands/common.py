@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Annotated, Any, Optional
 
 import typer
 
-from ..errors import UsageError
+from ..errors import SpecdecError, UsageError
 from ..inputs import read_stdin, read_text, text_value
 from ..recipe import Recipe, apply_overrides, build_recipe, read_recipe_file, set_path
 
@@ -155,3 +156,11 @@ def parse_list(text: str | None, kind: type, option: str) -> list:
         return [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise UsageError(f"{option} expects a comma list of {kind.__name__} values, got '{text}'") from None
+
+
+def write_plot(draw: Callable[[], None], path: Path) -> None:
+    """Draw a plot after the results are out; a failure is one line and exit 1, never a lost table."""
+    try:
+        draw()
+    except (OSError, ValueError) as error:
+        raise SpecdecError(f"could not write the plot '{path}': {error}; the results above are complete") from None

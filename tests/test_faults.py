@@ -1,0 +1,150 @@
+"""Faults during `bench`: signals at random points, a full disk, a second writer, a cut last line.
+
+After each, a re-run of the same command finishes and its per-sample records (tokens, accepted
+mask, text) equal those of a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specdec_cli.bench.store import SAMPLES, ResultsStore
+from tests.conftest import tiny_recipe
+from tests.test_cli import _one_error_line, run  # noqa: F401  (the fixture)
+
+EXAMPLES = 16
+
+
+@pytest.fixture
+def bench_args(tiny_models, write_recipe, tmp_path):
+    """bench_args(output) -> the arguments of one small bench run (3 cells × EXAMPLES samples)."""
+    recipe = write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 16}))
+    (tmp_path / "source.txt").write_text("".join(f"the cat {i} sat on a mat\n" for i in range(EXAMPLES)))
+    (tmp_path / "reference.txt").write_text("".join(f"le chat {i}\n" for i in range(EXAMPLES)))
+
+    def args(output: Path) -> list[str]:
+        return ["bench", "-r", str(recipe), "--source", str(tmp_path / "source.txt"), "--reference",
+                str(tmp_path / "reference.txt"), "--verifier", "speculative,mentored", "--kl", "0.1",
+                "--output", str(output)]  # fmt: skip
+
+    return args
+
+
+def _records(folder: Path) -> dict:
+    """What a sample must reproduce, by (cell, seed, example): not its timings."""
+    records = {}
+    for line in (folder / SAMPLES).read_text().splitlines():
+        record = json.loads(line)
+        key = (record["cell"], record["seed"], record["example_id"])
+        assert key not in records, f"{key} written twice"
+        records[key] = (record["token_ids"], record["accepted_mask"], record["text"])
+    return records
+
+
+@pytest.fixture
+def reference(run, bench_args, tmp_path) -> dict:
+    code, _, err = run(bench_args(tmp_path / "reference"))
+    assert code == 0, err
+    records = _records(tmp_path / "reference")
+    assert len(records) == 3 * EXAMPLES
+    return records
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "specdec_cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _wait_for_samples(folder: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    path = folder / SAMPLES
+    while time.monotonic() < deadline and process.poll() is None:
+        if path.exists() and path.read_bytes().count(b"\n") >= count:
+            return
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_bench_resumes_to_the_uninterrupted_records(run, bench_args, reference, tmp_path, signum):
+    generator = random.Random(int(signum))
+    output = tmp_path / "killed"
+    for _ in range(2):  # killed twice at random points, then run to the end
+        done = (output / SAMPLES).read_bytes().count(b"\n") if (output / SAMPLES).exists() else 0
+        process = _start(bench_args(output))
+        last = 3 * EXAMPLES - 1
+        _wait_for_samples(output, generator.randint(min(done + 1, last), last), process)
+        running = process.poll() is None
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=120)
+        if running and signum != signal.SIGKILL:  # handled like Ctrl-C: the results so far are written
+            assert process.returncode == 130, err
+            assert "interrupted" in err and json.loads((output / "results.json").read_text())["interrupted"]
+    code, _, err = run(bench_args(output))
+    assert code == 0, err
+    assert _records(output) == reference
+
+
+class _FullDisk:
+    """A file that takes ``room`` more characters, then fails as a full disk does (mid-line)."""
+
+    def __init__(self, handle, room: int):
+        self._handle, self._room = handle, room
+        self.name, self.close = handle.name, handle.close
+
+    @property
+    def closed(self) -> bool:
+        return self._handle.closed
+
+    def write(self, text: str) -> int:
+        if len(text) > self._room:
+            self._handle.write(text[: self._room])
+            self._handle.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room -= len(text)
+        return self._handle.write(text)
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
+def test_a_full_disk_stops_with_one_line_and_the_rerun_completes(run, bench_args, reference, tmp_path, monkeypatch):
+    output = tmp_path / "full"
+    original = ResultsStore.__init__
+
+    def tight(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self._handle = _FullDisk(self._handle, 6000)
+
+    monkeypatch.setattr(ResultsStore, "__init__", tight)
+    code, _, err = run(bench_args(output))
+    assert code == 1
+    _one_error_line(err, "No space left on device")
+    assert not (output / SAMPLES).read_text().endswith("\n")  # the disk filled mid-line
+    monkeypatch.setattr(ResultsStore, "__init__", original)
+    code, _, err = run(bench_args(output))
+    assert code == 0 and "last sample line was cut short" in err
+    assert _records(output) == reference
+
+
+def test_a_second_writer_is_refused_and_named(run, bench_args, tmp_path):
+    output = tmp_path / "shared"
+    first = _start(bench_args(output))
+    try:
+        _wait_for_samples(output, 1, first)
+        assert first.poll() is None, "the first run ended before the second started"
+        code, _, err = run(bench_args(output))
+        assert code == 2
+        _one_error_line(err, f"is being written by another specdec run (pid {first.pid})")
+    finally:
+        first.kill()
+        first.communicate()
