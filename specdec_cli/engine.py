@@ -219,14 +219,9 @@ class SpeculativeDecoder:
         if context is not None and self.draft_length >= context:
             raise UsageError(f"draft_length {self.draft_length} does not fit the target's context of {context} tokens; "
                              "lower --draft-length")
-        if context is not None and not self.target.is_encoder_decoder:
-            needed = len(ids) + self.recipe.generation.max_new_tokens + self.draft_length
-            if needed > context:
-                raise UsageError(
-                    f"the prompt has {len(ids)} tokens; with max_new_tokens {self.recipe.generation.max_new_tokens} "
-                    f"(and {self.draft_length} draft tokens) that exceeds the model's context of {context}; "
-                    "shorten the prompt or lower --max-new-tokens or --draft-length"
-                )
+        if context is not None:
+            _check_context(len(ids), self.recipe.generation.max_new_tokens, self.draft_length, context,
+                           self.target.is_encoder_decoder)  # fmt: skip
         return ids
 
     def generate(
@@ -433,6 +428,24 @@ _IDENTICAL_DRAFTS_MESSAGE = (
     "verifier '{name}' needs identical drafts (one draft config sampled --num-drafts times), but the recipe's "
     "drafts differ; use one draft config, or a verifier for different drafts (specinfer, is-lp, is-truncated)"
 )
+
+
+def _check_context(prompt: int, max_new_tokens: int, draft_length: int, context: int, encoder_decoder: bool) -> None:
+    """The prompt and every position generation can reach fit the model's ``context`` positions.
+
+    A decoder-only model holds prompt + output + one block of draft tokens; an encoder-decoder's
+    encoder holds the prompt and its decoder the start token, the output and one block.
+    """
+    output = max_new_tokens + draft_length + (1 if encoder_decoder else prompt)
+    if encoder_decoder and prompt > context:
+        raise UsageError(f"the prompt has {prompt} tokens but the encoder takes at most {context}; shorten the prompt")
+    if output > context:
+        what = "the decoder's" if encoder_decoder else f"the prompt has {prompt} tokens; the model's"
+        raise UsageError(
+            f"{what} context of {context} positions cannot hold max_new_tokens {max_new_tokens} "
+            f"(and {draft_length} draft tokens); lower --max-new-tokens or --draft-length"
+            + ("" if encoder_decoder else ", or shorten the prompt")
+        )
 
 
 def check_drafts(verifier: BlockVerifier, recipe: Recipe) -> None:

@@ -139,13 +139,17 @@ def derive_early_exit_draft(target: LoadedModel, num_layers: int) -> LoadedModel
     """A draft made of the target's first ``num_layers`` layers, its final norm and its head.
 
     The draft's tensors *are* the target's (no copy): only the number of layers differs, so the
-    draft costs no memory and its KV cache is its own.
+    draft costs no memory and its KV cache is its own. An encoder-decoder target keeps its whole
+    encoder and exits early in the decoder, the part that runs once per token.
     """
-    total = target.model.config.get_text_config().num_hidden_layers
-    if not 1 <= num_layers < total:
-        raise UsageError(f"early_exit: {num_layers} must be between 1 and {total - 1} (the target has {total} layers)")
     config = _copy_config(target.model.config)
-    config.get_text_config().num_hidden_layers = num_layers
+    owner, depth = _decoder_depth(config)
+    total = getattr(owner, depth)
+    if not 1 <= num_layers < total:
+        raise UsageError(
+            f"early_exit: {num_layers} must be between 1 and {total - 1} (the target's decoder has {total} layers)"
+        )
+    setattr(owner, depth, num_layers)
     if hasattr(config, "layer_types") and config.layer_types:
         config.layer_types = config.layer_types[:num_layers]
     with torch.device("meta"):
@@ -153,6 +157,17 @@ def derive_early_exit_draft(target: LoadedModel, num_layers: int) -> LoadedModel
     _share_tensors(target.model, draft)
     draft.eval()
     return LoadedModel(draft, target.tokenizer, f"draft: target's first {num_layers} layers", target.is_encoder_decoder)
+
+
+def _decoder_depth(config: Any) -> tuple[Any, str]:
+    """(config object, attribute) holding the number of decoder layers: T5's num_decoder_layers,
+    BART's decoder_layers; a decoder-only model's num_hidden_layers."""
+    if getattr(config, "is_encoder_decoder", False):
+        for name in ("num_decoder_layers", "decoder_layers"):
+            if isinstance(getattr(config, name, None), int):
+                return config, name
+        raise UsageError(f"early_exit: cannot tell the decoder depth of a {config.model_type} model")
+    return config.get_text_config(), "num_hidden_layers"
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:

@@ -34,7 +34,7 @@ def tiny_tokenizer(vocab: list[str] = TINY_VOCAB) -> Any:
 
 
 def tiny_model(kind: str, seed: int, layers: int = 2, vocab_size: int = len(TINY_VOCAB), sharpness: float = 6.0):
-    """A randomly initialised tiny model: ``kind`` is 'llama', 'gpt2' or 't5'.
+    """A randomly initialised tiny model: ``kind`` is 'llama', 'gpt2', 't5' or 'bart'.
 
     ``vocab_size`` larger than the tokenizer's gives padded embeddings (as T5 and OPT have);
     ``sharpness`` scales the output layer so distributions are far from uniform.
@@ -42,6 +42,7 @@ def tiny_model(kind: str, seed: int, layers: int = 2, vocab_size: int = len(TINY
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForSeq2SeqLM,
+        BartConfig,
         GPT2Config,
         LlamaConfig,
         T5Config,
@@ -61,10 +62,16 @@ def tiny_model(kind: str, seed: int, layers: int = 2, vocab_size: int = len(TINY
             vocab_size=vocab_size, d_model=16, d_kv=8, d_ff=32, num_layers=layers, num_decoder_layers=layers,
             num_heads=2, decoder_start_token_id=PAD_ID, tie_word_embeddings=False, **special,
         )  # fmt: skip
+    elif kind == "bart":  # an encoder-decoder with a position limit (64), unlike T5
+        config = BartConfig(
+            vocab_size=vocab_size, d_model=16, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+            decoder_start_token_id=PAD_ID, forced_eos_token_id=None, **special,
+        )  # fmt: skip
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}")
     torch.manual_seed(seed)
-    auto = AutoModelForSeq2SeqLM if kind == "t5" else AutoModelForCausalLM
+    auto = AutoModelForSeq2SeqLM if kind in ("t5", "bart") else AutoModelForCausalLM
     model = auto.from_config(config)
     with torch.no_grad():
         head = model.get_output_embeddings().weight

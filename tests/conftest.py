@@ -25,6 +25,8 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "gpt2-draft": save_tiny_model(root / "gpt2-draft", "gpt2", seed=4, layers=1),
         "t5-target": save_tiny_model(root / "t5-target", "t5", seed=5),
         "t5-draft": save_tiny_model(root / "t5-draft", "t5", seed=6, layers=2),
+        "bart-target": save_tiny_model(root / "bart-target", "bart", seed=7),
+        "bart-draft": save_tiny_model(root / "bart-draft", "bart", seed=8, layers=1),
     }
 
 

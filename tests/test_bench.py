@@ -136,12 +136,29 @@ def test_rouge_for_summaries_and_spec_bench_categories(run, recipe_path, data, t
 def test_changed_configuration_is_refused_and_report_rerenders(run, recipe_path, data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     assert run(_bench_args(recipe_path, data, out, "--limit", "3"))[0] == 0
-    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "3", "--draft-length", "5"))
-    assert code == 2 and "holds results of a different configuration (changed: cells)" in err
+    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "4"))
+    assert code == 2 and "holds results of a different configuration (changed: data)" in err
+    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "3", "--max-new-tokens", "5"))
+    assert code == 2 and "(changed: recipe)" in err
     picture = tmp_path / "plot.png"
     code, stdout, _ = run(["bench", "--report", str(out), "--plot", str(picture)])
     assert code == 0 and "speculative K=1 L=3 T=1" in stdout
     assert picture.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_rerun_with_other_cells_reuses_the_shared_samples(run, recipe_path, data, tmp_path):  # noqa: F811
+    """Adding a cell (or replacing a failing one) keeps the baseline's and the other cells' samples."""
+    out = tmp_path / "out"
+    assert run(_bench_args(recipe_path, data, out, "--limit", "3"))[0] == 0
+    before = (out / "samples.jsonl").read_text()
+    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "3", "--draft-length", "3,5"))
+    assert code == 0, err
+    after = (out / "samples.jsonl").read_text()
+    assert after.startswith(before) and len(after.splitlines()) == len(before.splitlines()) + 3  # only L=5 ran
+    assert set(_by_cell(out)) == {"baseline T=1", "speculative K=1 L=3 T=1", "speculative K=1 L=5 T=1"}
+    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "3", "--draft-length", "5"))
+    assert code == 0 and (out / "samples.jsonl").read_text() == after  # nothing left to run
+    assert set(_by_cell(out)) == {"baseline T=1", "speculative K=1 L=5 T=1"}
 
 
 def test_grid_expansion(run, recipe_path, data, tmp_path):  # noqa: F811

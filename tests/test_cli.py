@@ -155,7 +155,18 @@ def test_no_prompt_at_all(run, recipe_path, monkeypatch):
 def test_prompt_longer_than_context(run, recipe_path):
     code, _, err = run(["generate", "-r", recipe_path, " ".join(["a"] * 130)])
     assert code == 2
-    _one_error_line(err, "exceeds the model's context of 128")
+    _one_error_line(err, "the model's context of 128 positions cannot hold")
+
+
+@pytest.mark.parametrize(("max_new_tokens", "code"), [(100, 2), (20, 0)])
+def test_encoder_decoder_context_is_checked_before_generating(run, tiny_models, write_recipe, max_new_tokens, code):
+    """BART has 64 positions: 100 new tokens used to stream 63 and then fail with an IndexError."""
+    recipe = write_recipe(tiny_recipe(tiny_models, "bart"))
+    got, out, err = run(["generate", "-r", str(recipe), "--max-new-tokens", str(max_new_tokens), "a b"])
+    assert got == code, err
+    if code:
+        assert not out
+        _one_error_line(err, "the decoder's context of 64 positions cannot hold max_new_tokens 100")
 
 
 def test_model_not_found(run, tiny_models, write_recipe):

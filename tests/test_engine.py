@@ -166,6 +166,19 @@ def test_early_exit_draft_shares_the_target_weights(tiny_models):
     assert tokens
 
 
+def test_early_exit_on_an_encoder_decoder_cuts_the_decoder(tiny_models):
+    """The draft keeps the whole encoder and the decoder's first layer (it used to cut the encoder)."""
+    recipe = tiny_recipe(tiny_models, "t5")
+    recipe["draft"] = {"early_exit": 1}
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    draft, target = decoder.draft_groups[0].runner.model, decoder.target.model
+    assert len(draft.decoder.block) == 1 < len(target.decoder.block)
+    assert len(draft.encoder.block) == len(target.encoder.block)
+    assert draft.decoder.block[0].layer[0].SelfAttention.q.weight is target.decoder.block[0].layer[0].SelfAttention.q.weight
+    tokens, _, _ = decoder.generate_ids(decoder.encode_prompt("a b c"), 0)
+    assert tokens
+
+
 MULTI_DRAFT_CASES = [
     (name, num_drafts, distinct)
     for name in ("specinfer", "spectr", "is-lp", "is-truncated")

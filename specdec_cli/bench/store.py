@@ -1,7 +1,8 @@
 """A benchmark's results directory: written as it goes, resumable, never silently mixed.
 
 ``config.json`` holds what defines the run (recipe, task, data fingerprint, grid, seeds); a
-second run in the same directory must have the same, or it is refused. ``samples.jsonl`` gets
+second run in the same directory must have the same, or it is refused, except for the grid's
+cells: a run that adds or fixes cells reuses the samples of the cells it shares. ``samples.jsonl`` gets
 one line per (cell, seed, example) as soon as it is generated, flushed, so a killed run leaves
 a valid directory and a re-run skips what is done. Processes of a distributed run write
 ``samples.rank<R>.jsonl`` and rank 0 merges them at the end. ``results.json``, ``table.md``
@@ -44,13 +45,15 @@ class ResultsStore:
         config_path = folder / CONFIG
         if config_path.exists():
             saved, current = _read_config(folder), json.loads(json.dumps(config))
-            if saved != current:
-                changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+            # A grid of other cells over the same recipe, data and seeds reuses every sample it shares
+            # (the baseline's above all); anything else would mix runs that do not compare.
+            changed = sorted(k for k in set(saved) | set(current) if k != "cells" and saved.get(k) != current.get(k))
+            if changed:
                 raise UsageError(
                     f"'{folder}' holds results of a different configuration (changed: {', '.join(changed)}); "
                     "use another --output folder, or delete this one to start over"
                 )
-        elif rank == 0:
+        if rank == 0:
             config_path.write_text(json.dumps(config, indent=2) + "\n")
         name = SAMPLES if world_size == 1 else f"samples.rank{rank}.jsonl"
         self.dropped_cut_line = _drop_cut_line(folder / name)
