@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .engine import SpeculativeDecoder, load_drafts, sample_seed
+from .bench.store import RecordKind
 from .errors import SpecdecError, UsageError
 from .recipe import Recipe
 from .sampling import probs_from_logits
@@ -58,6 +59,22 @@ class PromptAcceptance:
     positions: int
     values: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     kl: dict[str, list[float]] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """'row|K' → why that cell has no value here (gathered into the report's ``unavailable``)."""
+
+    def to_record(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_record(cls, record: dict) -> "PromptAcceptance":
+        """The inverse of :meth:`to_record` (JSON turned the K keys into text)."""
+        values = {row: {int(k): v for k, v in by_k.items()} for row, by_k in record["values"].items()}
+        return cls(record["prompt"], record["prompt_index"], record["positions"], values, record["kl"],
+                   record["unavailable"])  # fmt: skip
+
+
+PROMPT_RECORDS = RecordKind(lambda record: (record["prompt_index"],),
+                            frozenset({"prompt", "prompt_index", "positions", "values", "kl", "unavailable"}))
 
 
 @dataclass
@@ -139,16 +156,22 @@ class AcceptanceAnalysis:
         return [OPTIMUM, *self.verifiers, *(row for row, _ in self.mentored)]
 
     def run(
-        self, prompts: Sequence[str], on_prompt: Callable[[PromptAcceptance], None] | None = None
+        self,
+        prompts: Sequence[str],
+        on_prompt: Callable[[PromptAcceptance], None] | None = None,
+        done: Sequence[PromptAcceptance] = (),
     ) -> AcceptanceReport:
-        """Evaluate every prompt; Ctrl-C stops early and keeps what was computed (``interrupted``)."""
+        """Evaluate every prompt not in ``done`` (a resumed run's); Ctrl-C stops early and keeps what
+        was computed (``interrupted``). A prompt's result depends only on the recipe and its index."""
         report = AcceptanceReport(self.rows(), sorted(set(self.request.num_drafts)), identical_drafts=self.num_configs == 1)
+        finished = {result.prompt_index: result for result in done}
         encoded = [self.decoder.encode_prompt(p) for p in prompts]
         try:
             for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
-                result = self.evaluate_prompt(prompt, index, ids, report.unavailable)
+                result = finished.get(index) or self.evaluate_prompt(prompt, index, ids)
                 report.prompts.append(result)
-                if on_prompt is not None:
+                report.unavailable.update(result.unavailable)
+                if on_prompt is not None and index not in finished:
                     on_prompt(result)
         except KeyboardInterrupt:
             report.interrupted = True
@@ -168,13 +191,12 @@ class AcceptanceAnalysis:
         target, drafts = target.double(), torch.stack(drafts, dim=1).double()  # [T, V], [T, C, V]
         return target / target.sum(-1, keepdim=True), drafts / drafts.sum(-1, keepdim=True)
 
-    def evaluate_prompt(
-        self, prompt: str, index: int, prompt_ids: list[int], unavailable: dict[str, str]
-    ) -> PromptAcceptance:
+    def evaluate_prompt(self, prompt: str, index: int, prompt_ids: list[int]) -> PromptAcceptance:
         seed = sample_seed(self.recipe.seed, index, 0)
         tokens, _, _ = self.decoder.generate_ids(prompt_ids, seed)
         target, configs = self.laws(prompt_ids, tokens)  # [T, V], [T, C, V]
         result = PromptAcceptance(prompt, index, len(tokens))
+        unavailable = result.unavailable
         for num_drafts in self.request.num_drafts:
             drafts = configs[:, [k % self.num_configs for k in range(num_drafts)]]  # [T, K, V]
             identical = self.num_configs == 1 or num_drafts == 1

@@ -58,6 +58,10 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+# click's ClickException, whichever click typer runs on (newer typer releases vendor their own).
+_PARSER_ERRORS = tuple(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
 def _terminate_like_ctrl_c(signum: int, frame: object) -> None:
     """SIGTERM (a scheduler's kill, `timeout`) stops a run the way Ctrl-C does: what is done is kept."""
     raise KeyboardInterrupt
@@ -70,12 +74,24 @@ def main(argv: list[str] | None = None) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
     try:
-        app(args=args, prog_name="specdec")
+        code = app(args=args, prog_name="specdec", standalone_mode=False)
     except SpecdecError as error:
-        if "--debug" in args:
-            raise
-        Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-        sys.exit(error.exit_code)
-    except KeyboardInterrupt:
+        _fail(args, error, str(error), error.exit_code)
+    except _PARSER_ERRORS as error:  # the parser's own: an unknown option, a value of the wrong type
+        where = error.ctx.command_path if getattr(error, "ctx", None) else "specdec"
+        if not error.format_message():  # no arguments at all: the help was printed
+            sys.exit(error.exit_code)
+        _fail(args, error, f"{error.format_message()} (see `{where} --help`)", error.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
         Console(stderr=True).print("interrupted")
         sys.exit(130)
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+def _fail(args: list[str], error: Exception, message: str, exit_code: int) -> None:
+    """One line on stderr and the exit code; the traceback only with --debug."""
+    if "--debug" in args:
+        raise error
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    sys.exit(exit_code)

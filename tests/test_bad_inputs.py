@@ -84,6 +84,16 @@ BENCH = [
 ]
 
 
+PARSER = [  # the option parser's own errors: one line too, naming the command's help
+    ("generate --num-samples x ab", "Invalid value for '--num-samples'"),
+    ("generate --nosuch ab", "No such option: --nosuch"),
+    ("bench --limit 0", "Invalid value for '--limit'"),
+    ("acceptance --prompt", "requires an argument"),
+    ("verifiers --nosuch", "No such option: --nosuch (see `specdec verifiers --help`)"),
+    ("nosuchcommand", "No such command 'nosuchcommand'"),
+]
+
+
 @pytest.fixture
 def inputs(tmp_path, tiny_models, write_recipe):
     """The prepared files, and the substitutions for ``{dir}`` and ``{recipe}``."""
@@ -109,16 +119,16 @@ def inputs(tmp_path, tiny_models, write_recipe):
     return {"dir": str(tmp_path), "recipe": str(write_recipe(tiny_recipe(tiny_models, "llama")))}
 
 
-@pytest.mark.parametrize(("command", "message"), GENERATE + ACCEPTANCE + BENCH, ids=lambda v: v[:60])
+@pytest.mark.parametrize(("command", "message"), GENERATE + ACCEPTANCE + BENCH + PARSER, ids=lambda v: v[:60])
 def test_bad_input_gives_one_line_and_exit_2(run, inputs, command, message):
     code, out, err = run(command.format(**inputs).split())
     assert code == 2, (out, err)
     _one_error_line(err, message.format(**inputs))
 
 
-def test_the_table_covers_every_model_running_command():
-    commands = {row[0].split()[0] for row in GENERATE + ACCEPTANCE + BENCH}
-    assert commands == {"generate", "acceptance", "bench"} and len(GENERATE + ACCEPTANCE + BENCH) >= 40
+def test_the_table_covers_every_command():
+    rows = GENERATE + ACCEPTANCE + BENCH + PARSER
+    assert {row[0].split()[0] for row in rows} >= {"generate", "acceptance", "bench", "verifiers"} and len(rows) >= 40
 
 
 def test_world_size_without_torchrun_is_one_line(run, inputs, monkeypatch):

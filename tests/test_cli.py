@@ -189,7 +189,9 @@ def test_tokenizer_mismatch(run, tiny_models, write_recipe, tmp_path):
     _one_error_line(err, "does not share the target's tokenizer")
 
 
-def test_nan_logits_are_reported(run, tiny_models, write_recipe, tmp_path):
+@pytest.mark.parametrize("command", [["generate", "a b"], ["acceptance", "--prompt", "a b", "--num-drafts", "1"]])
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_nan_logits_are_reported(run, tiny_models, write_recipe, tmp_path, command, temperature):
     broken = tmp_path / "nan-target"
     model = tiny_model("llama", seed=1)
     with torch.no_grad():
@@ -198,7 +200,7 @@ def test_nan_logits_are_reported(run, tiny_models, write_recipe, tmp_path):
     tiny_tokenizer().save_pretrained(broken)
     recipe = tiny_recipe(tiny_models, "llama")
     recipe["target"]["model"] = str(broken)
-    code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "a b"])
+    code, _, err = run([command[0], "-r", str(write_recipe(recipe)), "--temperature", temperature, *command[1:]])
     assert code == 1
     _one_error_line(err, "the target produced NaN or infinite logits")
 

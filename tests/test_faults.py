@@ -148,3 +148,39 @@ def test_a_second_writer_is_refused_and_named(run, bench_args, tmp_path):
     finally:
         first.kill()
         first.communicate()
+
+
+@pytest.fixture
+def acceptance_args(tiny_models, write_recipe, tmp_path):
+    """acceptance_args(output) -> one small acceptance run over EXAMPLES prompts."""
+    recipe = write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12}))
+    (tmp_path / "prompts.txt").write_text("".join(f"the cat {i} sat\n" for i in range(EXAMPLES)))
+
+    def args(output: Path) -> list[str]:
+        return ["acceptance", "-r", str(recipe), "--prompt-file", str(tmp_path / "prompts.txt"), "--num-drafts", "1,2",
+                "--verifier", "speculative,specinfer,mentored", "--kl", "0.1", "--output", str(output)]  # fmt: skip
+
+    return args
+
+
+def _acceptance(folder: Path) -> tuple:
+    payload = json.loads((folder / "acceptance.json").read_text())
+    return payload["prompts"], payload["table"], payload["interrupted"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_acceptance_resumes_to_the_uninterrupted_table(run, acceptance_args, tmp_path, signum):
+    code, _, err = run(acceptance_args(tmp_path / "reference"))
+    assert code == 0, err
+    reference = _acceptance(tmp_path / "reference")
+    output = tmp_path / "killed"
+    process = _start(acceptance_args(output))
+    _wait_for_samples(output, random.Random(int(signum)).randint(1, EXAMPLES - 2), process)
+    running = process.poll() is None
+    process.send_signal(signum)
+    process.communicate(timeout=120)
+    if running and signum == signal.SIGTERM:  # the prompts done so far are summarised at once
+        assert process.returncode == 130 and _acceptance(output)[2] is True
+    code, _, err = run(acceptance_args(output))
+    assert code == 0, err
+    assert _acceptance(output) == reference

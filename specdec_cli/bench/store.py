@@ -14,6 +14,8 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,44 +24,62 @@ from ..errors import SpecdecError, UsageError
 SAMPLES = "samples.jsonl"
 CONFIG = "config.json"
 LOCK = ".lock"
-RECORD_KEYS = {"cell", "seed", "example_id", "index", "stats", "text"}
+
+
+@dataclass(frozen=True)
+class RecordKind:
+    """What a results folder holds: how a record is keyed, the fields every record has, and the
+    config keys a re-run may change (the rest must match, or the folder is refused)."""
+
+    key: Callable[[dict], tuple]
+    fields: frozenset[str]
+    may_change: tuple[str, ...] = ()
 
 
 def sample_key(record: dict) -> tuple[str, int, str]:
     return record["cell"], record["seed"], record["example_id"]
 
 
-class ResultsStore:
-    """Samples of a run, in memory and (with a folder) on disk."""
+BENCH_SAMPLES = RecordKind(sample_key, frozenset({"cell", "seed", "example_id", "index", "stats", "text"}), ("cells",))
 
-    def __init__(self, folder: Path | None, config: dict[str, Any], rank: int = 0, world_size: int = 1):
+
+class ResultsStore:
+    """Records of a run (``kind``), in memory and (with a folder) on disk."""
+
+    def __init__(self, folder: Path | None, config: dict[str, Any], rank: int = 0, world_size: int = 1,
+                 kind: RecordKind = BENCH_SAMPLES):  # fmt: skip
         self.folder = folder
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        self.kind = kind
         self.records: dict[tuple, dict] = {}
+        self.dropped_cut_line = False
+        self._config_pending = False
         if folder is None:
             return
         folder.mkdir(parents=True, exist_ok=True)
         self._lock = _take_lock(folder / (LOCK if world_size == 1 else f"{LOCK}.rank{rank}"))
         config_path = folder / CONFIG
+        saved, current = None, json.loads(json.dumps(config))
         if config_path.exists():
-            saved, current = _read_config(folder), json.loads(json.dumps(config))
+            saved = _read_config(folder)
             # A grid of other cells over the same recipe, data and seeds reuses every sample it shares
             # (the baseline's above all); anything else would mix runs that do not compare.
-            changed = sorted(k for k in set(saved) | set(current) if k != "cells" and saved.get(k) != current.get(k))
+            changed = sorted(k for k in set(saved) | set(current)
+                             if k not in kind.may_change and saved.get(k) != current.get(k))  # fmt: skip
             if changed:
                 raise UsageError(
                     f"'{folder}' holds results of a different configuration (changed: {', '.join(changed)}); "
                     "use another --output folder, or delete this one to start over"
                 )
-        if rank == 0:
-            config_path.write_text(json.dumps(config, indent=2) + "\n")
+        # Written with the first record (or at close): a run that fails before it pins nothing.
+        self._config_pending = rank == 0 and (not config_path.exists() or saved != current)
         name = SAMPLES if world_size == 1 else f"samples.rank{rank}.jsonl"
         self.dropped_cut_line = _drop_cut_line(folder / name)
         for path in sorted(folder.glob("samples*.jsonl")):
-            for record in _read_jsonl(path):
-                self.records[sample_key(record)] = record
+            for record in _read_jsonl(path, kind.fields):
+                self.records[kind.key(record)] = record
         self._handle = open(folder / name, "a", encoding="utf-8")
 
     def done(self, key: tuple) -> bool:
@@ -67,6 +87,7 @@ class ResultsStore:
 
     def append(self, record: dict) -> None:
         if self.folder is not None:
+            self._write_config()
             try:
                 self._handle.write(json.dumps(record) + "\n")
                 self._handle.flush()
@@ -75,12 +96,12 @@ class ResultsStore:
                     f"cannot write to '{self._handle.name}' ({error.strerror}); {len(self.records)} samples are "
                     "kept there: free some space and run the same command to resume"
                 ) from None
-        self.records[sample_key(record)] = record
+        self.records[self.kind.key(record)] = record
 
     def merge(self, records: list[dict]) -> None:
         """Rank 0 takes the other processes' samples and rewrites one samples.jsonl."""
         for record in records:
-            self.records[sample_key(record)] = record
+            self.records[self.kind.key(record)] = record
         if self.folder is None:
             return
         self._handle.close()
@@ -92,8 +113,14 @@ class ResultsStore:
         for path in self.folder.glob("samples.rank*.jsonl"):
             path.unlink()
 
+    def _write_config(self) -> None:
+        if self._config_pending:
+            (self.folder / CONFIG).write_text(json.dumps(self.config, indent=2) + "\n")
+            self._config_pending = False
+
     def close(self) -> None:
         if self.folder is not None and not self._handle.closed:
+            self._write_config()
             self._handle.close()
             self._lock.close()  # releases the lock
 
@@ -104,9 +131,12 @@ def load_saved(folder: Path) -> tuple[dict, list[dict]]:
         raise UsageError(f"'{folder}' is not a specdec bench results directory (no {CONFIG})")
     records: dict[tuple, dict] = {}
     for path in sorted(folder.glob("samples*.jsonl")):
-        for record in _read_jsonl(path):
+        for record in _read_jsonl(path, BENCH_SAMPLES.fields):
             records[sample_key(record)] = record
-    return _read_config(folder), list(records.values())
+    config = _read_config(folder)
+    if "cells" not in config:
+        raise UsageError(f"'{folder / CONFIG}' is not a specdec bench configuration; give a bench --output folder")
+    return config, list(records.values())
 
 
 def _read_config(folder: Path) -> dict:
@@ -114,12 +144,12 @@ def _read_config(folder: Path) -> dict:
         config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise UsageError(f"'{folder / CONFIG}' is damaged ({error}); delete the folder to start over") from None
-    if not isinstance(config, dict) or "cells" not in config:
-        raise UsageError(f"'{folder / CONFIG}' is not a specdec bench configuration; use another --output folder")
+    if not isinstance(config, dict):
+        raise UsageError(f"'{folder / CONFIG}' is not a specdec configuration; use another --output folder")
     return config
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path, fields: frozenset[str]) -> list[dict]:
     records = []
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     for number, line in enumerate(lines, 1):
@@ -129,7 +159,7 @@ def _read_jsonl(path: Path) -> list[dict]:
             if number == len(lines):
                 continue  # the last line cut short by a kill: that sample is simply run again
             raise UsageError(f"'{path}' line {number} is not JSON; delete that line (its sample runs again)") from None
-        if not isinstance(record, dict) or not RECORD_KEYS <= set(record):
+        if not isinstance(record, dict) or not fields <= set(record):
             raise UsageError(f"'{path}' line {number} is not a sample record; delete that line (its sample runs again)")
         records.append(record)
     return records

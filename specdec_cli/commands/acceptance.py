@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -18,10 +20,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .. import __version__
-from ..acceptance import MENTORED, OPTIMUM, AcceptanceAnalysis, AcceptanceReport, AcceptanceRequest
+from ..acceptance import (
+    MENTORED,
+    OPTIMUM,
+    PROMPT_RECORDS,
+    AcceptanceAnalysis,
+    AcceptanceReport,
+    AcceptanceRequest,
+    PromptAcceptance,
+)
+from ..bench.store import ResultsStore
+from ..inputs import check_plot_path, check_writable_folder
 from ..recipe import Recipe
 from ..verifiers import VerifierRegistry
-from ..inputs import check_plot_path, check_writable_folder
 from . import common
 
 
@@ -66,17 +77,25 @@ def acceptance(
         tuple(common.parse_list(kl, float, "--kl")),
     )  # fmt: skip
     texts = _prompts(prompts, prompt_file, field)
-    if output is not None:
-        check_writable_folder(output, "--output")
     check_plot_path(plot)
+    store = _open_store(output, resolved, request, texts)
+    done = [PromptAcceptance.from_record(record) for record in store.records.values()]
     err = Console(stderr=True)
+    if store.dropped_cut_line:
+        err.print("note: the last prompt line was cut short (a killed run or a full disk); it was dropped and runs again")
     with err.status("Loading models…"):
         analysis = AcceptanceAnalysis(resolved, request)
     with Progress(
         TextColumn("prompts"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err, transient=True
     ) as progress:
-        task = progress.add_task("prompts", total=len(texts))
-        report = analysis.run(texts, on_prompt=lambda _: progress.advance(task))
+        task = progress.add_task("prompts", total=len(texts), completed=len(done))
+
+        def written(result: PromptAcceptance) -> None:
+            store.append(result.to_record())
+            progress.advance(task)
+
+        report = analysis.run(texts, on_prompt=written, done=done)
+    store.close()
     if report.interrupted:
         err.print(f"interrupted: results over {len(report.prompts)} of {len(texts)} prompts")
     payload = _payload(resolved, request, report, analysis)
@@ -91,6 +110,16 @@ def acceptance(
         common.write_plot(lambda: _plot(plot, report), plot)
     if report.interrupted:
         raise typer.Exit(130)
+
+
+def _open_store(output: Path | None, recipe: Recipe, request: AcceptanceRequest, texts: list[str]) -> ResultsStore:
+    """The prompts' results, written to ``output`` as they come (resumed from it): checked, locked
+    and compared with the folder's configuration before any model loads."""
+    if output is not None:
+        check_writable_folder(output, "--output")
+    config = {"recipe": recipe.to_dict(), "request": dataclasses.asdict(request),
+              "prompts": hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16]}  # fmt: skip
+    return ResultsStore(output, config, kind=PROMPT_RECORDS)
 
 
 def _prompts(prompts: list[str] | None, prompt_file: Path | None, field: str | None) -> list[str]:
