@@ -38,6 +38,10 @@ class VerifierParameterError(UsageError, TypeError):
     """An unknown or ill-typed verifier parameter (a TypeError too, as Python callers expect)."""
 
 
+class VerifierParameterValueError(VerifierParameterError, ValueError):
+    """A verifier's own ValueError about a parameter's value, as one line (still a ValueError)."""
+
+
 @dataclass(frozen=True)
 class BlockDecision:
     """What a verifier decided for one block; every field is a tensor on the block's device.
@@ -342,7 +346,8 @@ class VerifierRegistry:
             raise
         except (ValueError, TypeError) as error:
             reason = str(error).removeprefix(f"{key}: ")
-            raise VerifierParameterError(
+            wrapper = VerifierParameterValueError if isinstance(error, ValueError) else VerifierParameterError
+            raise wrapper(
                 f"verifier '{key}': {reason} (given {params or {}}; fix verifier.params in the recipe, "
                 "or --set verifier.params.NAME=VALUE)"
             ) from error

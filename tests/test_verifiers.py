@@ -356,9 +356,10 @@ def test_mentored_acceptance_grows_with_the_bound_and_zero_is_speculative():
     assert values[-1] == pytest.approx(1.0) or math.isinf(_kl(target, draft))
 
 
-def test_mentored_rejects_bad_parameters():
-    with pytest.raises(ValueError, match="kl must be >= 0"):
-        load_verifier("mentored", {"kl": -1})
+@pytest.mark.parametrize("kl", [-1, math.inf, math.nan])
+def test_mentored_rejects_bad_parameters(kl):
+    with pytest.raises(ValueError, match="kl must be a finite number >= 0"):
+        load_verifier("mentored", {"kl": kl})
     with pytest.raises(UsageError, match="valid parameters: kl, tolerance"):
         load_verifier("mentored", {"kll": 0.1})
 

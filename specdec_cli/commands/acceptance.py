@@ -79,12 +79,35 @@ def acceptance(
     texts = _prompts(prompts, prompt_file, field)
     check_plot_path(plot)
     store = _open_store(output, resolved, request, texts)
-    done = [PromptAcceptance.from_record(record) for record in store.records.values()]
     err = Console(stderr=True)
-    if store.dropped_cut_line:
-        err.print("note: the last prompt line was cut short (a killed run or a full disk); it was dropped and runs again")
     with err.status("Loading models…"):
         analysis = AcceptanceAnalysis(resolved, request)
+    report = _evaluate(analysis, texts, store, err)
+    if report.interrupted:
+        err.print(f"interrupted: results over {len(report.prompts)} of {len(texts)} prompts")
+    payload = _payload(resolved, request, report, analysis)
+    if output is not None:
+        _write(output, payload, report)
+    _show(payload, report, as_json, plot)
+    if report.interrupted:
+        raise typer.Exit(130)
+
+
+def _show(payload: dict, report: AcceptanceReport, as_json: bool, plot: Path | None) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+    else:
+        # Piped output has no terminal width: give the table room rather than cutting its cells.
+        Console(width=None if sys.stdout.isatty() else 160).print(render_table(report))
+    if plot is not None:  # after the table: a failing plot never hides it
+        common.write_plot(lambda: _plot(plot, report), plot)
+
+
+def _evaluate(analysis: AcceptanceAnalysis, texts: list[str], store: ResultsStore, err: Console) -> AcceptanceReport:
+    """Every prompt the store does not hold yet, each written to it as it comes, under a progress bar."""
+    done = [PromptAcceptance.from_record(record) for record in store.records.values()]
+    if store.dropped_cut_line:
+        err.print("note: the last prompt line was cut short (a killed run or a full disk); it was dropped and runs again")
     with Progress(
         TextColumn("prompts"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err, transient=True
     ) as progress:
@@ -96,20 +119,7 @@ def acceptance(
 
         report = analysis.run(texts, on_prompt=written, done=done)
     store.close()
-    if report.interrupted:
-        err.print(f"interrupted: results over {len(report.prompts)} of {len(texts)} prompts")
-    payload = _payload(resolved, request, report, analysis)
-    if output is not None:
-        _write(output, payload, report)
-    if as_json:
-        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
-    else:
-        # Piped output has no terminal width: give the table room rather than cutting its cells.
-        Console(width=None if sys.stdout.isatty() else 160).print(render_table(report))
-    if plot is not None:  # after the table: a failing plot never hides it
-        common.write_plot(lambda: _plot(plot, report), plot)
-    if report.interrupted:
-        raise typer.Exit(130)
+    return report
 
 
 def _open_store(output: Path | None, recipe: Recipe, request: AcceptanceRequest, texts: list[str]) -> ResultsStore:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass, field
 import os
 import sys
 from pathlib import Path
@@ -17,9 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..bench import report
 from ..bench.runner import BenchRunner, Grid, check_cells, environment, summarize
 from ..bench.store import ResultsStore, load_saved
-from ..bench.tasks import DataSource, fingerprint, get_task, load_examples, parse_lang_pair
+from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair
 from ..errors import UsageError
 from ..inputs import check_plot_path, check_writable_folder
+from ..recipe import Recipe
 from ..verifiers import VerifierRegistry
 from . import common
 
@@ -72,16 +74,21 @@ def bench(
         recipe, sets or [], None, None, None, None, max_new_tokens, None, top_k, top_p, None, device, dtype, chat
     )
     base = options.resolve()
-    task_spec = get_task(task)
-    parse_lang_pair(lang_pair)
     examples = load_examples(DataSource(task, lang_pair, source, reference, dataset, source_field, reference_field,
                                         limit, shuffle, seed))  # fmt: skip
     if not examples:
         raise UsageError("the data has no examples")
     if output is not None:
         check_writable_folder(output, "--output")
-    registry = VerifierRegistry()
-    grid = Grid(
+    grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures)
+    plan = _Plan(base, get_task(task), parse_lang_pair(lang_pair), template, examples, grid,
+                 common.parse_list(seeds, int, "--seeds") or [base.seed])  # fmt: skip
+    _run(plan, output, as_json, plot, lang_pair)
+
+
+def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures) -> Grid:
+    """The grid from the comma-list flags (``str | None`` each); an absent flag takes the recipe's value."""
+    return Grid(
         tuple(common.parse_list(verifiers, str, "--verifier") or [base.verifier.name]),
         tuple(common.parse_list(kl, float, "--kl")),
         tuple(common.parse_list(num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
@@ -89,29 +96,50 @@ def bench(
         tuple(common.parse_list(temperature, float, "--temperature") or [base.generation.temperature]),
         _draft_temperature_sets(draft_temperatures),
     )
-    cells, skipped = grid.cells(registry)
-    notes = check_cells(cells, skipped, base, registry)
-    seed_list = common.parse_list(seeds, int, "--seeds") or [base.seed]
+
+
+@dataclass
+class _Plan:
+    """A validated run: recipe, task, examples, the grid's cells and the seeds."""
+
+    base: Recipe
+    task: Task
+    languages: tuple[str, str]
+    template: str | None
+    examples: list
+    grid: Grid
+    seeds: list[int]
+    registry: VerifierRegistry = field(default_factory=VerifierRegistry)
+
+    def __post_init__(self) -> None:
+        self.cells, self.skipped = self.grid.cells(self.registry)
+        self.notes = check_cells(self.cells, self.skipped, self.base, self.registry)
+
+    def config(self, lang_pair: str) -> dict:
+        """What defines the run's results (a results folder refuses another)."""
+        return {
+            "recipe": self.base.to_dict(),
+            "task": {"name": self.task.name, "lang_pair": lang_pair, "metrics": list(self.task.metrics),
+                     "per_category": self.task.per_category, "template": self.template},  # fmt: skip
+            "data": {"examples": len(self.examples), "fingerprint": fingerprint(self.examples)},
+            "cells": [dataclasses.asdict(c) for c in self.cells],
+            "seeds": self.seeds,
+        }
+
+
+def _run(plan: _Plan, output: Path | None, as_json: bool, plot: Path | None, lang_pair: str) -> None:
+    """Run what the folder does not hold yet, then write and show the results (also when stopped)."""
     rank, world_size = _init_distributed()
-    config = {
-        "recipe": base.to_dict(),
-        "task": {"name": task, "lang_pair": lang_pair, "metrics": list(task_spec.metrics),
-                 "per_category": task_spec.per_category, "template": template},  # fmt: skip
-        "data": {"examples": len(examples), "fingerprint": fingerprint(examples)},
-        "cells": [dataclasses.asdict(c) for c in cells],
-        "seeds": seed_list,
-    }
+    config = plan.config(lang_pair)
     store = ResultsStore(output, config, rank, world_size)
     err = Console(stderr=True)
     if store.dropped_cut_line:
         err.print("note: the last sample line was cut short (a killed run or a full disk); it was dropped and runs again")
-    for reason in skipped:
-        err.print(f"skipped: {reason}", highlight=False)
-    for note in notes:
-        err.print(f"note: {note}", highlight=False)
+    for line in [f"skipped: {reason}" for reason in plan.skipped] + [f"note: {note}" for note in plan.notes]:
+        err.print(line, highlight=False)
     with err.status("Loading models…"):
-        runner = BenchRunner(base, task_spec, examples, cells, seed_list, store, rank, world_size, registry,
-                             template, parse_lang_pair(lang_pair))  # fmt: skip
+        runner = BenchRunner(plan.base, plan.task, plan.examples, plan.cells, plan.seeds, store, rank, world_size,
+                             plan.registry, plan.template, plan.languages)  # fmt: skip
     interrupted = False
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err, transient=True, disable=rank != 0) as progress:  # fmt: skip
