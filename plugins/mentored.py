@@ -167,7 +167,7 @@ def _root_segment(rows: "_Rows", speculative: "_Segment", rho_max: torch.Tensor,
     segment, rho, settled = _settle_sets(rows, speculative, rho_max, bound)
     if settled is None:
         return segment, rho
-    table = _SortedTable(rows.q, rows.p)  # the rare rows whose sets still move
+    table = _SortedTable(rows.q, rows.p, rho_max)  # the rare rows whose sets still move
     low, high = table.bracket(bound)
     table_segment = _Segment.of_table(table, *table.segment(low))
     table_rho = _segment_root(table_segment, low, low, high, bound, _NEWTON_STEPS)
@@ -247,7 +247,7 @@ class _SortedTable:
     group). A segment is (l, h): tokens [0, l) have t ≤ α, tokens [h, V) have t ≥ β.
     """
 
-    def __init__(self, q: torch.Tensor, p: torch.Tensor):
+    def __init__(self, q: torch.Tensor, p: torch.Tensor, rho_max: torch.Tensor):
         ratio = torch.where(q > 0, q / p, torch.zeros_like(q))  # [..., V]
         self.t, order = ratio.sort(-1)  # [..., V] ascending
         q_sorted, p_sorted = q.gather(-1, order), p.gather(-1, order)  # [..., V]
@@ -265,7 +265,7 @@ class _SortedTable:
         # -ρ at which β reaches t_j (β ≥ 1, so only tokens with t ≥ 1): non-decreasing in j.
         beta_rho = (self.p_suffix[..., :-1] - self.q_suffix[..., :-1] / self.t).clamp_max(0)  # [..., V]
         self.minus_beta_rho = torch.where(self.t >= 1, beta_rho, torch.full_like(beta_rho, -float("inf")))
-        self.rho_max = (p - q).clamp_min(0).sum(-1, keepdim=True)  # [..., 1]: α = 1, speculative
+        self.rho_max = rho_max  # [..., 1]: Σ (p - q)+, α = 1, speculative
 
     def bracket(self, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The two consecutive breakpoints ρ (a token crossing α or β) with KL ≥ D at the first and

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import SpeculativeDecoder, load_drafts, sample_seed
 from .bench.store import RecordKind
+from .engine import SpeculativeDecoder, load_drafts, sample_seed
 from .errors import SpecdecError, UsageError
 from .recipe import Recipe
 from .sampling import probs_from_logits

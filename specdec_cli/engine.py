@@ -216,9 +216,6 @@ class SpeculativeDecoder:
         if not ids:
             raise UsageError("the prompt encodes to no tokens; give some text to continue")
         context = self.target.context_length
-        if context is not None and self.draft_length >= context:
-            raise UsageError(f"draft_length {self.draft_length} does not fit the target's context of {context} tokens; "
-                             "lower --draft-length")
         if context is not None:
             _check_context(len(ids), self.recipe.generation.max_new_tokens, self.draft_length, context,
                            self.target.is_encoder_decoder)  # fmt: skip
@@ -436,6 +433,9 @@ def _check_context(prompt: int, max_new_tokens: int, draft_length: int, context:
     A decoder-only model holds prompt + output + one block of draft tokens; an encoder-decoder's
     encoder holds the prompt and its decoder the start token, the output and one block.
     """
+    if draft_length >= context:
+        raise UsageError(f"draft_length {draft_length} does not fit the target's context of {context} tokens; "
+                         "lower --draft-length")
     output = max_new_tokens + draft_length + (1 if encoder_decoder else prompt)
     if encoder_decoder and prompt > context:
         raise UsageError(f"the prompt has {prompt} tokens but the encoder takes at most {context}; shorten the prompt")

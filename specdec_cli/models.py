@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from .inputs import check_writable_folder
 from .errors import ModelLoadError, UsageError
+from .inputs import check_writable_folder
 from .recipe import DraftConfig, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

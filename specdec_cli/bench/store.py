@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecdecError, UsageError
+from ..inputs import check_writable_folder
 
 SAMPLES = "samples.jsonl"
 CONFIG = "config.json"
@@ -58,7 +59,7 @@ class ResultsStore:
         self._config_pending = False
         if folder is None:
             return
-        folder.mkdir(parents=True, exist_ok=True)
+        check_writable_folder(folder, "--output")
         self._lock = _take_lock(folder / (LOCK if world_size == 1 else f"{LOCK}.rank{rank}"))
         config_path = folder / CONFIG
         saved, current = None, json.loads(json.dumps(config))
@@ -74,7 +75,7 @@ class ResultsStore:
                     "use another --output folder, or delete this one to start over"
                 )
         # Written with the first record (or at close): a run that fails before it pins nothing.
-        self._config_pending = rank == 0 and (not config_path.exists() or saved != current)
+        self._config_pending = rank == 0 and saved != current
         name = SAMPLES if world_size == 1 else f"samples.rank{rank}.jsonl"
         self.dropped_cut_line = _drop_cut_line(folder / name)
         for path in sorted(folder.glob("samples*.jsonl")):

@@ -30,7 +30,7 @@ from ..acceptance import (
     PromptAcceptance,
 )
 from ..bench.store import ResultsStore
-from ..inputs import check_plot_path, check_writable_folder
+from ..inputs import check_plot_path
 from ..recipe import Recipe
 from ..verifiers import VerifierRegistry
 from . import common
@@ -125,8 +125,6 @@ def _evaluate(analysis: AcceptanceAnalysis, texts: list[str], store: ResultsStor
 def _open_store(output: Path | None, recipe: Recipe, request: AcceptanceRequest, texts: list[str]) -> ResultsStore:
     """The prompts' results, written to ``output`` as they come (resumed from it): checked, locked
     and compared with the folder's configuration before any model loads."""
-    if output is not None:
-        check_writable_folder(output, "--output")
     config = {"recipe": recipe.to_dict(), "request": dataclasses.asdict(request),
               "prompts": hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16]}  # fmt: skip
     return ResultsStore(output, config, kind=PROMPT_RECORDS)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
 import os
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from ..bench.runner import BenchRunner, Grid, check_cells, environment, summariz
 from ..bench.store import ResultsStore, load_saved
 from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair
 from ..errors import UsageError
-from ..inputs import check_plot_path, check_writable_folder
+from ..inputs import check_plot_path
 from ..recipe import Recipe
 from ..verifiers import VerifierRegistry
 from . import common
@@ -78,12 +77,10 @@ def bench(
                                         limit, shuffle, seed))  # fmt: skip
     if not examples:
         raise UsageError("the data has no examples")
-    if output is not None:
-        check_writable_folder(output, "--output")
     grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures)
-    plan = _Plan(base, get_task(task), parse_lang_pair(lang_pair), template, examples, grid,
+    plan = _Plan(base, get_task(task), lang_pair, template, examples, grid,
                  common.parse_list(seeds, int, "--seeds") or [base.seed])  # fmt: skip
-    _run(plan, output, as_json, plot, lang_pair)
+    _run(plan, output, as_json, plot)
 
 
 def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures) -> Grid:
@@ -98,28 +95,29 @@ def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, dr
     )
 
 
-@dataclass
+@dataclasses.dataclass
 class _Plan:
     """A validated run: recipe, task, examples, the grid's cells and the seeds."""
 
     base: Recipe
     task: Task
-    languages: tuple[str, str]
+    lang_pair: str
     template: str | None
     examples: list
     grid: Grid
     seeds: list[int]
-    registry: VerifierRegistry = field(default_factory=VerifierRegistry)
+    registry: VerifierRegistry = dataclasses.field(default_factory=VerifierRegistry)
 
     def __post_init__(self) -> None:
+        self.languages = parse_lang_pair(self.lang_pair)
         self.cells, self.skipped = self.grid.cells(self.registry)
         self.notes = check_cells(self.cells, self.skipped, self.base, self.registry)
 
-    def config(self, lang_pair: str) -> dict:
+    def config(self) -> dict:
         """What defines the run's results (a results folder refuses another)."""
         return {
             "recipe": self.base.to_dict(),
-            "task": {"name": self.task.name, "lang_pair": lang_pair, "metrics": list(self.task.metrics),
+            "task": {"name": self.task.name, "lang_pair": self.lang_pair, "metrics": list(self.task.metrics),
                      "per_category": self.task.per_category, "template": self.template},  # fmt: skip
             "data": {"examples": len(self.examples), "fingerprint": fingerprint(self.examples)},
             "cells": [dataclasses.asdict(c) for c in self.cells],
@@ -127,10 +125,10 @@ class _Plan:
         }
 
 
-def _run(plan: _Plan, output: Path | None, as_json: bool, plot: Path | None, lang_pair: str) -> None:
+def _run(plan: _Plan, output: Path | None, as_json: bool, plot: Path | None) -> None:
     """Run what the folder does not hold yet, then write and show the results (also when stopped)."""
     rank, world_size = _init_distributed()
-    config = plan.config(lang_pair)
+    config = plan.config()
     store = ResultsStore(output, config, rank, world_size)
     err = Console(stderr=True)
     if store.dropped_cut_line:
