@@ -17,7 +17,7 @@ from .stats import GenerationResult, SampleStats
 from .verifiers import BlockDecision, BlockVerifier, Verifier, load_verifier
 
 try:
-    __version__ = version("specdec")
+    __version__ = version("specdec-cli")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
