@@ -24,7 +24,6 @@ import torch
 import transformers
 
 from specdec_cli import SpeculativeDecoder, load_recipe
-from specdec_cli.engine import load_drafts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verify_vs_hf import cpu_name  # noqa: E402
@@ -65,8 +64,8 @@ def main() -> None:
     recipe = load_recipe("default", [f"generation.max_new_tokens={args.max_new_tokens}"])
     speculative = SpeculativeDecoder.from_recipe(recipe)
     target = speculative.target
-    alone = SpeculativeDecoder(target, [], None, recipe)
-    draft = load_drafts(recipe, target)[0][0].model
+    alone = speculative.with_config(verifier="none")
+    draft = speculative.drafts[0].model.model
     counter = ForwardCounter(target.model)
     prompts = [line.strip() for line in PROMPTS.read_text().splitlines() if line.strip()][: args.prompts]
     encoded = [speculative.encode_prompt(p) for p in prompts]

@@ -1,5 +1,7 @@
 """Mentored decoding: the most accepting rule whose output stays within KL D of the target (lossy).
 
+The rule in the project's notation: docs/verifiers.md §2.
+
 Source: "Mentored decoding" proof, §4 and Algorithm 1. With q = target, p = draft and
 the ratio q_i/p_i, the optimum of  max R = Σ p_i r_i  s.t.  KL(q ‖ π) ≤ D  has two thresholds
 α ≤ 1 ≤ β:
@@ -63,6 +65,7 @@ class MentoredDecoding(Verifier):
     name = "mentored"
     lossless = False
     max_drafts = 1
+    kl_bound_parameter = "kl"
 
     def __init__(self, *, kl: float = 0.0, tolerance: float | None = None):
         """``tolerance`` is accepted and ignored: the bound is now met exactly (kept so recipes still load)."""

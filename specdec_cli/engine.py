@@ -13,14 +13,12 @@ One block, with K draft rows (every draft config's ``num_drafts`` samples) and L
 
 No other value crosses from the device to the host inside a block. An autoregressive run is the
 same loop with no drafts (L = 0: each block is one target forward and the token drawn from it),
-so baseline and speculative runs share sampler and stopping.
+so baseline and speculative runs share sampler and stopping. docs/block-loop.md walks through it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,112 +26,26 @@ from typing import Any
 
 import torch
 
+from .decoding import Draft, create_verifier, target_sampling
 from .errors import NonFiniteLogitsError, UsageError
-from .models import LoadedModel, check_same_tokenizer, derive_early_exit_draft, load_model, shared_vocab_size
-from .recipe import DraftConfig, Recipe
+from .model_pool import ModelPool
+from .model_session import ModelSession
+from .models import LoadedModel, shared_vocab_size
+from .recipe import AUTOREGRESSIVE, DecodingConfig, Recipe
 from .sampling import SamplingParams, non_finite_message, sample, sampling_law
 from .stats import GenerationResult, SampleStats
 from .timing import RegionTimer
-from .verifiers import BlockDecision, BlockVerifier, VerifierRegistry
+from .verifiers import BlockDecision, VerifierRegistry
 
 BlockCallback = Callable[[int, int, list[int], list[bool]], None]
 """on_block(prompt_index, sample_index, new_token_ids, accepted_mask) after each committed block."""
 
-AUTOREGRESSIVE = "none"
-"""Verifier name meaning "no speculation": the target decodes alone."""
-
-
-class _Runner:
-    """One model's view of the sequence being decoded: its KV cache and the ids the cache holds.
-
-    Rows are the K draft continuations of one block; between blocks there is a single row.
-    With ``use_cache=False`` every forward recomputes the whole sequence (the reference that
-    tests cache rollback against).
-    """
-
-    def __init__(self, loaded: LoadedModel, vocab_size: int, use_cache: bool):
-        self.loaded = loaded
-        self.model = loaded.model
-        self.vocab_size = vocab_size
-        self.use_cache = use_cache
-        self.device = loaded.device
-        self.cache: Any = None
-        self.cached_ids = torch.empty(1, 0, dtype=torch.long, device=self.device)  # [rows, n]
-        self.encoder_output: Any = None
-        self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-
-    def start(self, prompt_ids: list[int]) -> None:
-        self.cache = None
-        self.cached_ids = torch.empty(1, 0, dtype=torch.long, device=self.device)  # [1, 0]
-        self.encoder_output = None
-        if self.loaded.is_encoder_decoder:
-            # The encoder runs once per prompt; every decoder forward reuses its output.
-            encoder_input = torch.tensor([prompt_ids], device=self.device)  # [1, prompt]
-            self.encoder_output = self.model.get_encoder()(input_ids=encoder_input)
-
-    @property
-    def rows(self) -> int:
-        return self.cached_ids.shape[0]
-
-    @property
-    def cached_length(self) -> int:
-        return self.cached_ids.shape[1]
-
-    def fan_out(self, rows: int) -> None:
-        """Repeat the single committed row ``rows`` times (the K drafts of a block)."""
-        if rows == self.rows:
-            return
-        self.cached_ids = self.cached_ids.repeat(rows, 1)  # [rows, n]
-        if self.cache is not None:
-            self.cache.batch_repeat_interleave(rows)
-        if self.encoder_output is not None:
-            hidden = self.encoder_output.last_hidden_state  # [1, source, d]
-            self.encoder_output.last_hidden_state = hidden.repeat(rows, 1, 1)  # [rows, source, d]
-
-    def keep(self, row: int, length: int) -> None:
-        """Keep cache row ``row`` only, cropped to its first ``length`` ids."""
-        if self.rows > 1:
-            self.cached_ids = self.cached_ids[row : row + 1]  # [1, n]
-            if self.cache is not None:
-                self.cache.batch_select_indices(torch.tensor([row], device=self.device))
-            if self.encoder_output is not None:
-                hidden = self.encoder_output.last_hidden_state  # [rows, source, d]
-                self.encoder_output.last_hidden_state = hidden[row : row + 1]  # [1, source, d]
-        if length < self.cached_length:
-            if self.cache is not None:
-                self.cache.crop(length - self.cached_length)  # negative: tokens to remove
-            self.cached_ids = self.cached_ids[:, :length]  # [1, length]
-
-    def forward(self, tokens: torch.Tensor, timer: RegionTimer, keep: int) -> torch.Tensor:
-        """Logits ``[rows, keep, vocab]`` of the last ``keep`` of ``tokens`` ``[rows, m]``, appended after the cached ids.
-
-        Models that support it compute only those positions' logits: the output layer over a whole
-        prompt (or a block's pending tokens) would otherwise be computed and thrown away.
-        """
-        if self.use_cache:
-            inputs, cache = tokens, self.cache  # [rows, m]
-        else:
-            inputs, cache = torch.cat([self.cached_ids, tokens], dim=1), None  # [rows, n + m]
-        kwargs: dict[str, Any] = {"use_cache": self.use_cache, "past_key_values": cache}
-        if self.keeps_logits:
-            kwargs["logits_to_keep"] = keep
-        if self.loaded.is_encoder_decoder:
-            kwargs.update(encoder_outputs=self.encoder_output, decoder_input_ids=inputs)
-        else:
-            kwargs.update(input_ids=inputs)
-        with timer.region("forward"):
-            output = self.model(**kwargs)
-        if self.use_cache:
-            self.cache = output.past_key_values
-        self.cached_ids = torch.cat([self.cached_ids, tokens], dim=1)  # [rows, n + m]
-        return output.logits[:, -keep:, : self.vocab_size]  # [rows, keep, vocab]
-
 
 @dataclass
 class _DraftGroup:
-    """One draft model and the sampling settings of each of its rows (configs × num_drafts)."""
+    """One draft model's session and the sampling settings of each of its rows (drafts × num_drafts)."""
 
-    runner: _Runner
+    session: ModelSession
     row_params: list[SamplingParams]
     name: str
 
@@ -148,63 +60,89 @@ class _DraftGroup:
 class SpeculativeDecoder:
     """Generates with a target, zero or more drafts and a verifier; returns results with stats.
 
-    Build one with :meth:`from_recipe`. With no drafts (``verifier.name: none``) it decodes
-    autoregressively with the target alone.
+    It holds loaded models and a :class:`~specdec_cli.recipe.DecodingConfig`; :meth:`with_config`
+    (or keyword arguments to :meth:`generate`) changes the verifier, draft length, number of drafts
+    and sampling settings without loading anything again. Build one from a recipe with
+    :meth:`from_recipe`. With verifier 'none' it decodes autoregressively with the target alone.
     """
 
     def __init__(
-        self,
-        target: LoadedModel,
-        drafts: Sequence[tuple[LoadedModel, Sequence[SamplingParams]]],
-        verifier: BlockVerifier | None,
-        recipe: Recipe,
-    ):
-        self.recipe = recipe
+        self, target: LoadedModel, drafts: Sequence[Draft], config: DecodingConfig,
+        registry: VerifierRegistry | None = None,
+    ):  # fmt: skip
+        problems = config.problems()
+        if problems:
+            raise UsageError("{}: {}".format(*problems[0]))
         self.target = target
-        self.verifier = verifier
-        self.vocab_size = shared_vocab_size(target, [d for d, _ in drafts])
-        use_cache = recipe.speculation.kv_cache
-        self.target_runner = _Runner(target, self.vocab_size, use_cache)
-        self.draft_groups = [_DraftGroup(_Runner(d, self.vocab_size, use_cache), list(p), d.name) for d, p in drafts]
-        self.num_drafts = sum(len(g.row_params) for g in self.draft_groups)
-        generation = recipe.generation
-        self.target_params = SamplingParams(generation.temperature, generation.top_k, generation.top_p)
-        self.draft_length = recipe.speculation.draft_length if self.draft_groups else 0
-        self.eos_ids = _eos_ids(target)
+        self.drafts = list(drafts)
+        self.config = config
+        self.registry = registry or VerifierRegistry()
+        self.vocab_size = shared_vocab_size(target, [d.model for d in self.drafts])
+        self.target_params = target_sampling(config)
+        self.target_session = ModelSession(target, self.vocab_size, config.speculation.kv_cache)
+        self.draft_groups = self._draft_groups() if config.speculative else []
+        rows = [params for group in self.draft_groups for params in group.row_params]
+        identical = len(self.draft_groups) == 1 and len(set(rows)) == 1
+        self.verifier = create_verifier(config, len(rows), identical, self.registry)
+        self.draft_length = config.speculation.draft_length if self.draft_groups else 0
+        self.eos_ids = target.eos_ids
         self.eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=target.device)  # [eos ids]
-        self.decoder_start = _decoder_start(target) if target.is_encoder_decoder else []
-        """Decoder-side ids before the first generated token (encoder-decoder models only)."""
         self.device = target.device
-        _check_draft_count(verifier, self.num_drafts)
-        different_drafts = len(drafts) > 1 or len({p for _, ps in drafts for p in ps}) > 1
-        if verifier is not None and verifier.identical_drafts and different_drafts:
-            raise UsageError(_IDENTICAL_DRAFTS_MESSAGE.format(name=verifier.name))
+
+    def _draft_groups(self) -> list[_DraftGroup]:
+        """Drafts that share a model share one session and one batched forward per position."""
+        groups: dict[int, _DraftGroup] = {}
+        for draft in self.drafts:
+            key = id(draft.model.model)
+            if key not in groups:
+                session = ModelSession(draft.model, self.vocab_size, self.config.speculation.kv_cache)
+                groups[key] = _DraftGroup(session, [], draft.model.name)
+            groups[key].row_params.extend([draft.sampling(self.config)] * self.config.speculation.num_drafts)
+        return list(groups.values())
+
+    def with_config(self, **changes: Any) -> "SpeculativeDecoder":
+        """The same models under a changed config: ``with_config(verifier="block", draft_length=8)``."""
+        return SpeculativeDecoder(self.target, self.drafts, self.config.replace(**changes), self.registry)
+
+    @property
+    def num_draft_rows(self) -> int:
+        """Drafts per position in a block: K × the drafts (0 for the target alone)."""
+        return sum(len(group.row_params) for group in self.draft_groups)
 
     # ----------------------------------------------------------------------- building
 
     @classmethod
     def from_recipe(
-        cls, recipe: Recipe, autoregressive: bool = False, registry: VerifierRegistry | None = None
-    ) -> "SpeculativeDecoder":
-        """Load the recipe's models and verifier (drafts are skipped when decoding autoregressively)."""
-        autoregressive = autoregressive or recipe.verifier.name.strip().lower() == AUTOREGRESSIVE
-        verifier = None
-        if not autoregressive:
-            if not recipe.drafts:
-                raise UsageError("the recipe has no draft: add a 'draft:' section, or use --autoregressive")
-            verifier = (registry or VerifierRegistry()).create(recipe.verifier.name, recipe.verifier.params)
-            check_drafts(verifier, recipe)  # before the slow model loads
-        target = load_model(recipe.target, "target")
-        drafts = [] if autoregressive else load_drafts(recipe, target)
-        return cls(target, drafts, verifier, recipe)
+        cls, recipe: Recipe, *, autoregressive: bool = False, pool: ModelPool | None = None,
+        registry: VerifierRegistry | None = None,
+    ) -> "SpeculativeDecoder":  # fmt: skip
+        """The one way a recipe becomes a decoder: check its settings and verifier, then take its models
+        from ``pool`` (each loaded once per pool). Drafts are not loaded to decode autoregressively."""
+        registry = registry or VerifierRegistry()
+        config = cls.check_recipe(recipe, registry, autoregressive)  # before the slow loads
+        pool = pool if pool is not None else ModelPool()
+        target = pool.target(recipe.target)
+        drafts = [Draft(pool.draft(spec, target), spec.temperature, spec.top_k, spec.top_p)
+                  for spec in (recipe.drafts if config.speculative else ())]  # fmt: skip
+        return cls(target, drafts, config, registry)
+
+    @staticmethod
+    def check_recipe(recipe: Recipe, registry: VerifierRegistry, autoregressive: bool = False) -> DecodingConfig:
+        """The recipe's decoding config, once its verifier has taken the recipe's drafts (no model loads)."""
+        config = recipe.decoding_config()
+        if autoregressive:
+            config = config.replace(verifier=AUTOREGRESSIVE)
+        draft_rows = len(recipe.drafts) * config.speculation.num_drafts if config.speculative else 0
+        create_verifier(config, draft_rows, len(set(recipe.drafts)) == 1, registry)
+        return config
 
     # ----------------------------------------------------------------------- generation
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """Token ids of a prompt (through the chat template when the recipe asks for it)."""
+        """Token ids of a prompt (through the chat template when the config asks for it)."""
         require_text(prompt)
         tokenizer = self.target.tokenizer
-        if self.recipe.generation.chat:
+        if self.config.generation.chat:
             if not getattr(tokenizer, "chat_template", None):
                 raise UsageError("--chat was given but the target's tokenizer has no chat template")
             text = tokenizer.apply_chat_template(
@@ -217,19 +155,25 @@ class SpeculativeDecoder:
             raise UsageError("the prompt encodes to no tokens; give some text to continue")
         context = self.target.context_length
         if context is not None:
-            _check_context(len(ids), self.recipe.generation.max_new_tokens, self.draft_length, context,
+            _check_context(len(ids), self.config.generation.max_new_tokens, self.draft_length, context,
                            self.target.is_encoder_decoder)  # fmt: skip
         return ids
 
     def generate(
-        self, prompts: Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None
+        self, prompts: Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None, **changes: Any
     ) -> list[GenerationResult]:
-        """``num_samples`` independent samples for each prompt, in order (prompt-major)."""
+        """``num_samples`` independent samples for each prompt, in order (prompt-major).
+
+        Keyword ``changes`` to the decoding config apply to this call only (``verifier="block"``,
+        ``draft_length=8``, ``temperature=0.3``, ...); the models stay loaded.
+        """
+        if changes:
+            return self.with_config(**changes).generate(prompts, num_samples, on_block)
         encoded = [self.encode_prompt(p) for p in prompts]  # all checked before any model runs
         results = []
         for prompt_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             for sample_index in range(num_samples):
-                seed = sample_seed(self.recipe.seed, prompt_index, sample_index)
+                seed = sample_seed(self.config.seed, prompt_index, sample_index)
                 callback = None
                 if on_block is not None:
                     callback = lambda new, mask, p=prompt_index, s=sample_index: on_block(p, s, new, mask)  # noqa: E731
@@ -244,15 +188,14 @@ class SpeculativeDecoder:
     ) -> tuple[list[int], list[bool], SampleStats]:
         """Generate after ``prompt_ids`` → (new token ids, accepted mask, stats)."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        decoder_start = self.decoder_start if self.target.is_encoder_decoder else list(prompt_ids)
-        for runner in self._runners():
-            runner.start(prompt_ids)
-        committed = list(decoder_start)
+        for session in self._sessions():
+            session.start(prompt_ids)
+        committed = self.target.decoder_start_ids if self.target.is_encoder_decoder else list(prompt_ids)
         start = len(committed)
         stats = SampleStats(prompt_tokens=len(prompt_ids))
         timer = RegionTimer(self.device)
         mask: list[bool] = []
-        max_new = self.recipe.generation.max_new_tokens
+        max_new = self.config.generation.max_new_tokens
         wall_start = time.perf_counter()
         while True:
             remaining = max_new - (len(committed) - start)
@@ -277,8 +220,8 @@ class SpeculativeDecoder:
         stats.new_tokens = len(committed) - start
         return committed[start:], mask, stats
 
-    def _runners(self) -> list[_Runner]:
-        return [self.target_runner] + [g.runner for g in self.draft_groups]
+    def _sessions(self) -> list[ModelSession]:
+        return [self.target_session] + [g.session for g in self.draft_groups]
 
     def _block(
         self, committed: list[int], draft_length: int, generator: torch.Generator, stats: SampleStats,
@@ -321,10 +264,10 @@ class SpeculativeDecoder:
                 raise NonFiniteLogitsError(non_finite_message(f"draft {group.name}"))
         # Rows cache the committed prefix then their own drafts; the last committed token stays uncached.
         reusable = len(committed) + min(num_accepted, count - 1)
-        self.target_runner.keep(row, min(self.target_runner.cached_length, reusable))
+        self.target_session.keep(row, min(self.target_session.cached_length, reusable))
         for index, group in enumerate(self.draft_groups):
             group_row, agreeing = matches[2 * index : 2 * index + 2] if matches else (0, 0)
-            group.runner.keep(group_row, min(group.runner.cached_length, len(committed) + min(agreeing, count - 1)))
+            group.session.keep(group_row, min(group.session.cached_length, len(committed) + min(agreeing, count - 1)))
         new_tokens = tokens[:count]
         return _Committed(new_tokens, min(num_accepted, count), any(t in self.eos_ids for t in new_tokens))
 
@@ -349,10 +292,10 @@ class SpeculativeDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's laws after every prefix of every row ``[K, L+1, vocab]``, and whether all are finite ``[]``."""
         rows, draft_length = draft_tokens.shape
-        runner = self.target_runner
-        runner.fan_out(rows)
-        pending = _pending(runner, committed, rows)  # [K, pending]
-        logits = runner.forward(torch.cat([pending, draft_tokens], dim=1), timer, keep=draft_length + 1)
+        session = self.target_session
+        session.fan_out(rows)
+        pending = session.pending(committed)  # [K, pending]
+        logits = session.forward(torch.cat([pending, draft_tokens], dim=1), draft_length + 1, timer)
         probs, finite = sampling_law(logits, self.target_params)  # [K, L+1, vocab], [K, L+1]
         return probs, finite.all()
 
@@ -368,22 +311,22 @@ class SpeculativeDecoder:
         tokens, laws, finite = [], [], []
         for group in self.draft_groups:
             rows = len(group.row_params)
-            runner = group.runner
-            runner.fan_out(rows)
+            session = group.session
+            session.fan_out(rows)
             group_tokens = torch.empty(rows, draft_length, dtype=torch.long, device=self.device)  # [K_j, L]
             group_laws = torch.empty(rows, draft_length, self.vocab_size, device=self.device)  # [K_j, L, vocab]
             group_finite = torch.ones((), dtype=torch.bool, device=self.device)  # []
-            step_input = _pending(runner, committed, rows)  # [K_j, pending]
+            step_input = session.pending(committed)  # [K_j, pending]
             rows_by_params = group.rows_by_params()
             for t in range(draft_length):
-                logits = runner.forward(step_input, timer, keep=1)[:, -1].to(self.device)  # [K_j, vocab]
+                logits = session.forward(step_input, 1, timer)[:, -1].to(self.device)  # [K_j, vocab]
                 stats.draft_forwards += 1
                 for params, same in rows_by_params:
                     law, row_finite = sampling_law(logits[same], params)  # [rows, vocab], [rows]
                     group_laws[same, t] = law
                     group_finite &= row_finite.all()
                 group_tokens[:, t] = sample(group_laws[:, t], generator)
-                step_input = group_tokens[:, t : t + 1].to(runner.device)  # [K_j, 1]
+                step_input = group_tokens[:, t : t + 1].to(session.device)  # [K_j, 1]
             tokens.append(group_tokens)
             laws.append(group_laws)
             finite.append(group_finite)
@@ -421,12 +364,6 @@ def _longest_match(group_tokens: torch.Tensor, block_tokens: torch.Tensor, count
 # --------------------------------------------------------------------------- helpers
 
 
-_IDENTICAL_DRAFTS_MESSAGE = (
-    "verifier '{name}' needs identical drafts (one draft config sampled --num-drafts times), but the recipe's "
-    "drafts differ; use one draft config, or a verifier for different drafts (specinfer, is-lp, is-truncated)"
-)
-
-
 def _check_context(prompt: int, max_new_tokens: int, draft_length: int, context: int, encoder_decoder: bool) -> None:
     """The prompt and every position generation can reach fit the model's ``context`` positions.
 
@@ -448,22 +385,6 @@ def _check_context(prompt: int, max_new_tokens: int, draft_length: int, context:
         )
 
 
-def check_drafts(verifier: BlockVerifier, recipe: Recipe) -> None:
-    """The recipe's drafts suit the verifier (count, identical laws): checked before any model loads."""
-    _check_draft_count(verifier, len(recipe.drafts) * recipe.speculation.num_drafts)
-    if verifier.identical_drafts and len(set(recipe.drafts)) > 1:
-        raise UsageError(_IDENTICAL_DRAFTS_MESSAGE.format(name=verifier.name))
-
-
-def _check_draft_count(verifier: BlockVerifier | None, num_drafts: int) -> None:
-    limit = None if verifier is None else verifier.max_drafts
-    if limit is not None and num_drafts > limit:
-        raise UsageError(
-            f"verifier '{verifier.name}' takes at most {limit} draft(s) per position but the recipe gives "
-            f"{num_drafts} (num_drafts × draft configs); lower --num-drafts or pick a multi-draft verifier"
-        )
-
-
 def require_text(prompt: str) -> None:
     if not prompt.strip():
         raise UsageError("the prompt is empty; give some text to continue")
@@ -473,63 +394,6 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """A per-sample seed, so a sample does not depend on which samples ran before it."""
     digest = hashlib.sha256(f"{seed}:{prompt_index}:{sample_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def draft_sampling_params(recipe: Recipe, draft: DraftConfig) -> SamplingParams:
-    """A draft's sampling law: its own settings where given, the target's otherwise."""
-    generation = recipe.generation
-    return SamplingParams(
-        temperature=generation.temperature if draft.temperature is None else draft.temperature,
-        top_k=generation.top_k if draft.top_k is None else draft.top_k,
-        top_p=generation.top_p if draft.top_p is None else draft.top_p,
-    )
-
-
-def load_drafts(
-    recipe: Recipe, target: LoadedModel, loader: Callable[..., LoadedModel] = load_model
-) -> list[tuple[LoadedModel, list[SamplingParams]]]:
-    """Each distinct draft model once, with the sampling settings of all its rows.
-
-    Configs that differ only in sampling settings share one model and one batched forward;
-    ``loader`` lets a caller that builds many decoders (bench) load each model only once.
-    """
-    groups: dict[DraftConfig, tuple[LoadedModel, list[SamplingParams]]] = {}
-    for draft in recipe.drafts:
-        key = dataclasses.replace(draft, temperature=None, top_k=None, top_p=None)
-        if key not in groups:
-            if draft.early_exit is not None:
-                loaded = derive_early_exit_draft(target, draft.early_exit)
-            else:
-                loaded = loader(draft, "draft")
-                check_same_tokenizer(target, loaded)
-            groups[key] = (loaded, [])
-        groups[key][1].extend([draft_sampling_params(recipe, draft)] * recipe.speculation.num_drafts)
-    return list(groups.values())
-
-
-def _eos_ids(model: LoadedModel) -> set[int]:
-    eos = getattr(model.model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = model.tokenizer.eos_token_id
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
-
-
-def _decoder_start(model: LoadedModel) -> list[int]:
-    config = model.model.config
-    start = getattr(model.model.generation_config, "decoder_start_token_id", None)
-    if start is None:
-        start = getattr(config, "decoder_start_token_id", None)
-    if start is None:
-        start = config.pad_token_id
-    return [int(start)]
-
-
-def _pending(runner: _Runner, committed: list[int], rows: int) -> torch.Tensor:
-    """Committed ids the runner has not cached yet, for each of its ``rows`` → ``[rows, pending]``."""
-    ids = torch.tensor(committed[runner.cached_length :], device=runner.device)  # [pending]
-    return ids.expand(rows, -1)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 
 from .errors import ModelLoadError, UsageError
 from .inputs import check_writable_folder
-from .recipe import DraftConfig, ModelConfig
+from .recipe import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,6 +45,29 @@ class LoadedModel:
     @property
     def logits_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a generation: the generation config's, else the tokenizer's."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return set()
+        return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+    @property
+    def decoder_start_ids(self) -> list[int]:
+        """Decoder-side ids before the first generated token of an encoder-decoder model (none otherwise)."""
+        if not self.is_encoder_decoder:
+            return []
+        config = self.model.config
+        start = getattr(self.model.generation_config, "decoder_start_token_id", None)
+        if start is None:
+            start = getattr(config, "decoder_start_token_id", None)
+        if start is None:
+            start = config.pad_token_id
+        return [int(start)]
 
     @property
     def context_length(self) -> int | None:

@@ -23,6 +23,9 @@ from .errors import RecipeError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+AUTOREGRESSIVE = "none"
+"""Verifier name meaning "no speculation": the target decodes alone."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -89,6 +92,78 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def decoding_config(self) -> "DecodingConfig":
+        """The recipe's settings apart from its models."""
+        return DecodingConfig(verifier=self.verifier, speculation=self.speculation, generation=self.generation,
+                              seed=self.seed)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodingConfig:
+    """Settings of a decoding call: a recipe without its models.
+
+    :meth:`replace` takes flat names (``draft_length=8``, ``temperature=0.3``, ``verifier="block"``),
+    so a library caller need not know which section holds a setting.
+    """
+
+    verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(name=AUTOREGRESSIVE))
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    seed: int = 0
+
+    @property
+    def speculative(self) -> bool:
+        return self.verifier.name.strip().lower() != AUTOREGRESSIVE
+
+    def replace(self, **changes: Any) -> "DecodingConfig":
+        """A copy with settings changed by flat name: ``verifier`` (a name; its parameters reset unless
+        ``verifier_params`` is given), ``verifier_params``, ``seed``, or any field of the speculation or
+        generation section."""
+        sections: dict[str, dict[str, Any]] = {"speculation": {}, "generation": {}}
+        verifier, top = self.verifier, {}
+        if "verifier" in changes:
+            verifier = VerifierConfig(name=changes.pop("verifier"))
+        if "verifier_params" in changes:
+            verifier = dataclasses.replace(verifier, params=dict(changes.pop("verifier_params")))
+        for name, value in changes.items():
+            owner = next((s for s in sections if name in _field_names(getattr(self, s))), None)
+            if owner is None and name != "seed":
+                valid = ["verifier", "verifier_params", "seed", *_field_names(self.speculation),
+                         *_field_names(self.generation)]  # fmt: skip
+                raise TypeError(f"unknown decoding setting '{name}'; valid: {', '.join(valid)}")
+            (sections[owner] if owner else top)[name] = value
+        return DecodingConfig(
+            verifier=verifier, speculation=dataclasses.replace(self.speculation, **sections["speculation"]),
+            generation=dataclasses.replace(self.generation, **sections["generation"]), seed=top.get("seed", self.seed),
+        )  # fmt: skip
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(recipe path, what is wrong) for every value out of range; empty when the config is valid."""
+        checks = [
+            (self.speculation.draft_length >= 1, "speculation.draft_length", "must be >= 1"),
+            (self.speculation.num_drafts >= 1, "speculation.num_drafts", "must be >= 1"),
+            (self.generation.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1"),
+            (bool(self.verifier.name.strip()), "verifier.name", "must not be empty"),
+        ]
+        found = [(path, message) for ok, path, message in checks if not ok]
+        generation = self.generation
+        return found + sampling_problems("generation", generation.temperature, generation.top_k, generation.top_p)
+
+
+def _field_names(section: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(section)]
+
+
+def sampling_problems(owner: str, temperature: float | None, top_k: int | None, top_p: float | None
+                      ) -> list[tuple[str, str]]:  # fmt: skip
+    """(path, what is wrong) for ``owner``'s sampling settings out of range (None: not set, fine)."""
+    checks = [
+        (temperature is None or temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"),
+        (top_k is None or top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
+        (top_p is None or 0 < top_p <= 1, "top_p", "must be in (0, 1]"),
+    ]
+    return [(f"{owner}.{name}", message) for ok, name, message in checks if not ok]
 
 
 # --------------------------------------------------------------------------- reading
@@ -270,20 +345,11 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
 
 def validate(recipe: Recipe) -> None:
     """Value checks of a built recipe (also for recipes a grid derives from one): a RecipeError if any fails."""
-    checks: list[tuple[bool, str, str]] = [
-        (recipe.speculation.draft_length >= 1, "speculation.draft_length", "must be >= 1"),
-        (recipe.speculation.num_drafts >= 1, "speculation.num_drafts", "must be >= 1"),
-        (recipe.generation.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1"),
-        (bool(recipe.verifier.name.strip()), "verifier.name", "must not be empty"),
-    ]
-    sampling_owners = [("generation", recipe.generation)] + [(f"drafts.{i}", d) for i, d in enumerate(recipe.drafts)]
-    for owner, settings in sampling_owners:
-        checks += [
-            (settings.temperature is None or settings.temperature >= 0, f"{owner}.temperature", "must be >= 0 (0 = greedy)"),
-            (settings.top_k is None or settings.top_k >= 0, f"{owner}.top_k", "must be >= 0 (0 = off)"),
-            (settings.top_p is None or 0 < settings.top_p <= 1, f"{owner}.top_p", "must be in (0, 1]"),
-        ]
+    problems = recipe.decoding_config().problems()
+    for i, draft in enumerate(recipe.drafts):
+        problems += sampling_problems(f"drafts.{i}", draft.temperature, draft.top_k, draft.top_p)
     models = [("target", recipe.target)] + [(f"drafts.{i}", d) for i, d in enumerate(recipe.drafts)]
+    checks: list[tuple[bool, str, str]] = []
     for owner, spec in models:
         checks.append((spec.dtype in DTYPES, f"{owner}.dtype", f"must be one of {', '.join(DTYPES)}"))
         checks.append((_valid_device(spec.device), f"{owner}.device", "must be auto, cpu, cuda or cuda:N"))
@@ -294,9 +360,9 @@ def validate(recipe: Recipe) -> None:
             checks.append((draft.model is None, f"drafts.{i}", "give either 'model' or 'early_exit', not both"))
         else:
             checks.append((draft.model is not None, f"drafts.{i}.model", "is required unless the draft sets early_exit"))
-    for ok, path, message in checks:
-        if not ok:
-            raise RecipeError(f"{path}: {message}")
+    problems += [(path, message) for ok, path, message in checks if not ok]
+    for path, message in problems:
+        raise RecipeError(f"{path}: {message}")
 
 
 def _valid_device(device: str) -> bool:

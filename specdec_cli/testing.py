@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .model_session import next_token_logits
+from .models import LoadedModel
 from .sampling import SamplingParams, probs_from_logits
 from .theory import optimal_acceptance, optimal_acceptance_two_drafts  # noqa: F401  (re-exported for plugin authors)
 
@@ -98,18 +100,13 @@ def exact_sequence_law(
     A sequence that ends with EOS before ``depth`` tokens is an outcome of its own. Uses full
     recomputation (no cache), one batched forward per depth.
     """
-    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-    start = [model.config.decoder_start_token_id] if encoder_decoder else list(prompt_ids)
+    loaded = LoadedModel(model, None, "model", bool(getattr(model.config, "is_encoder_decoder", False)))
     law: dict[tuple[int, ...], float] = {}
     frontier: dict[tuple[int, ...], float] = {(): 1.0}
     for step in range(depth):
         prefixes = list(frontier)
-        batch = torch.tensor([start + list(p) for p in prefixes])  # [prefixes, len]
-        if encoder_decoder:
-            source = torch.tensor([prompt_ids] * len(prefixes))  # [prefixes, prompt]
-            logits = model(input_ids=source, decoder_input_ids=batch).logits[:, -1, :vocab_size]
-        else:
-            logits = model(input_ids=batch).logits[:, -1, :vocab_size]  # [prefixes, vocab]
+        batch = torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), step)  # [prefixes, step]
+        logits = next_token_logits(loaded, prompt_ids, batch, vocab_size)[:, -1]  # [prefixes, vocab]
         probs = probs_from_logits(logits, params).double()  # [prefixes, vocab]
         next_frontier: dict[tuple[int, ...], float] = {}
         for prefix, row in zip(prefixes, probs):
@@ -239,11 +236,7 @@ def target_sequence_law(target_law: SequenceLaw, vocab_size: int, length: int) -
 
 
 def committed_block_law(
-    verifier: Any,
-    target_law: SequenceLaw,
-    draft_laws: Sequence[SequenceLaw],
-    vocab_size: int,
-    draft_length: int,
+    verifier: Any, target_law: SequenceLaw, draft_laws: Sequence[SequenceLaw], vocab_size: int, draft_length: int
 ) -> dict[tuple[int, ...], float]:
     """The exact law of the tokens one block commits, summed over every draft block.
 
@@ -280,11 +273,7 @@ def decision_outcomes(law: torch.Tensor, draft_tokens: torch.Tensor) -> dict[tup
 
 
 def enumerate_block_law(
-    verifier: Any,
-    target_law: SequenceLaw,
-    draft_laws: Sequence[SequenceLaw],
-    vocab_size: int,
-    draft_length: int,
+    verifier: Any, target_law: SequenceLaw, draft_laws: Sequence[SequenceLaw], vocab_size: int, draft_length: int
 ) -> dict[tuple[int, ...], float]:
     """The law of the first L+1 tokens when one block is followed by the target alone.
 

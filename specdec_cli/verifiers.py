@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from stevedore import driver
+from stevedore import extension
 
 from .errors import UsageError
 from .sampling import sample
@@ -74,6 +74,9 @@ class BlockVerifier(ABC):
     identical_drafts: ClassVar[bool] = False
     """True for schemes defined only for K samples of one draft law (SpecTr)."""
     token_level: ClassVar[bool] = False
+    kl_bound_parameter: ClassVar[str | None] = None
+    """The constructor parameter that bounds KL(q ‖ output law) in nats, for a lossy scheme that has one:
+    ``--kl`` sets it, and ``bench`` and ``acceptance`` sweep it (one configuration per bound)."""
 
     def __new__(cls, *args: Any, **params: Any) -> "BlockVerifier":
         # Checked here, not in __init__, so that every construction path (stevedore's
@@ -87,6 +90,20 @@ class BlockVerifier(ABC):
                 f"verifier '{cls.name}' got unknown parameter(s) {given}; valid parameters: {accepted}"
             )
         return super().__new__(cls)
+
+    @classmethod
+    def reason_to_refuse(cls, num_drafts: int, identical_laws: bool) -> str | None:
+        """Why this scheme cannot take ``num_drafts`` drafts per position, or None if it can.
+
+        ``identical_laws``: every draft is sampled from one law (one draft model with one set of
+        sampling settings). Every caller asks here: the engine, bench's grid and acceptance.
+        """
+        if cls.max_drafts is not None and num_drafts > cls.max_drafts:
+            return f"verifier '{cls.name}' takes at most {cls.max_drafts} draft(s) per position, not {num_drafts}"
+        if cls.identical_drafts and not identical_laws:
+            return (f"verifier '{cls.name}' needs identical drafts (one draft config sampled K times), "
+                    "not drafts of different laws")  # fmt: skip
+        return None
 
     @abstractmethod
     def verify_block(
@@ -115,6 +132,14 @@ class BlockVerifier(ABC):
         over every draft block.
         """
         raise NotImplementedError(f"verifier '{self.name}' does not give its block law")
+
+    def output_kl(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor | None:
+        """Optional, for a lossy scheme: KL(q ‖ output law) in nats at each position → ``[...]``.
+
+        target_probs ``[..., V]``, draft_probs ``[..., K, V]``. ``acceptance`` shows it beside the
+        acceptance; None (the default) means the scheme does not give it.
+        """
+        return None
 
 
 class Verifier(BlockVerifier):
@@ -304,27 +329,65 @@ def parameter_defaults(cls: type) -> dict[str, Any]:
 
 
 class VerifierRegistry:
-    """Finds verifiers by entry-point name (case-insensitive) through stevedore.
+    """The one way verifiers are found: entry points of the group ``specdec.verifiers``, through stevedore.
 
-    :meth:`load_class` is the one place plugins are loaded; tests and embedders override it.
+    Names are case-insensitive. :meth:`load_class` is the one place a plugin class is loaded;
+    tests and embedders override it. A plugin that fails to import is kept with its error, so
+    ``specdec verifiers`` can show it and using it names the failure.
     """
 
     group = ENTRY_POINT_GROUP
 
+    def __init__(self) -> None:
+        self._manager: extension.ExtensionManager | None = None
+        self._failures: dict[str, str] = {}
+
+    def _extensions(self) -> extension.ExtensionManager:
+        if self._manager is None:
+            def failed(_manager, entry_point, error) -> None:
+                self._failures[entry_point.name] = f"{type(error).__name__}: {error}"
+
+            self._manager = extension.ExtensionManager(
+                self.group, invoke_on_load=False, on_load_failure_callback=failed
+            )
+        return self._manager
+
     def names(self) -> list[str]:
-        return sorted({ep.name for ep in importlib.metadata.entry_points(group=self.group)})
+        """The installed verifiers that load."""
+        return sorted(set(self._extensions().names()))
+
+    def failures(self) -> dict[str, str]:
+        """name → error, for installed plugins that failed to load."""
+        self._extensions()
+        return dict(self._failures)
 
     def load_class(self, name: str) -> type[BlockVerifier]:
-        manager = driver.DriverManager(self.group, name, invoke_on_load=False)
-        return manager.driver
+        if name in self.failures():
+            raise UsageError(f"verifier '{name}' is installed but failed to load: {self._failures[name]}")
+        return self._extensions()[name].plugin
+
+    def package(self, name: str) -> str:
+        """'distribution version' that provides verifier ``name`` (stevedore does not keep it)."""
+        for dist in importlib.metadata.distributions():
+            if any(ep.group == self.group and ep.name == name for ep in dist.entry_points):
+                return f"{dist.metadata['Name']} {dist.version}"
+        return self._extensions()[name].entry_point.value
 
     def canonical(self, name: str) -> str:
         """The installed verifier's entry-point name for ``name`` (case-insensitive), or a UsageError."""
         key = name.strip().lower()
-        if key not in self.names():
+        if key not in self.names() and key not in self.failures():
             installed = ", ".join(self.names()) or "none"
             raise UsageError(f"unknown verifier '{name}'; installed verifiers: {installed} (see `specdec verifiers`)")
         return key
+
+    def verifier_class(self, name: str) -> type[BlockVerifier]:
+        """The class of the installed verifier ``name`` (case-insensitive)."""
+        return self.load_class(self.canonical(name))
+
+    def names_where(self, wanted: Callable[[type[BlockVerifier]], bool]) -> list[str]:
+        """Installed verifiers whose class satisfies ``wanted`` (for suggestions in messages)."""
+        return [name for name in self.names() if wanted(self.load_class(name))]
 
     def params_for(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         """The entries of ``params`` (a recipe's verifier.params) that verifier ``name`` takes.
@@ -332,8 +395,17 @@ class VerifierRegistry:
         A run that compares several verifiers gives each the parameters it has: ``max_support``
         reaches ``is-lp`` whichever verifier the recipe names.
         """
-        accepted = parameter_defaults(self.load_class(self.canonical(name)))
+        accepted = parameter_defaults(self.verifier_class(name))
         return {key: value for key, value in params.items() if key in accepted}
+
+    def with_kl_bound(self, name: str, params: dict[str, Any], bound: float) -> dict[str, Any]:
+        """``params`` with verifier ``name``'s KL bound set to ``bound`` (a UsageError if it has none)."""
+        parameter = self.verifier_class(name).kl_bound_parameter
+        if parameter is None:
+            bounded = ", ".join(self.names_where(lambda cls: cls.kl_bound_parameter is not None)) or "none installed"
+            raise UsageError(f"--kl sets a KL bound, which verifier '{name}' does not have; "
+                             f"verifiers with one: {bounded}")  # fmt: skip
+        return {**params, parameter: bound}
 
     def create(self, name: str, params: dict[str, Any] | None = None) -> BlockVerifier:
         """An instance of ``name``; a plugin's own ValueError or TypeError about its parameters becomes

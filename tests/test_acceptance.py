@@ -9,25 +9,30 @@ import pytest
 import torch
 
 from specdec_cli import SpeculativeDecoder
-from specdec_cli.acceptance import OPTIMUM, AcceptanceAnalysis, AcceptanceRequest, mentored_row
+from specdec_cli.acceptance import OPTIMUM, AcceptanceAnalysis, AcceptanceRequest, AcceptanceRow
 from specdec_cli.recipe import build_recipe
 from specdec_cli.verifiers import VerifierRegistry
 from tests.conftest import tiny_recipe
 from tests.test_cli import run  # noqa: F401  (the CLI fixture)
 
 PROMPTS = ["a b c", "d e", "e e a b", "c"]
+
+
+def mentored_row(kl: float) -> str:
+    return AcceptanceRow("mentored", kl_bound=kl).label
 KL_VALUES = (0.0, 0.05, 0.2, 1.0)
 
 
 @pytest.fixture(scope="module")
 def report(tiny_models):
     recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12}))
-    request = AcceptanceRequest(tuple(VerifierRegistry().names()), (1, 2, 3), KL_VALUES)
+    request = AcceptanceRequest(verifiers=tuple(VerifierRegistry().names()), num_drafts=(1, 2, 3), kl_values=KL_VALUES)
     return AcceptanceAnalysis(recipe, request).run(PROMPTS)
 
 
 def _values(report, row, k):
-    return torch.tensor([v for p in report.prompts for v in p.values[row][k]], dtype=torch.float64)
+    label = row.label if isinstance(row, AcceptanceRow) else row
+    return torch.tensor([v for p in report.prompts for v in p.values[label][k]], dtype=torch.float64)
 
 
 def test_values_are_probabilities_and_k1_is_sum_of_min(report):
@@ -40,7 +45,7 @@ def test_values_are_probabilities_and_k1_is_sum_of_min(report):
                 assert bool(((values >= -1e-12) & (values <= 1 + 1e-12)).all()), (row, k)
     # K = 1: every token-level verifier but mentored with D > 0 gives Σ min(p, q) = the speculative value.
     for row in report.rows:
-        if report.cell(row, 1) is not None and (not row.startswith("mentored") or row == mentored_row(0.0)):
+        if report.cell(row, 1) is not None and row.kl_bound in (None, 0.0):
             torch.testing.assert_close(_values(report, row, 1), speculative, atol=1e-7, rtol=0)
 
 
@@ -64,13 +69,13 @@ def test_mentored_rows_trade_kl_for_acceptance(report):
 
 def test_single_draft_verifiers_have_no_multi_draft_cells(report):
     assert report.cell("speculative", 2) is None
-    assert "speculative takes at most 1 draft(s)" in report.unavailable["speculative|2"]
+    assert "verifier 'speculative' takes at most 1 draft(s)" in report.unavailable[("speculative", 2)]
 
 
 def test_block_level_verifiers_say_why_they_have_no_cell(report):
     for k in report.num_drafts:
         assert report.cell("block", k) is None
-        assert "block decides whole blocks: a per-token acceptance is not defined" in report.unavailable[f"block|{k}"]
+        assert "block decides whole blocks: a per-token acceptance is not defined" in report.unavailable[("block", k)]
 
 
 @pytest.mark.parametrize("name", ["speculative", "mentored"])
@@ -80,7 +85,7 @@ def test_analytic_acceptance_matches_the_engine(tiny_models, name):
     recipe = build_recipe(tiny_recipe(
         tiny_models, "llama", generation={"max_new_tokens": 2}, verifier={"name": name, "params": params}
     ))  # fmt: skip
-    request = AcceptanceRequest((name,), (1,), (0.2,))
+    request = AcceptanceRequest(verifiers=(name,), num_drafts=(1,), kl_values=(0.2,))
     analysis = AcceptanceAnalysis(recipe, request)
     row = mentored_row(0.2) if name == "mentored" else name
     first_positions = [p.values[row][1][0] for p in analysis.run(PROMPTS).prompts]
@@ -99,7 +104,7 @@ def test_analytic_acceptance_matches_the_engine(tiny_models, name):
 
 def test_interrupt_keeps_the_computed_prompts(tiny_models):
     recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 4}))
-    analysis = AcceptanceAnalysis(recipe, AcceptanceRequest(("speculative",), (1,)))
+    analysis = AcceptanceAnalysis(recipe, AcceptanceRequest(verifiers=("speculative",), num_drafts=(1,)))
     seen = []
 
     def stop_after_two(result):
@@ -116,11 +121,11 @@ def test_different_temperature_drafts(tiny_models):
     recipe = tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 6})
     draft = recipe.pop("draft")
     recipe["drafts"] = [{**draft, "temperature": 1.0}, {**draft, "temperature": 1.5}]
-    analysis = AcceptanceAnalysis(build_recipe(recipe), AcceptanceRequest(("specinfer", "spectr"), (1, 2)))
+    analysis = AcceptanceAnalysis(build_recipe(recipe), AcceptanceRequest(verifiers=("specinfer", "spectr"), num_drafts=(1, 2)))
     report = analysis.run(PROMPTS[:2])
     assert not report.identical_drafts
     assert report.cell("specinfer", 2) is not None
-    assert report.cell("spectr", 2) is None and "identical drafts" in report.unavailable["spectr|2"]
+    assert report.cell("spectr", 2) is None and "identical drafts" in report.unavailable[("spectr", 2)]
     # The tiny vocabulary lets the exact different-drafts optimum run; no scheme exceeds it anywhere.
     for prompt in report.prompts:
         for optimum, reached in zip(prompt.values[OPTIMUM][2], prompt.values["specinfer"][2]):
@@ -132,9 +137,9 @@ def test_different_drafts_optimum_says_why_it_is_missing(tiny_models):
     recipe = tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 4})
     draft = recipe.pop("draft")
     recipe["drafts"] = [{**draft, "temperature": 1.0}, {**draft, "temperature": 1.5}]
-    analysis = AcceptanceAnalysis(build_recipe(recipe), AcceptanceRequest(("specinfer",), (3,)))
+    analysis = AcceptanceAnalysis(build_recipe(recipe), AcceptanceRequest(verifiers=("specinfer",), num_drafts=(3,)))
     report = analysis.run(PROMPTS[:1])
-    assert report.cell(OPTIMUM, 3) is None and "K > 2 different drafts" in report.unavailable[f"{OPTIMUM}|3"]
+    assert report.cell(OPTIMUM, 3) is None and "K > 2 different drafts" in report.unavailable[(OPTIMUM, 3)]
 
 
 def test_cli_table_json_csv_and_plot(run, tiny_models, write_recipe, tmp_path):  # noqa: F811
@@ -148,7 +153,7 @@ def test_cli_table_json_csv_and_plot(run, tiny_models, write_recipe, tmp_path): 
     assert "optimum" in stdout and "mentored D=0.3" in stdout and "K=2" in stdout
     payload = json.loads((out / "acceptance.json").read_text())
     assert payload["seed"] == 0 and payload["recipe"]["generation"]["max_new_tokens"] == 5
-    assert {"torch_version", "transformers_version", "device", "specdec_version"} <= set(payload)
+    assert {"torch", "transformers", "device", "specdec", "git", "peak_memory_mib"} <= set(payload["environment"])
     assert [p["prompt"] for p in payload["prompts"]] == ["a b c", "d e"]
     rows = list(csv.DictReader((out / "acceptance.csv").open()))
     assert {"optimum", "speculative", "mentored D=0.3"} <= {r["row"] for r in rows}

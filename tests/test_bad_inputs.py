@@ -67,7 +67,7 @@ BENCH = [
      "grid cell 'is-lp K=1 L=3 T=1': verifier 'is-lp': max_support must be >= 1"),
     ("bench -r {recipe} %s --verifier mentored --kl -1" % BENCH_DATA, "kl must be a finite number >= 0"),
     ("bench -r {recipe} %s --verifier spectr --num-drafts 2 --draft-temperatures 1.0,1.2" % BENCH_DATA,
-     "no speculative configuration to compare with the baseline (skipped: spectr with drafts of different"),
+     "no speculative configuration to compare with the baseline (skipped: verifier 'spectr' needs identical drafts"),
     ("bench -r {recipe} %s --verifier nosuch" % BENCH_DATA, "unknown verifier 'nosuch'"),
     ("bench -r {recipe} %s --draft-length x" % BENCH_DATA, "--draft-length expects a comma list of int"),
     ("bench -r {recipe} --dataset {dir}/duplicate-ids.jsonl --source-field text", "examples 1 and 2 share the id '1'"),
@@ -194,12 +194,12 @@ def test_flags_keep_their_types_and_draft_is_drafts_0(run, inputs, flags):
 
 
 def test_a_plot_that_fails_never_hides_the_table(run, inputs, monkeypatch, tmp_path):
-    from specdec_cli.commands import acceptance
+    from specdec_cli.acceptance import report
 
-    def broken_plot(path, report):
+    def broken_plot(path, results):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(acceptance, "_plot", broken_plot)
+    monkeypatch.setattr(report, "plot", broken_plot)
     code, out, err = run(["acceptance", "-r", inputs["recipe"], "--prompt", "a b", "--num-drafts", "1",
                           "--max-new-tokens", "3", "--plot", str(tmp_path / "plot.png")])  # fmt: skip
     assert code == 1

@@ -111,8 +111,8 @@ def test_autoregressive_flag_and_verifier_none(run, recipe_path):
         (["--temperature", "-1"], 2, "generation.temperature: must be >= 0"),
         (["--top-p", "1.5"], 2, "generation.top_p: must be in (0, 1]"),
         (["--verifier", "nosuch"], 2, "unknown verifier 'nosuch'; installed verifiers: "),
-        (["--num-drafts", "3"], 2, "at most 1 draft(s) per position but the recipe gives 3"),
-        (["--kl", "0.5"], 2, "verifier 'speculative' got unknown parameter(s) kl; valid parameters: none"),
+        (["--num-drafts", "3"], 2, "takes at most 1 draft(s) per position, not 3"),
+        (["--kl", "0.5"], 2, "--kl sets a KL bound, which verifier 'speculative' does not have; verifiers with one: mentored"),
     ],
 )
 def test_bad_recipe_and_flags(run, recipe_path, args, code, message):

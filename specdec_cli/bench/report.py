@@ -8,6 +8,8 @@ from pathlib import Path
 
 from rich.table import Table
 
+from .results import BenchResults, MeanStd
+
 QUALITY = {"bleu": "BLEU", "chrf": "chrF", "rougeL": "ROUGE-L"}
 SPEED = [
     ("block_efficiency", "block eff.", "{:.2f}"),
@@ -20,33 +22,32 @@ SPEED = [
 ]
 
 
-def _columns(results: dict) -> list[tuple[str, str, str]]:
+def _columns(results: BenchResults) -> list[tuple[str, str, str]]:
     quality = [(name, label, "{:.2f}") for name, label in QUALITY.items()
-               if any(name in c["summary"] for c in results["cells"])]  # fmt: skip
+               if any(name in c.summary for c in results.cells)]  # fmt: skip
     return SPEED + quality
 
 
-def _cell_text(summary: dict, name: str, fmt: str) -> str:
+def _cell_text(summary: dict[str, MeanStd], name: str, fmt: str) -> str:
     value = summary.get(name)
-    if not value or value["mean"] is None:
+    if not value or value.mean is None:
         return "—"
-    text = fmt.format(value["mean"])
-    return f"{text} ± {fmt.format(value['std'])}" if value["n"] > 1 else text
+    text = fmt.format(value.mean)
+    return f"{text} ± {fmt.format(value.std)}" if value.n > 1 else text
 
 
-def rows(results: dict) -> tuple[list[str], list[list[str]]]:
+def rows(results: BenchResults) -> tuple[list[str], list[list[str]]]:
     columns = _columns(results)
     header = ["configuration", "samples"] + [label for _, label, _ in columns]
     body = []
-    for cell in results["cells"]:
-        samples = sum(m["samples"] for m in cell["per_seed"].values())
-        body.append([cell["key"], str(samples)] + [_cell_text(cell["summary"], n, f) for n, _, f in columns])
+    for cell in results.cells:
+        body.append([cell.key, str(cell.samples)] + [_cell_text(cell.summary, n, f) for n, _, f in columns])
     return header, body
 
 
-def rich_table(results: dict, title: str) -> Table:
+def rich_table(results: BenchResults, title: str) -> Table:
     header, body = rows(results)
-    seeds = max((len(c["per_seed"]) for c in results["cells"]), default=0)
+    seeds = max((len(c.per_seed) for c in results.cells), default=0)
     table = Table(title=title, caption=f"mean{' ± std over ' + str(seeds) + ' seeds' if seeds > 1 else ''}; "
                   "speedup: token rate over the target-alone baseline of the same run, prompts and seed")  # fmt: skip
     for i, name in enumerate(header):
@@ -56,51 +57,52 @@ def rich_table(results: dict, title: str) -> Table:
     return table
 
 
-def markdown(results: dict) -> str:
+def markdown(results: BenchResults) -> str:
     header, body = rows(results)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(line) + " |" for line in body]
-    signatures = {(QUALITY[m], c["per_seed"][s][f"{m}_signature"]) for c in results["cells"] for s in c["per_seed"]
-                  for m in ("bleu", "chrf") if f"{m}_signature" in c["per_seed"][s]}  # fmt: skip
+    signatures = {(QUALITY[m], metrics[f"{m}_signature"]) for c in results.cells for metrics in c.per_seed.values()
+                  for m in ("bleu", "chrf") if f"{m}_signature" in metrics}  # fmt: skip
     notes = [f"\n{label} signature (sacrebleu): `{signature}`" for label, signature in sorted(signatures)]
     return "\n".join(lines + notes) + "\n"
 
 
-def csv_text(results: dict) -> str:
+def csv_text(results: BenchResults) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     names = [name for name, _, _ in _columns(results)]
     writer.writerow(["configuration", "verifier", "kl", "num_drafts", "draft_length", "temperature",
                      "draft_temperatures"] + [f"{n}_{s}" for n in names for s in ("mean", "std")])  # fmt: skip
-    for cell in results["cells"]:
+    for result in results.cells:
         values = []
         for name in names:
-            value = cell["summary"].get(name) or {}
-            values += [value.get("mean"), value.get("std")]
-        temps = ",".join(map(str, cell["draft_temperatures"])) if cell["draft_temperatures"] else ""
-        writer.writerow([cell["key"], cell["verifier"], cell["kl"], cell["num_drafts"], cell["draft_length"],
-                         cell["temperature"], temps] + values)  # fmt: skip
+            value = result.summary.get(name)
+            values += [value.mean, value.std] if value else [None, None]
+        cell = result.cell
+        temps = ",".join(map(str, cell.draft_temperatures)) if cell.draft_temperatures else ""
+        writer.writerow([cell.key, cell.verifier, cell.kl, cell.num_drafts, cell.draft_length,
+                         cell.temperature, temps] + values)  # fmt: skip
     return buffer.getvalue()
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: BenchResults, path: Path) -> None:
     """Speed (speedup, or token rate when there is none) against quality, one point per configuration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    quality = next((n for n in QUALITY if any(n in c["summary"] for c in results["cells"])), None)
-    speed = "speedup" if any("speedup" in c["summary"] for c in results["cells"]) else "tokens_per_second"
+    quality = next((n for n in QUALITY if any(n in c.summary for c in results.cells)), None)
+    speed = "speedup" if any("speedup" in c.summary for c in results.cells) else "tokens_per_second"
     figure, axis = plt.subplots(figsize=(7, 5))
-    for cell in results["cells"]:
-        summary = cell["summary"]
+    for cell in results.cells:
+        summary = cell.summary
         if speed not in summary and speed == "speedup":
             continue
-        y = summary[speed]["mean"]
-        x = summary[quality]["mean"] if quality and quality in summary else 0.0
+        y = summary[speed].mean
+        x = summary[quality].mean if quality and quality in summary else 0.0
         axis.scatter([x], [y])
-        axis.annotate(cell["key"], (x, y), fontsize=7, textcoords="offset points", xytext=(4, 4))
+        axis.annotate(cell.key, (x, y), fontsize=7, textcoords="offset points", xytext=(4, 4))
     axis.set(xlabel=QUALITY.get(quality, "(no quality metric)"), ylabel=speed.replace("_", " "),
              title="speed vs quality per configuration")  # fmt: skip
     figure.tight_layout()

@@ -74,7 +74,7 @@ TASKS = {
 }  # fmt: skip
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DataSource:
     """Where a run's examples come from (what the user gave on the command line)."""
 

@@ -15,12 +15,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..bench import report
-from ..bench.runner import BenchRunner, Grid, check_cells, environment, summarize
-from ..bench.store import ResultsStore, load_saved
+from ..bench.results import BenchResults, summarize
+from ..bench.runner import BenchRunner, Grid, check_cells
 from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair
 from ..errors import UsageError
 from ..inputs import check_plot_path
+from ..model_pool import ModelPool
+from ..provenance import provenance
 from ..recipe import Recipe
+from ..results_store import ResultsStore, load_saved
 from ..verifiers import VerifierRegistry
 from . import common
 
@@ -42,7 +45,7 @@ def bench(
     seeds: Annotated[Optional[str], typer.Option(help="Comma list: repeat every cell with these sampling seeds.")] = None,
     recipe: common.RecipeOption = None,
     verifiers: Annotated[Optional[str], typer.Option("--verifier", help="Comma list of verifiers (grid).")] = None,
-    kl: Annotated[Optional[str], typer.Option("--kl", help="Comma list of KL bounds for mentored (grid).")] = None,
+    kl: Annotated[Optional[str], typer.Option("--kl", help="Comma list of KL bounds D in nats, for verifiers with one (grid).")] = None,
     num_drafts: Annotated[Optional[str], typer.Option("--num-drafts", help="Comma list of K (grid).")] = None,
     draft_length: Annotated[Optional[str], typer.Option("--draft-length", help="Comma list of L (grid).")] = None,
     temperature: Annotated[Optional[str], typer.Option("--temperature", help="Comma list of temperatures (grid).")] = None,
@@ -67,35 +70,39 @@ def bench(
     check_plot_path(plot)
     if report_dir is not None:
         config, records = load_saved(report_dir)
-        _show(summarize(config, records) | {"config": config}, config, as_json, plot, "")
+        _show(summarize(config, records), as_json, plot, "")
         return
     options = common.RecipeOptions(
-        recipe, sets or [], None, None, None, None, max_new_tokens, None, top_k, top_p, None, device, dtype, chat
-    )
+        recipe=recipe, sets=sets or [], max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, device=device,
+        dtype=dtype, chat=chat,
+    )  # fmt: skip
     base = options.resolve()
-    examples = load_examples(DataSource(task, lang_pair, source, reference, dataset, source_field, reference_field,
-                                        limit, shuffle, seed))  # fmt: skip
+    examples = load_examples(DataSource(
+        task=task, lang_pair=lang_pair, source_file=source, reference_file=reference, dataset=dataset,
+        source_field=source_field,
+        reference_field=reference_field, limit=limit, shuffle=shuffle, seed=seed,
+    ))  # fmt: skip
     if not examples:
         raise UsageError("the data has no examples")
     grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures)
-    plan = _Plan(base, get_task(task), lang_pair, template, examples, grid,
-                 common.parse_list(seeds, int, "--seeds") or [base.seed])  # fmt: skip
+    plan = _Plan(base=base, task=get_task(task), lang_pair=lang_pair, template=template, examples=examples, grid=grid,
+                 seeds=common.parse_list(seeds, int, "--seeds") or [base.seed])  # fmt: skip
     _run(plan, output, as_json, plot)
 
 
 def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures) -> Grid:
     """The grid from the comma-list flags (``str | None`` each); an absent flag takes the recipe's value."""
     return Grid(
-        tuple(common.parse_list(verifiers, str, "--verifier") or [base.verifier.name]),
-        tuple(common.parse_list(kl, float, "--kl")),
-        tuple(common.parse_list(num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
-        tuple(common.parse_list(draft_length, int, "--draft-length") or [base.speculation.draft_length]),
-        tuple(common.parse_list(temperature, float, "--temperature") or [base.generation.temperature]),
-        _draft_temperature_sets(draft_temperatures),
+        verifiers=tuple(common.parse_list(verifiers, str, "--verifier") or [base.verifier.name]),
+        kl=tuple(common.parse_list(kl, float, "--kl")),
+        num_drafts=tuple(common.parse_list(num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
+        draft_lengths=tuple(common.parse_list(draft_length, int, "--draft-length") or [base.speculation.draft_length]),
+        temperatures=tuple(common.parse_list(temperature, float, "--temperature") or [base.generation.temperature]),
+        draft_temperatures=_draft_temperature_sets(draft_temperatures),
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class _Plan:
     """A validated run: recipe, task, examples, the grid's cells and the seeds."""
 
@@ -135,9 +142,11 @@ def _run(plan: _Plan, output: Path | None, as_json: bool, plot: Path | None) -> 
         err.print("note: the last sample line was cut short (a killed run or a full disk); it was dropped and runs again")
     for line in [f"skipped: {reason}" for reason in plan.skipped] + [f"note: {note}" for note in plan.notes]:
         err.print(line, highlight=False)
+    pool = ModelPool()
     with err.status("Loading models…"):
-        runner = BenchRunner(plan.base, plan.task, plan.examples, plan.cells, plan.seeds, store, rank, world_size,
-                             plan.registry, plan.template, plan.languages)  # fmt: skip
+        runner = BenchRunner(recipe=plan.base, task=plan.task, examples=plan.examples, cells=plan.cells,
+                             seeds=plan.seeds, store=store, rank=rank, world_size=world_size, registry=plan.registry,
+                             template=plan.template, lang_pair=plan.languages, pool=pool)  # fmt: skip
     interrupted = False
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err, transient=True, disable=rank != 0) as progress:  # fmt: skip
@@ -151,22 +160,23 @@ def _run(plan: _Plan, output: Path | None, as_json: bool, plot: Path | None) -> 
         _gather(store, rank)
         if rank != 0:
             return
-    results = summarize(config, list(store.records.values())) | {"config": config, "environment": environment(),
-                                                                  "interrupted": interrupted}  # fmt: skip
+    device = pool.target(plan.base.target).device
+    results = summarize(config, list(store.records.values()), environment=provenance(device), interrupted=interrupted)
     if output is not None:
-        (output / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        (output / "results.json").write_text(json.dumps(results.to_dict(), indent=2) + "\n")
         (output / "table.md").write_text(report.markdown(results))
         (output / "table.csv").write_text(report.csv_text(results))
     note = f"interrupted: {len(store.records)} samples kept; run the same command to resume" if interrupted else ""
-    _show(results, config, as_json, plot, note)
+    _show(results, as_json, plot, note)
     if interrupted:
         raise typer.Exit(130)
 
 
-def _show(results: dict, config: dict, as_json: bool, plot: Path | None, note: str) -> None:
+def _show(results: BenchResults, as_json: bool, plot: Path | None, note: str) -> None:
     if as_json:
-        sys.stdout.write(json.dumps(results, indent=2) + "\n")
+        sys.stdout.write(json.dumps(results.to_dict(), indent=2) + "\n")
     else:
+        config = results.config
         title = f"specdec bench: {config['task']['name']}, {config['data']['examples']} examples"
         Console(width=None if sys.stdout.isatty() else 200).print(report.rich_table(results, title))
     if note:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,7 +13,8 @@ import typer
 
 from ..errors import SpecdecError, UsageError
 from ..inputs import read_stdin, read_text, text_value
-from ..recipe import Recipe, apply_overrides, build_recipe, read_recipe_file, set_path
+from ..recipe import AUTOREGRESSIVE, Recipe, apply_overrides, build_recipe, read_recipe_file, set_path
+from ..verifiers import VerifierRegistry
 
 RecipeOption = Annotated[
     Optional[str],
@@ -26,7 +28,7 @@ VerifierOption = Annotated[
     Optional[str], typer.Option(help="Verifier plugin name (case-insensitive), or 'none' for the target alone.")
 ]
 KlOption = Annotated[
-    Optional[float], typer.Option("--kl", help="KL bound D in nats for the 'mentored' verifier (verifier.params.kl).")
+    Optional[float], typer.Option("--kl", help="KL bound D in nats, for a verifier that has one (see `specdec verifiers`).")
 ]
 NumDraftsOption = Annotated[Optional[int], typer.Option(help="K: draft sequences sampled per draft config.")]
 DraftLengthOption = Annotated[Optional[int], typer.Option(help="L: tokens each draft proposes per block.")]
@@ -42,7 +44,7 @@ DeviceOption = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cu
 DtypeOption = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 for every model.")]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RecipeOptions:
     """The recipe file plus the command-line flags that override it."""
 
@@ -77,7 +79,6 @@ class RecipeOptions:
                 # Parameters written for another verifier would not apply to this one.
                 data["verifier"] = {"name": self.verifier, "params": {}}
         named: dict[str, Any] = {
-            "verifier.params.kl": self.kl,
             "speculation.num_drafts": self.num_drafts,
             "speculation.draft_length": self.draft_length,
             "generation.max_new_tokens": self.max_new_tokens,
@@ -95,7 +96,12 @@ class RecipeOptions:
         for path, value in named.items():
             if value is not None:
                 set_path(data, path, value)
-        return build_recipe(apply_overrides(data, list(self.sets)))
+        recipe = build_recipe(apply_overrides(data, list(self.sets)))
+        if self.kl is None or recipe.verifier.name.strip().lower() == AUTOREGRESSIVE:
+            return recipe
+        # --kl sets whichever parameter the verifier declares as its KL bound.
+        params = VerifierRegistry().with_kl_bound(recipe.verifier.name, recipe.verifier.params, self.kl)
+        return dataclasses.replace(recipe, verifier=dataclasses.replace(recipe.verifier, params=params))
 
 
 def _model_paths(data: dict[str, Any]) -> list[str]:

@@ -52,8 +52,9 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding; accepted draft tokens are shown in green on a terminal."""
     options = common.RecipeOptions(
-        recipe, sets or [], verifier, kl, num_drafts, draft_length, max_new_tokens,
-        temperature, top_k, top_p, seed, device, dtype, chat,
+        recipe=recipe, sets=sets or [], verifier=verifier, kl=kl, num_drafts=num_drafts, draft_length=draft_length,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device,
+        dtype=dtype, chat=chat,
     )  # fmt: skip
     resolved = options.resolve()
     prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)

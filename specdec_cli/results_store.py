@@ -1,12 +1,13 @@
-"""A benchmark's results directory: written as it goes, resumable, never silently mixed.
+"""A results folder: written as it goes, resumable, never silently mixed (bench and acceptance).
 
-``config.json`` holds what defines the run (recipe, task, data fingerprint, grid, seeds); a
-second run in the same directory must have the same, or it is refused, except for the grid's
-cells: a run that adds or fixes cells reuses the samples of the cells it shares. ``samples.jsonl`` gets
-one line per (cell, seed, example) as soon as it is generated, flushed, so a killed run leaves
-a valid directory and a re-run skips what is done. Processes of a distributed run write
-``samples.rank<R>.jsonl`` and rank 0 merges them at the end. ``results.json``, ``table.md``
-and ``table.csv`` are derived from the samples and rewritten whenever a run stops.
+``config.json`` holds what defines the run (for bench: recipe, task, data fingerprint, grid,
+seeds); a second run in the same folder must have the same, or it is refused, except for the
+config keys its :class:`RecordKind` lets change (bench's grid cells: a run that adds or fixes
+cells reuses the samples of the cells it shares). ``samples.jsonl`` gets one line per record (a
+bench (cell, seed, example), an acceptance prompt) as soon as it is made, flushed, so a killed run
+leaves a valid folder and a re-run skips what is done. Processes of a distributed run write
+``samples.rank<R>.jsonl`` and rank 0 merges them at the end. The summaries (``results.json``,
+``acceptance.json``, tables) are derived from the records and rewritten whenever a run stops.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import SpecdecError, UsageError
-from ..inputs import check_writable_folder
+from .errors import SpecdecError, UsageError
+from .inputs import check_writable_folder
 
 SAMPLES = "samples.jsonl"
 CONFIG = "config.json"

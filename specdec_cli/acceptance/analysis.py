@@ -1,0 +1,154 @@
+"""Token-level acceptance of every verifier on real models and prompts, next to the optimum.
+
+For each prompt the target alone generates a continuation (seeded); at every generated
+position the target law q and each draft config's law p are computed for the same prefix,
+and each verifier's ``acceptance_probability`` is evaluated there for every number of drafts K.
+K drafts are drawn round-robin from the draft configs (one config: K identical drafts).
+A verifier with a KL bound (``kl_bound_parameter``) gets one row per bound, and its
+``output_kl`` beside the acceptance. The optimum row is the best acceptance of any lossless
+rule (the optimal-transport dual of Hu et al. 2025; Khisti et al., Theorem 3): exact on the full
+vocabulary for K identical drafts, and for K = 2 different drafts when they share at most
+``MAX_TWO_DRAFT_SUPPORT`` tokens (see ``theory``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..decoding import Draft
+from ..engine import SpeculativeDecoder, sample_seed
+from ..errors import SpecdecError, UsageError
+from ..model_pool import ModelPool
+from ..model_session import next_token_logits
+from ..recipe import Recipe
+from ..sampling import probs_from_logits
+from ..theory import MAX_TWO_DRAFT_SUPPORT, optimal_acceptance, optimal_acceptance_two_drafts, two_draft_support
+from ..verifiers import BlockVerifier, VerifierRegistry
+from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, PromptAcceptance
+
+
+class AcceptanceAnalysis:
+    """Generates with the target alone and evaluates every verifier on the positions it visits."""
+
+    def __init__(self, recipe: Recipe, request: AcceptanceRequest, *, registry: VerifierRegistry | None = None,
+                 pool: ModelPool | None = None):  # fmt: skip
+        if not recipe.drafts:
+            raise UsageError("the recipe has no draft: acceptance compares a target with its draft(s)")
+        if any(k < 1 for k in request.num_drafts):
+            raise UsageError("--num-drafts values must be >= 1")
+        if any(d < 0 for d in request.kl_values):
+            raise UsageError("--kl values must be >= 0")
+        self.recipe = recipe
+        self.request = request
+        self.registry = registry or VerifierRegistry()
+        self.verifiers = self._verifiers()  # every parameter checked before the models load
+        pool = pool if pool is not None else ModelPool()
+        self.decoder = SpeculativeDecoder.from_recipe(recipe, autoregressive=True, pool=pool, registry=self.registry)
+        target = self.decoder.target
+        self.drafts = [Draft(pool.draft(spec, target), spec.temperature, spec.top_k, spec.top_p) for spec in recipe.drafts]
+
+    def _verifiers(self) -> dict[AcceptanceRow, BlockVerifier]:
+        """One verifier per row; a verifier with a KL bound gets a row per bound of the request."""
+        params = self.recipe.verifier.params  # each verifier gets those it takes (is-lp's max_support, ...)
+        verifiers = {}
+        for name in self.request.verifiers:
+            name = self.registry.canonical(name)
+            own = self.registry.params_for(name, params)
+            if self.registry.verifier_class(name).kl_bound_parameter is None or not self.request.kl_values:
+                verifiers[AcceptanceRow(name)] = self.registry.create(name, own)
+                continue
+            for bound in self.request.kl_values:
+                row = AcceptanceRow(name, kl_bound=bound)
+                verifiers[row] = self.registry.create(name, self.registry.with_kl_bound(name, own, bound))
+        return verifiers
+
+    def rows(self) -> list[AcceptanceRow]:
+        return [AcceptanceRow(OPTIMUM), *self.verifiers]
+
+    def run(
+        self,
+        prompts: Sequence[str],
+        on_prompt: Callable[[PromptAcceptance], None] | None = None,
+        done: Sequence[PromptAcceptance] = (),
+    ) -> AcceptanceReport:
+        """Evaluate every prompt not in ``done`` (a resumed run's); Ctrl-C stops early and keeps what
+        was computed (``interrupted``). A prompt's result depends only on the recipe and its index."""
+        report = AcceptanceReport(rows=self.rows(), num_drafts=sorted(set(self.request.num_drafts)),
+                                  identical_drafts=len(self.drafts) == 1)  # fmt: skip
+        finished = {result.prompt_index: result for result in done}
+        encoded = [self.decoder.encode_prompt(p) for p in prompts]
+        try:
+            for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+                result = finished.get(index) or self.evaluate_prompt(prompt, index, ids)
+                report.add(result)
+                if on_prompt is not None and index not in finished:
+                    on_prompt(result)
+        except KeyboardInterrupt:
+            report.interrupted = True
+        return report
+
+    @torch.inference_mode()
+    def laws(self, prompt_ids: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T, V]`` and every draft config's p ``[T, C, V]`` (float64) at the T generated positions."""
+        generated = torch.tensor([tokens], dtype=torch.long)  # [1, T]
+        vocab = self.decoder.vocab_size
+        target_logits = next_token_logits(self.decoder.target, prompt_ids, generated, vocab)[0, :-1]  # [T, V]
+        target = probs_from_logits(target_logits, self.decoder.target_params, "target")  # [T, V]
+        drafts = []
+        for draft in self.drafts:
+            logits = next_token_logits(draft.model, prompt_ids, generated, vocab)[0, :-1].to(target.device)  # [T, V]
+            drafts.append(probs_from_logits(logits, draft.sampling(self.decoder.config), draft.model.name))
+        # float64 laws that sum to 1 to double precision (float32 softmax rows miss by ~1e-7), so
+        # every verifier and the optimum are evaluated at the precision the theory is checked to.
+        target, drafts = target.double(), torch.stack(drafts, dim=1).double()  # [T, V], [T, C, V]
+        return target / target.sum(-1, keepdim=True), drafts / drafts.sum(-1, keepdim=True)
+
+    def evaluate_prompt(self, prompt: str, index: int, prompt_ids: list[int]) -> PromptAcceptance:
+        tokens, _, _ = self.decoder.generate_ids(prompt_ids, sample_seed(self.recipe.seed, index, 0))
+        target, configs = self.laws(prompt_ids, tokens)  # [T, V], [T, C, V]
+        result = PromptAcceptance(prompt=prompt, prompt_index=index, positions=len(tokens))
+        for num_drafts in self.request.num_drafts:
+            drafts = configs[:, [k % len(self.drafts) for k in range(num_drafts)]]  # [T, K, V]
+            identical = len(self.drafts) == 1 or num_drafts == 1
+            optimum, reason = _optimum(target, drafts, identical)
+            result.record(AcceptanceRow(OPTIMUM), num_drafts, optimum, reason)
+            for row, verifier in self.verifiers.items():
+                values, reason = _acceptance(verifier, target, drafts, identical)
+                result.record(row, num_drafts, values, reason)
+                if values is not None and row.label not in result.kl:
+                    divergence = verifier.output_kl(target, drafts)  # [T] or None
+                    if divergence is not None:
+                        result.kl[row.label] = divergence.double().tolist()
+        return result
+
+
+def _acceptance(verifier: BlockVerifier, target: torch.Tensor, drafts: torch.Tensor, identical: bool):
+    """(acceptance at each position, or None and why) for target ``[T, V]`` and drafts ``[T, K, V]``."""
+    if not verifier.token_level:
+        return None, f"{verifier.name} decides whole blocks: a per-token acceptance is not defined (compare it with bench)"
+    reason = type(verifier).reason_to_refuse(drafts.shape[1], identical)
+    if reason is not None:
+        return None, reason
+    try:
+        return verifier.acceptance_probability(target, drafts).double().tolist(), ""  # [T]
+    except SpecdecError as error:
+        return None, str(error)
+
+
+def _optimum(target: torch.Tensor, drafts: torch.Tensor, identical: bool) -> tuple[list[float] | None, str]:
+    """The optimum at each position for target ``[T, V]`` and drafts ``[T, K, V]``, or why it is not given."""
+    num_drafts = drafts.shape[1]
+    if identical:
+        return optimal_acceptance(target, drafts[:, 0], num_drafts).tolist(), ""
+    if num_drafts > 2:
+        return None, "not computed for K > 2 different drafts (exact here for identical drafts and for K = 2)"
+    support = int(two_draft_support(drafts[:, 0], drafts[:, 1]).max())
+    if support > MAX_TWO_DRAFT_SUPPORT:
+        return None, (
+            f"not computed: the two different drafts share up to {support} tokens, and the exact optimum "
+            f"for different drafts takes at most {MAX_TWO_DRAFT_SUPPORT} (restrict sampling, e.g. --top-k 50)"
+        )
+    return [float(optimal_acceptance_two_drafts(q, p[0], p[1])) for q, p in zip(target, drafts)], ""
+

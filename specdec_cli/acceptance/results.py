@@ -1,0 +1,140 @@
+"""What an acceptance run produces: typed rows, per-prompt values, and the report over all prompts.
+
+A prompt's values are written to a results folder as one record each (``samples.jsonl``), so
+a run resumes where it stopped; :meth:`PromptAcceptance.to_record` and
+:meth:`PromptAcceptance.from_record` are that record's format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from ..results_store import RecordKind
+
+OPTIMUM = "optimum"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AcceptanceRequest:
+    verifiers: tuple[str, ...]
+    """Verifier names; one with a KL bound expands to one row per value of ``kl_values``."""
+    num_drafts: tuple[int, ...] = (1, 2, 4)
+    kl_values: tuple[float, ...] = (0.05, 0.2, 0.5)
+
+
+@dataclass(frozen=True)
+class AcceptanceRow:
+    """A row of the table: the optimum, a verifier, or a verifier at one KL bound D."""
+
+    verifier: str
+    kl_bound: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.verifier if self.kl_bound is None else f"{self.verifier} D={self.kl_bound:g}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean over positions with its standard error (NaN for a single position)."""
+
+    mean: float
+    stderr: float
+    count: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Estimate | None":
+        if not values:
+            return None
+        mean = sum(values) / len(values)
+        if len(values) < 2:
+            return cls(mean, float("nan"), 1)
+        variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+        return cls(mean, math.sqrt(variance / len(values)), len(values))
+
+
+@dataclass(kw_only=True)
+class PromptAcceptance:
+    """Per-position values for one prompt: ``values[label][K]``, ``kl[label]`` (a verifier's
+    ``output_kl``, at the first K it takes), and why a (label, K) cell has no value."""
+
+    prompt: str
+    prompt_index: int
+    positions: int
+    values: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    kl: dict[str, list[float]] = field(default_factory=dict)
+    unavailable: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    def record(self, row: AcceptanceRow, num_drafts: int, values: list[float] | None, reason: str) -> None:
+        """The row's values at ``num_drafts`` drafts, or (values None) why there are none."""
+        if values is None:
+            self.unavailable[(row.label, num_drafts)] = reason
+        else:
+            self.values.setdefault(row.label, {})[num_drafts] = values
+
+    def to_record(self) -> dict:
+        """The results folder's line for this prompt ('label|K' keys for the unavailable cells)."""
+        record = dataclasses.asdict(self)
+        record["unavailable"] = {f"{label}|{k}": why for (label, k), why in self.unavailable.items()}
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict) -> "PromptAcceptance":
+        """The inverse of :meth:`to_record` (JSON turned the K keys into text)."""
+        values = {label: {int(k): v for k, v in by_k.items()} for label, by_k in record["values"].items()}
+        unavailable = {}
+        for key, why in record["unavailable"].items():
+            label, _, k = key.rpartition("|")
+            unavailable[(label, int(k))] = why
+        return cls(prompt=record["prompt"], prompt_index=record["prompt_index"], positions=record["positions"],
+                   values=values, kl=record["kl"], unavailable=unavailable)  # fmt: skip
+
+
+PROMPT_RECORDS = RecordKind(lambda record: (record["prompt_index"],),
+                            frozenset({"prompt", "prompt_index", "positions", "values", "kl", "unavailable"}))
+
+
+@dataclass(kw_only=True)
+class AcceptanceReport:
+    rows: list[AcceptanceRow]
+    num_drafts: list[int]
+    prompts: list[PromptAcceptance] = field(default_factory=list)
+    unavailable: dict[tuple[str, int], str] = field(default_factory=dict)
+    """(row label, K) → why that cell has no value (e.g. a single-draft verifier at K = 2)."""
+    identical_drafts: bool = True
+    interrupted: bool = False
+
+    def add(self, result: PromptAcceptance) -> None:
+        self.prompts.append(result)
+        self.unavailable.update(result.unavailable)
+
+    def cell(self, row: AcceptanceRow | str, num_drafts: int) -> Estimate | None:
+        label = row.label if isinstance(row, AcceptanceRow) else row
+        return Estimate.of([v for p in self.prompts for v in p.values.get(label, {}).get(num_drafts, [])])
+
+    def kl(self, row: AcceptanceRow | str) -> Estimate | None:
+        label = row.label if isinstance(row, AcceptanceRow) else row
+        return Estimate.of([v for p in self.prompts for v in p.kl.get(label, [])])
+
+    @property
+    def positions(self) -> int:
+        return sum(p.positions for p in self.prompts)
+
+    def to_dict(self) -> dict:
+        table = {}
+        for row in self.rows:
+            table[row.label] = {str(k): dataclasses.asdict(c) if (c := self.cell(row, k)) else None
+                                for k in self.num_drafts}  # fmt: skip
+            if (divergence := self.kl(row)) is not None:
+                table[row.label]["kl"] = dataclasses.asdict(divergence)
+        return {
+            "rows": [row.label for row in self.rows],
+            "num_drafts": self.num_drafts,
+            "table": table,
+            "unavailable": {f"{label}|{k}": why for (label, k), why in self.unavailable.items()},
+            "identical_drafts": self.identical_drafts,
+            "interrupted": self.interrupted,
+            "prompts": [p.to_record() for p in self.prompts],
+        }

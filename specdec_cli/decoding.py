@@ -1,0 +1,65 @@
+"""Drafts and verifiers under a :class:`~specdec_cli.recipe.DecodingConfig`.
+
+A :class:`~specdec_cli.engine.SpeculativeDecoder` holds loaded models and one decoding config;
+the verifier, draft length, number of drafts and sampling settings can change from call to
+call without loading anything again (:meth:`~specdec_cli.engine.SpeculativeDecoder.with_config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UsageError
+from .models import LoadedModel
+from .recipe import DecodingConfig
+from .sampling import SamplingParams
+from .verifiers import BlockVerifier, VerifierRegistry
+
+
+@dataclass(frozen=True, eq=False)
+class Draft:
+    """A loaded draft model and its own sampling settings (None: the decoding config's)."""
+
+    model: LoadedModel
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def sampling(self, config: DecodingConfig) -> SamplingParams:
+        """This draft's sampling law under ``config``."""
+        generation = config.generation
+        return SamplingParams(
+            temperature=generation.temperature if self.temperature is None else self.temperature,
+            top_k=generation.top_k if self.top_k is None else self.top_k,
+            top_p=generation.top_p if self.top_p is None else self.top_p,
+        )
+
+
+def target_sampling(config: DecodingConfig) -> SamplingParams:
+    """The target's sampling law under ``config`` (every draft's too, unless it sets its own)."""
+    return SamplingParams(config.generation.temperature, config.generation.top_k, config.generation.top_p)
+
+
+def create_verifier(
+    config: DecodingConfig, draft_rows: int, identical_laws: bool, registry: VerifierRegistry
+) -> BlockVerifier | None:
+    """The config's verifier (None for the target alone), once it has said it takes these drafts.
+
+    draft_rows: drafts per position (K × draft configs); identical_laws: all are sampled from one
+    law. Refusals are one line that says what would work instead.
+    """
+    if not config.speculative:
+        return None
+    if draft_rows == 0:
+        raise UsageError("no draft to speculate with: add a 'draft:' section to the recipe, or use --autoregressive")
+    verifier = registry.create(config.verifier.name, dict(config.verifier.params))
+    reason = type(verifier).reason_to_refuse(draft_rows, identical_laws)
+    if reason is None:
+        return verifier
+    if draft_rows > (verifier.max_drafts or draft_rows):
+        takes_more = registry.names_where(lambda cls: cls.max_drafts is None or cls.max_drafts >= draft_rows)
+        hint = f"lower --num-drafts (K × draft configs = {draft_rows}), or use {', '.join(takes_more)}"
+    else:
+        different = registry.names_where(lambda cls: not cls.identical_drafts and (cls.max_drafts or 2) > 1)
+        hint = f"use one draft config, or a verifier for different drafts ({', '.join(different)})"
+    raise UsageError(f"{reason}; {hint}")

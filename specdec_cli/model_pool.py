@@ -1,0 +1,55 @@
+"""Every model a process decodes with, each loaded once.
+
+``generate``, ``acceptance``, ``bench`` and the library build decoders through
+:meth:`~specdec_cli.engine.SpeculativeDecoder.from_recipe`, which takes its models from a
+:class:`ModelPool`: a bench grid of twenty configurations, or an acceptance run that scores
+with every draft, loads each model once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from .models import LoadedModel, check_same_tokenizer, derive_early_exit_draft, load_model
+from .recipe import DraftConfig, ModelConfig
+
+
+class ModelPool:
+    """Loaded models, keyed by where they come from and how they run (source, dtype, device, ...).
+
+    Two draft configs that differ only in sampling settings share one model; a draft with the
+    target's own settings is the target's model object.
+    """
+
+    def __init__(self, loader: Callable[[ModelConfig, str], LoadedModel] = load_model):
+        self._loader = loader
+        self._models: dict[Any, LoadedModel] = {}
+
+    def target(self, spec: ModelConfig) -> LoadedModel:
+        return self._get(_model_key(spec), lambda: self._loader(spec, "target"))
+
+    def draft(self, spec: DraftConfig, target: LoadedModel) -> LoadedModel:
+        """A draft model: derived from ``target``'s first layers (early exit), or loaded and checked
+        to share the target's tokenizer."""
+        if spec.early_exit is not None:
+            key = ("early_exit", id(target.model), spec.early_exit)
+            return self._get(key, lambda: derive_early_exit_draft(target, spec.early_exit))
+        loaded = self._get(_model_key(spec), lambda: self._loader(spec, "draft"))
+        check_same_tokenizer(target, loaded)
+        return loaded
+
+    def models(self) -> list[LoadedModel]:
+        """Every model loaded so far, in loading order."""
+        return list(self._models.values())
+
+    def _get(self, key: Any, load: Callable[[], LoadedModel]) -> LoadedModel:
+        if key not in self._models:
+            self._models[key] = load()
+        return self._models[key]
+
+
+def _model_key(spec: ModelConfig) -> ModelConfig:
+    """The part of a model or draft config that decides which weights are loaded, and how."""
+    return ModelConfig(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelConfig)})
