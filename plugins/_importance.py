@@ -1,5 +1,7 @@
 """Importance-weighted sampling (Khisti et al., "Multi-Draft Speculative Sampling", §3-4).
 
+The rule in the project's notation: docs/verifiers.md §5.
+
 Canonical two-step architecture: (a) select one candidate Y from the drafts with weights
 β_y(S), whose law is p_I(y); (b) speculative sampling of Y against q: accept with
 min(1, q(Y)/p_I(Y)), else sample (q - p_I)+ normalised. Lossless for any weights; the

@@ -1,6 +1,8 @@
 """Block verification (Sun, Mendlovic, Leviathan, Aharoni, Ro, Beirami, Suresh, "Block Verification
 Accelerates Speculative Decoding", ICLR 2025, arXiv 2403.10444, Algorithm 2), single draft, lossless.
 
+The rule in the project's notation: docs/verifiers.md §7.
+
 Token-wise speculative sampling accepts each draft token on its own; block verification decides
 the accepted prefix of the whole block jointly. With q_t = target law and p_t = draft law after
 the first t draft tokens, and x_{t+1} ~ p_t the drafted tokens (t = 0..L-1)::

@@ -1,5 +1,7 @@
 """IS-LP: importance-weighted sampling with the exact selection LP (Khisti et al., §3, Theorems 1, 3, 4).
 
+The rule in the project's notation: docs/verifiers.md §5.
+
 For K = 2 drafts the LP over all pair weights reaches the optimal acceptance of *any* lossless
 rule (identical drafts: Theorem 3's P* = 1 + min_S [q(S) - p(S)^2]; different drafts:
 Theorem 4). K > 2 uses successive pairwise selection (Remark 4), lossless but not claimed

@@ -1,5 +1,7 @@
 """IS-truncated: importance-weighted sampling with the truncated LP (Khisti et al., §4).
 
+The rule in the project's notation: docs/verifiers.md §5.
+
 Tokens are ranked by q_i - p_i^2 (different drafts: q_i - p1_i p2_i); only the top ``s`` have
 free LP weights, and every pair that touches another token goes to its higher-ranked member.
 Guarantee (identical drafts, K = 2): P_trunc ≥ P* - Σ_{ranked below s} (q_i - p_i^2)+. Each

@@ -1,5 +1,7 @@
 """SpecInfer's multi-step speculative sampling (Miao et al. 2024, Algorithm 2), lossless.
 
+The rule in the project's notation: docs/verifiers.md §3.
+
 Drafts may follow different laws p_1 … p_K. With ``cur = q``, for k = 1..K::
 
     accept x_k        with probability min(1, cur(x_k) / p_k(x_k))

@@ -1,5 +1,7 @@
 """SpecTr's K-SEQ selection (Sun et al. 2023, Algorithm 2 and Theorem 2), lossless.
 
+The rule in the project's notation: docs/verifiers.md §4.
+
 For K i.i.d. candidates from one draft law p, with β(ρ) = Σ_x min(p(x), q(x)/ρ) and
 p_acc(ρ) = 1 - (1 - β(ρ))^K, ρ ∈ [1, K] solves p_acc(ρ) = ρ β(ρ) (bisection, rounded up so
 that p_acc ≤ ρ β, which keeps the residual non-negative)::

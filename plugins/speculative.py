@@ -1,5 +1,7 @@
 """Standard speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2).
 
+The rule in the project's notation: docs/verifiers.md §1.
+
 With q = target law and p = draft law at one position and one candidate x ~ p::
 
     accept x         with probability min(1, q(x) / p(x))

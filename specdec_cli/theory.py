@@ -1,5 +1,7 @@
 """Theoretical limits of token-level selection: the best acceptance any lossless rule can reach.
 
+The rule in the project's notation: docs/verifiers.md §6.
+
 With K drafts X_1..X_K drawn independently (X_k ~ p_k) and the output required to follow q, the
 largest P(output ∈ {X_1..X_K}) is an optimal-transport problem. Its dual is a minimum over token
 sets (Hu et al., "Towards Optimal Multi-draft Speculative Decoding", ICLR 2025; Khisti et al.,

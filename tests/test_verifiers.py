@@ -1,4 +1,4 @@
-"""Every built-in verifier, checked by exact enumeration on tiny vocabularies (docs §1-6)."""
+"""Every built-in verifier, checked by exact enumeration on tiny vocabularies (docs/verifiers.md §1-7)."""
 
 from __future__ import annotations
 
