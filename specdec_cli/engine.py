@@ -182,6 +182,11 @@ class SpeculativeDecoder:
                 results.append(GenerationResult(prompt, prompt_index, sample_index, tokens, text, stats, mask))
         return results
 
+    def warm_up(self, prompt_ids: list[int], max_new_tokens: int = 8) -> None:
+        """One short untimed generation, so the first timed sample does not pay one-time costs
+        (lazy initialisation, the allocator's first blocks, kernel selection)."""
+        self.with_config(max_new_tokens=max_new_tokens).generate_ids(prompt_ids, seed=-1)
+
     @torch.inference_mode()
     def generate_ids(
         self, prompt_ids: list[int], seed: int, on_block: Callable[[list[int], list[bool]], None] | None = None

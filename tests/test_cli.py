@@ -228,3 +228,43 @@ def test_seq2seq_through_the_cli(run, tiny_models, write_recipe):
     path = str(write_recipe(tiny_recipe(tiny_models, "t5")))
     code, out, _ = run(["generate", "-r", path, "--json", "--temperature", "0", "a b c"])
     assert code == 0 and json.loads(out)["samples"][0]["token_ids"]
+
+
+def test_generate_compares_verifiers_on_the_same_prompts_and_seeds(run, recipe_path):
+    """A comma list runs each verifier on the same prompts and seeds: each one's samples equal a run of it alone."""
+    code, out, err = run(["generate", "-r", recipe_path, "--verifier", "speculative,mentored,none", "--kl", "0.3",
+                          "--max-new-tokens", "6", "--num-samples", "2", "--json", "c d e"])  # fmt: skip
+    assert code == 0, err
+    payload = json.loads(out)
+    rows = {row["label"]: row for row in payload["configurations"]}
+    assert list(rows) == ["speculative", "mentored D=0.3", "none"]
+    assert rows["none"]["speedup"] == 1.0 and rows["none"]["acceptance_rate"] is None
+    assert rows["speculative"]["speedup"] > 0 and 0 <= rows["speculative"]["acceptance_rate"] <= 1
+    assert "cpu" in payload["environment"]["device"]
+    for label, single in (("speculative", ["--verifier", "speculative"]), ("mentored D=0.3", ["--verifier", "mentored",
+                          "--kl", "0.3"]), ("none", ["--autoregressive"])):  # fmt: skip
+        code, alone, _ = run(["generate", "-r", recipe_path, *single, "--max-new-tokens", "6", "--num-samples", "2",
+                              "--json", "c d e"])  # fmt: skip
+        expected = [(s["token_ids"], s["accepted_mask"]) for s in json.loads(alone)["samples"]]
+        assert [(s["token_ids"], s["accepted_mask"]) for s in rows[label]["samples"]] == expected, label
+    code, out, _ = run(["generate", "-r", recipe_path, "--verifier", "speculative,block", "--max-new-tokens", "4", "a"])
+    assert code == 0 and "verifiers compared" in out and "add none to --verifier for speedups" in out
+
+
+@pytest.mark.parametrize("verifiers, pattern", [
+    ("speculative,Speculative", "--verifier lists a verifier twice"),
+    ("speculative,nosuch", "unknown verifier 'nosuch'"),
+    ("speculative,block", "--kl sets a KL bound, which verifier 'speculative' does not have"),
+])  # fmt: skip
+def test_generate_comparison_inputs_are_checked_before_loading(run, recipe_path, verifiers, pattern):
+    code, _, err = run(["generate", "-r", recipe_path, "--verifier", verifiers, "--kl", "0.1", "a"])
+    assert code == 2
+    _one_error_line(err, pattern)
+
+
+def test_stats_table_names_the_configuration_and_skips_draft_rows_for_the_target_alone(run, recipe_path):
+    code, _, err = run(["generate", "-r", recipe_path, "--max-new-tokens", "4", "--draft-length", "2", "a b"])
+    assert code == 0 and "speculative · L=2 · K=1" in err and "acceptance rate" in err
+    assert "accepted draft tokens in" not in err  # not a terminal: no colour, so no colour caption
+    code, _, err = run(["generate", "-r", recipe_path, "--max-new-tokens", "4", "--autoregressive", "a b"])
+    assert code == 0 and "target alone" in err and "acceptance rate" not in err and "block efficiency" not in err

@@ -179,7 +179,7 @@ class BenchRunner:
                 continue
             decoder = self.decoder(cell)
             prompt_ids = {example.id: decoder.encode_prompt(self.prompt(example)) for _, _, example in todo}
-            decoder.generate_ids(prompt_ids[todo[0][2].id], seed=-1)  # warm-up, not recorded
+            decoder.warm_up(prompt_ids[todo[0][2].id])
             for seed, index, example in todo:
                 tokens, mask, stats = decoder.generate_ids(prompt_ids[example.id], sample_seed(seed, index, 0))
                 self.store.append(BenchSample(

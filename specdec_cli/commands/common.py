@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from ..errors import SpecdecError, UsageError
 from ..inputs import read_stdin, read_text, text_value
@@ -25,7 +35,8 @@ SetOption = Annotated[
     typer.Option("--set", help="Override any recipe key: --set generation.top_k=50 (value read as YAML). Repeatable."),
 ]
 VerifierOption = Annotated[
-    Optional[str], typer.Option(help="Verifier plugin name (case-insensitive), or 'none' for the target alone.")
+    Optional[str],
+    typer.Option(help="Verifier name, or a comma list to compare on the same prompts: speculative,block,none (none: the target alone)."),
 ]
 KlOption = Annotated[
     Optional[float], typer.Option("--kl", help="KL bound D in nats, for a verifier that has one (see `specdec verifiers`).")
@@ -162,6 +173,20 @@ def parse_list(text: str | None, kind: type, option: str) -> list:
         return [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise UsageError(f"{option} expects a comma list of {kind.__name__} values, got '{text}'") from None
+
+
+@contextmanager
+def token_progress(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr counted in tokens (so its ETA moves within a long sample); yields
+    ``advance(tokens)``. Disabled, it yields a function that does nothing."""
+    if not enabled:
+        yield lambda _tokens: None
+        return
+    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("generating", total=total)
+        yield lambda tokens: progress.advance(task, tokens)
 
 
 def write_plot(draw: Callable[[], None], path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -13,8 +14,13 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import __version__
+from ..comparison import ConfigurationResult, compare
 from ..engine import SpeculativeDecoder, require_text
+from ..errors import UsageError
+from ..provenance import provenance
+from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig
 from ..stats import GenerationResult
+from ..verifiers import VerifierRegistry, parameter_defaults
 from . import common
 
 ACCEPTED_STYLE = "green"
@@ -50,33 +56,125 @@ def generate(
         bool, typer.Option("--json", help="Print one JSON object (resolved recipe, samples with text, token_ids, stats).")
     ] = False,
 ) -> None:
-    """Generate text with speculative decoding; accepted draft tokens are shown in green on a terminal."""
+    """Generate text with speculative decoding; accepted draft tokens are shown in green on a terminal.
+
+    A comma list of verifiers (--verifier speculative,block,none) compares them on the same prompts
+    and seeds, with the models loaded once, and prints one table (none = the target alone).
+    """
+    names = common.parse_list(verifier, str, "--verifier")
+    if autoregressive:
+        names = [AUTOREGRESSIVE]
+    comparing = len(names) > 1
     options = common.RecipeOptions(
-        recipe=recipe, sets=sets or [], verifier=verifier, kl=kl, num_drafts=num_drafts, draft_length=draft_length,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device,
-        dtype=dtype, chat=chat,
+        recipe=recipe, sets=sets or [], verifier=None if comparing else (names or [None])[0],
+        kl=None if comparing else kl, num_drafts=num_drafts, draft_length=draft_length, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat,
     )  # fmt: skip
     resolved = options.resolve()
     prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
     for text in prompts:  # checked before the models load, which can take a while
         require_text(text)
+    if comparing:
+        _compare(resolved, names, kl, prompts, num_samples, as_json)
+    else:
+        _generate(resolved, prompts, num_samples, as_json)
+
+
+def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: bool) -> None:
+    """One configuration: the text streams as blocks are committed, then a table of its statistics."""
     err = Console(stderr=True)
     with err.status("Loading models (the first run converts the GGUF weights once)…"):
-        decoder = SpeculativeDecoder.from_recipe(resolved, autoregressive=autoregressive)
+        decoder = SpeculativeDecoder.from_recipe(recipe)
+    decoder.warm_up(decoder.encode_prompt(prompts[0]))
+    out = Console(highlight=False)
+    stream = None if as_json else _Stream(decoder.target.tokenizer, out, several=len(prompts) * num_samples > 1)
+    total = len(prompts) * num_samples * recipe.generation.max_new_tokens
+    # A terminal that shows the text needs no bar; a pipe or --json would otherwise be silent.
+    with common.token_progress(total, enabled=as_json or not out.is_terminal) as advance:
+        def on_block(prompt_index: int, sample_index: int, new_tokens: list[int], accepted: list[bool]) -> None:
+            advance(len(new_tokens))
+            if stream is not None:
+                stream.on_block(prompt_index, sample_index, new_tokens, accepted)
+
+        results = decoder.generate(prompts, num_samples, on_block=on_block)
     if as_json:
-        results = decoder.generate(prompts, num_samples)
-        payload = {
-            "specdec_version": __version__,
-            "recipe": resolved.to_dict(),
-            "autoregressive": decoder.verifier is None,
-            "samples": [r.to_dict() for r in results],
-        }
+        payload = {"specdec_version": __version__, "recipe": recipe.to_dict(), "autoregressive": decoder.verifier is None,
+                   "samples": [r.to_dict() for r in results]}  # fmt: skip
         sys.stdout.write(json.dumps(payload, indent=2) + "\n")
         return
-    stream = _Stream(decoder.target.tokenizer, Console(highlight=False), several=len(prompts) * num_samples > 1)
-    results = decoder.generate(prompts, num_samples, on_block=stream.on_block)
     stream.finish()
-    err.print(_stats_table(results))
+    err.print(_stats_table(decoder, results, colour_caption=out.is_terminal))
+
+
+def _compare(recipe: Recipe, names: list[str], kl: float | None, prompts: list[str], num_samples: int,
+             as_json: bool) -> None:  # fmt: skip
+    """Every verifier of ``names`` on the same prompts and seeds, models loaded once; one table."""
+    registry = VerifierRegistry()
+    recipes = _comparison_recipes(recipe, names, kl, registry)
+    err = Console(stderr=True)
+    first = next((r for r in recipes.values() if r.verifier.name != AUTOREGRESSIVE), next(iter(recipes.values())))
+    with err.status("Loading models (the first run converts the GGUF weights once)…"):
+        base = SpeculativeDecoder.from_recipe(first, registry=registry)
+    decoders = {label: base.with_config(verifier=r.verifier.name, verifier_params=r.verifier.params)
+                for label, r in recipes.items()}  # fmt: skip
+    total = len(decoders) * len(prompts) * num_samples * recipe.generation.max_new_tokens
+    with common.token_progress(total, enabled=True) as advance:
+        rows = compare(decoders, prompts, num_samples, on_tokens=advance)
+    if as_json:
+        payload = {"specdec_version": __version__, "recipe": recipe.to_dict(), "environment": provenance(base.device),
+                   "configurations": [row.summary() | {"samples": [r.to_dict() for r in row.results]}
+                                      for row in rows]}  # fmt: skip
+        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+        return
+    out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+    for row in rows:
+        for result in row.results:
+            out.rule(f"prompt {result.prompt_index + 1}.{result.sample_index + 1} · {row.label}", style="dim")
+            out.print(result.text, markup=False)
+    out.print(_comparison_table(rows, len(prompts) * num_samples))
+
+
+def _comparison_recipes(recipe: Recipe, names: list[str], kl: float | None,
+                        registry: VerifierRegistry) -> dict[str, Recipe]:  # fmt: skip
+    """The recipe for each listed verifier (its parameters from the recipe, --kl where it has a KL bound),
+    each checked against the recipe's drafts before any model loads."""
+    labels = [AUTOREGRESSIVE if n.strip().lower() == AUTOREGRESSIVE else registry.canonical(n) for n in names]
+    if len(set(labels)) < len(labels):
+        raise UsageError(f"--verifier lists a verifier twice ({', '.join(names)}); give each once")
+    bounded = [label for label in labels if label != AUTOREGRESSIVE and registry.verifier_class(label).kl_bound_parameter]
+    if kl is not None and not bounded:
+        registry.with_kl_bound(labels[0], {}, kl)  # the one-line error naming verifiers that have a bound
+    recipes = {}
+    for name in labels:
+        params = {} if name == AUTOREGRESSIVE else registry.params_for(name, recipe.verifier.params)
+        label = name
+        if name in bounded:
+            parameter = registry.verifier_class(name).kl_bound_parameter
+            params = registry.with_kl_bound(name, params, kl) if kl is not None else params
+            bound = params.get(parameter, parameter_defaults(registry.verifier_class(name))[parameter])
+            label = f"{name} D={bound:g}"
+        recipes[label] = dataclasses.replace(recipe, verifier=VerifierConfig(name=name, params=params))
+        SpeculativeDecoder.check_recipe(recipes[label], registry)
+    return recipes
+
+
+def _comparison_table(rows: list[ConfigurationResult], samples: int) -> Table:
+    has_baseline = any(row.speedup is not None for row in rows)
+    caption = (f"{samples} sample(s) per configuration, same prompts and seeds, run in turn; one untimed warm-up "
+               "each; tokens/s excludes loading")  # fmt: skip
+    caption += "; speedup: token rate over the target alone" if has_baseline else "; add none to --verifier for speedups"
+    table = Table(title="verifiers compared", caption=caption)
+    table.add_column("verifier")
+    for name in ("tokens/s", "speedup", "block efficiency", "acceptance", "tokens", "seconds"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in rows:
+        label = "none (target alone)" if not row.speculative else row.label
+        acceptance = "—" if row.acceptance_rate is None else f"{row.acceptance_rate:.1%}"
+        speedup = "—" if row.speedup is None else f"{row.speedup:.2f}×"
+        summary = row.summary()
+        table.add_row(label, f"{row.tokens_per_second:.1f}", speedup, f"{row.block_efficiency:.2f}", acceptance,
+                      str(summary["new_tokens"]), f"{summary['wall_time_s']:.2f}")  # fmt: skip
+    return table
 
 
 class _Stream:
@@ -119,10 +217,16 @@ class _Stream:
                 sys.stdout.flush()
 
 
-def _stats_table(results: list[GenerationResult]) -> Table:
-    """One row per metric, one column per sample (at most 6, then only the mean)."""
+def _stats_table(decoder: SpeculativeDecoder, results: list[GenerationResult], colour_caption: bool) -> Table:
+    """One row per metric, one column per sample (at most 6, then only the mean); titled with the configuration."""
     shown = results if len(results) <= 6 else []
-    table = Table(title="speculative decoding", title_style="bold", caption=f"accepted draft tokens in {ACCEPTED_STYLE}")
+    speculative = decoder.verifier is not None
+    if speculative:
+        title = f"{decoder.verifier.name} · L={decoder.draft_length} · K={decoder.config.speculation.num_drafts}"
+    else:
+        title = "target alone"
+    caption = f"accepted draft tokens in {ACCEPTED_STYLE}" if speculative and colour_caption else None
+    table = Table(title=title, title_style="bold", caption=caption)
     table.add_column("metric")
     for r in shown:
         table.add_column(f"prompt {r.prompt_index + 1}.{r.sample_index + 1}" if len(results) > 1 else "value", justify="right")
@@ -133,8 +237,11 @@ def _stats_table(results: list[GenerationResult]) -> Table:
         ("block efficiency", lambda s: s.block_efficiency, "{:.2f}"),
         ("acceptance rate", lambda s: s.acceptance_rate, "{:.1%}"),
         ("tokens/s", lambda s: s.tokens_per_second, "{:.1f}"),
+        ("seconds (no loading)", lambda s: s.wall_time_s, "{:.2f}"),
         ("target forwards saved", lambda s: s.target_forwards_saved, "{:.0f}"),
     ]
+    if not speculative:
+        metrics = [m for m in metrics if m[0] in ("generated tokens", "tokens/s", "seconds (no loading)")]
     for label, value, fmt in metrics:
         values = [value(r.stats) for r in results]
         cells = [fmt.format(v) for v in values[: len(shown)]]
