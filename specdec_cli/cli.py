@@ -18,6 +18,16 @@ from .commands.generate import generate
 from .commands.verifiers import verifiers
 from .errors import SpecdecError
 
+def _declared_metavar(self: typer.core.TyperOption, ctx: object) -> str | None:
+    """Help shows the placeholder each option declares (N, FILE, NATS, …), never typer's own type
+    labels (``<bool>``, ``<list[str]>``), which say how Python parses a value, not what to give."""
+    return self.metavar or None
+
+
+# Every option of the CLI declares its metavar; an argument's name already is its placeholder.
+typer.core.TyperOption.display_type_rich = _declared_metavar  # type: ignore[method-assign]
+typer.core.TyperArgument.display_type_rich = lambda self, ctx: None  # type: ignore[method-assign]
+
 app = typer.Typer(
     name="specdec",
     help="Speculative decoding: generate with exact, pluggable verifiers; measure acceptance and speed.",
@@ -40,9 +50,9 @@ def _show_version(value: bool) -> None:
 @app.callback()
 def _global_options(
     version: Annotated[
-        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit.")
+        bool, typer.Option("--version", metavar="", callback=_show_version, is_eager=True, help="Print the version and exit.")
     ] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks for errors.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show full tracebacks for errors.")] = False,
 ) -> None:
     """Speculative decoding: generate with exact, pluggable verifiers; measure acceptance and speed."""
 

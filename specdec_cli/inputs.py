@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import os
 import tempfile
 from pathlib import Path
@@ -64,3 +66,11 @@ def check_plot_path(path: Path | None) -> None:
     folder = path.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise UsageError(f"--plot '{path}': its folder '{folder}' does not exist or is not writable")
+
+
+def subset(items: list, limit: int | None, shuffle: bool, seed: int) -> list:
+    """``items`` shuffled with ``seed`` if asked, then cut to the first ``limit`` (shuffling comes first)."""
+    items = list(items)
+    if shuffle:
+        random.Random(seed).shuffle(items)
+    return items[:limit] if limit else items

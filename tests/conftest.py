@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from transformers.utils import logging as hf_logging
 
 from specdec_cli.testing import save_tiny_model
 
 # Never wait on the network: a hub id that is not cached must fail at once.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# transformers' own bars (saving and loading tiny models) would land in the stderr tests inspect.
+hf_logging.disable_progress_bar()
 
 
 @pytest.fixture(scope="session")

@@ -171,3 +171,34 @@ def test_cli_bad_lists(run, tiny_models, write_recipe):  # noqa: F811
     assert code == 2 and "--num-drafts expects a comma list of int values" in err
     code, _, err = run(["acceptance", "-r", recipe, "--prompt", "a", "--verifier", "nosuch"])
     assert code == 2 and "unknown verifier 'nosuch'" in err
+
+
+def test_cli_limit_shuffle_and_prompt_arguments(run, tiny_models, write_recipe, tmp_path):  # noqa: F811
+    from specdec_cli.inputs import subset
+
+    recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 3})))
+    prompts = ["a", "b c", "d e a", "c c", "e"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    code, out, err = run(["acceptance", "-r", recipe, "--prompt-file", str(tmp_path / "p.txt"), "--limit", "2",
+                          "--shuffle", "--shuffle-seed", "3", "--verifier", "speculative", "--num-drafts", "1",
+                          "--json"])  # fmt: skip
+    assert code == 0, err
+    assert [p["prompt"] for p in json.loads(out)["prompts"]] == subset(prompts, 2, True, 3) != prompts[:2]
+    code, out, _ = run(["acceptance", "-r", recipe, "a b", "c", "--verifier", "speculative", "--num-drafts", "1",
+                        "--json"])  # fmt: skip
+    assert code == 0 and [p["prompt"] for p in json.loads(out)["prompts"]] == ["a b", "c"]
+
+
+def test_cli_leaves_out_verifiers_that_cannot_apply_and_derives_the_kl_grid(run, tiny_models, write_recipe):  # noqa: F811
+    recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 6})))
+    code, out, err = run(["acceptance", "-r", recipe, "a b c", "--num-drafts", "1,2", "--json"])
+    assert code == 0, err
+    payload = json.loads(out)
+    assert "block" not in payload["rows"] and "speculative" in payload["rows"] and "spectr" in payload["rows"]
+    assert "left out: block (decides whole blocks" in err
+    bounds = payload["request"]["kl"]
+    assert len(bounds) == 3 and bounds[0] < bounds[1] < bounds[2]
+    assert [f"mentored D={b:g}" for b in bounds] == [row for row in payload["rows"] if row.startswith("mentored")]
+    assert "0.1, 0.3 and 1 × the pair's mean KL(q‖p)" in err
+    code, _, err = run(["acceptance", "-r", recipe, "a", "--verifier", "block", "--num-drafts", "1"])
+    assert code == 2 and "no verifier has a per-token acceptance for these drafts: block" in err

@@ -87,7 +87,7 @@ BENCH = [
 PARSER = [  # the option parser's own errors: one line too, naming the command's help
     ("generate --num-samples x ab", "Invalid value for '--num-samples'"),
     ("generate --nosuch ab", "No such option: --nosuch"),
-    ("bench --limit 0", "Invalid value for '--limit'"),
+    ("bench --limit 0", "--limit must be at least 1, got 0"),
     ("acceptance --prompt", "requires an argument"),
     ("verifiers --nosuch", "No such option: --nosuch (see `specdec verifiers --help`)"),
     ("nosuchcommand", "No such command 'nosuchcommand'"),

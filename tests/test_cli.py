@@ -268,3 +268,13 @@ def test_stats_table_names_the_configuration_and_skips_draft_rows_for_the_target
     assert "accepted draft tokens in" not in err  # not a terminal: no colour, so no colour caption
     code, _, err = run(["generate", "-r", recipe_path, "--max-new-tokens", "4", "--autoregressive", "a b"])
     assert code == 0 and "target alone" in err and "acceptance rate" not in err and "block efficiency" not in err
+
+
+@pytest.mark.parametrize("command", ["generate", "acceptance", "bench", "verifiers"])
+def test_help_shows_placeholders_and_defaults_not_python_types(run, command):
+    code, out, _ = run([command, "--help"])
+    assert code == 0
+    for noise in ("<bool>", "<str>", "<int", "<float", "<list", "<path>"):
+        assert noise not in out, noise
+    if command != "verifiers":
+        assert "default recipe" in out

@@ -13,6 +13,7 @@ vocabulary for K identical drafts, and for K = 2 different drafts when they shar
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,6 +29,11 @@ from ..theory import MAX_TWO_DRAFT_SUPPORT, optimal_acceptance, optimal_acceptan
 from ..verifiers import BlockVerifier, VerifierRegistry
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, PromptAcceptance
 
+KL_FRACTIONS = (0.1, 0.3, 1.0)
+"""Default KL bounds, as fractions of the pair's measured mean KL(q ‖ p)."""
+FALLBACK_KL_VALUES = (0.05, 0.2, 0.5)
+"""Bounds when that mean is zero or not finite (identical models; a draft that rules out target tokens)."""
+
 
 class AcceptanceAnalysis:
     """Generates with the target alone and evaluates every verifier on the positions it visits."""
@@ -38,28 +44,31 @@ class AcceptanceAnalysis:
             raise UsageError("the recipe has no draft: acceptance compares a target with its draft(s)")
         if any(k < 1 for k in request.num_drafts):
             raise UsageError("--num-drafts values must be >= 1")
-        if any(d < 0 for d in request.kl_values):
+        if any(d < 0 for d in request.kl_values or ()):
             raise UsageError("--kl values must be >= 0")
         self.recipe = recipe
         self.request = request
         self.registry = registry or VerifierRegistry()
-        self.verifiers = self._verifiers()  # every parameter checked before the models load
+        self.verifiers = self._verifiers(request.kl_values or ())  # every parameter checked before the models load
+        self.kl_reference: float | None = None
+        """The pair's mean KL(q ‖ p) on the first prompt, when the KL bounds were derived from it."""
         pool = pool if pool is not None else ModelPool()
         self.decoder = SpeculativeDecoder.from_recipe(recipe, autoregressive=True, pool=pool, registry=self.registry)
         target = self.decoder.target
         self.drafts = [Draft(pool.draft(spec, target), spec.temperature, spec.top_k, spec.top_p) for spec in recipe.drafts]
 
-    def _verifiers(self) -> dict[AcceptanceRow, BlockVerifier]:
-        """One verifier per row; a verifier with a KL bound gets a row per bound of the request."""
+    def _verifiers(self, bounds: Sequence[float]) -> dict[AcceptanceRow, BlockVerifier]:
+        """One verifier per row; a verifier with a KL bound gets a row per bound (one with its own
+        parameters while there are none yet)."""
         params = self.recipe.verifier.params  # each verifier gets those it takes (is-lp's max_support, ...)
         verifiers = {}
         for name in self.request.verifiers:
             name = self.registry.canonical(name)
             own = self.registry.params_for(name, params)
-            if self.registry.verifier_class(name).kl_bound_parameter is None or not self.request.kl_values:
+            if self.registry.verifier_class(name).kl_bound_parameter is None or not bounds:
                 verifiers[AcceptanceRow(name)] = self.registry.create(name, own)
                 continue
-            for bound in self.request.kl_values:
+            for bound in bounds:
                 row = AcceptanceRow(name, kl_bound=bound)
                 verifiers[row] = self.registry.create(name, self.registry.with_kl_bound(name, own, bound))
         return verifiers
@@ -75,6 +84,8 @@ class AcceptanceAnalysis:
     ) -> AcceptanceReport:
         """Evaluate every prompt not in ``done`` (a resumed run's); Ctrl-C stops early and keeps what
         was computed (``interrupted``). A prompt's result depends only on the recipe and its index."""
+        if self.request.kl_values is None and self._has_kl_bound():
+            self.derive_kl_values(prompts[0])
         report = AcceptanceReport(rows=self.rows(), num_drafts=sorted(set(self.request.num_drafts)),
                                   identical_drafts=len(self.drafts) == 1)  # fmt: skip
         finished = {result.prompt_index: result for result in done}
@@ -88,6 +99,30 @@ class AcceptanceAnalysis:
         except KeyboardInterrupt:
             report.interrupted = True
         return report
+
+    def _has_kl_bound(self) -> bool:
+        return any(self.registry.verifier_class(name).kl_bound_parameter for name in self.request.verifiers)
+
+    def derive_kl_values(self, prompt: str) -> tuple[float, ...]:
+        """KL bounds at ``KL_FRACTIONS`` of the pair's mean KL(q ‖ p) over the first prompt's positions.
+
+        A bound at or above a position's KL(q ‖ p) accepts every draft there, so a fixed grid is
+        flat on a close pair and coarse on a distant one. The first prompt's continuation is the
+        one its evaluation generates (same seed), so a resumed run derives the same bounds.
+        """
+        ids = self.decoder.encode_prompt(prompt)
+        tokens, _, _ = self.decoder.generate_ids(ids, sample_seed(self.recipe.seed, 0, 0))
+        target, drafts = self.laws(ids, tokens)  # [T, V], [T, C, V]
+        divergence = (torch.xlogy(target, target) - torch.xlogy(target, drafts[:, 0])).sum(-1)  # [T]
+        finite = divergence[torch.isfinite(divergence)]  # [T'] (a draft that rules out a target token gives inf)
+        self.kl_reference = float(finite.mean()) if finite.numel() else None
+        if not self.kl_reference or self.kl_reference <= 0:
+            values = FALLBACK_KL_VALUES
+        else:
+            values = tuple(float(f"{fraction * self.kl_reference:.2g}") for fraction in KL_FRACTIONS)
+        self.request = dataclasses.replace(self.request, kl_values=values)
+        self.verifiers = self._verifiers(values)
+        return values
 
     @torch.inference_mode()
     def laws(self, prompt_ids: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ def payload(recipe: Recipe, request: AcceptanceRequest, report: AcceptanceReport
         "seed": recipe.seed,
         "recipe": recipe.to_dict(),
         "request": {"verifiers": list(request.verifiers), "num_drafts": list(request.num_drafts),
-                    "kl": list(request.kl_values)},  # fmt: skip
+                    "kl": list(request.kl_values or ())},  # fmt: skip
         **report.to_dict(),
     }
 

@@ -21,7 +21,8 @@ class AcceptanceRequest:
     verifiers: tuple[str, ...]
     """Verifier names; one with a KL bound expands to one row per value of ``kl_values``."""
     num_drafts: tuple[int, ...] = (1, 2, 4)
-    kl_values: tuple[float, ...] = (0.05, 0.2, 0.5)
+    kl_values: tuple[float, ...] | None = None
+    """None: derived from the pair's measured KL(q ‖ p) (see ``AcceptanceAnalysis.derive_kl_values``)."""
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecdecError, UsageError
-from ..inputs import read_text, text_value
+from ..inputs import read_text, subset, text_value
 
 LANGUAGES = {"en": "English", "fr": "French", "de": "German", "cs": "Czech", "ru": "Russian", "hi": "Hindi"}
 
@@ -112,10 +111,10 @@ def load_examples(spec: DataSource) -> list[Example]:
         examples = _jsonl(spec.dataset, task, spec)
     else:
         examples = _online(task, spec)
+    if not examples:
+        raise UsageError("the data has no examples")
     _check_unique_ids(examples)
-    if spec.shuffle:
-        random.Random(spec.seed).shuffle(examples)
-    return examples[: spec.limit] if spec.limit else examples
+    return subset(examples, spec.limit, spec.shuffle, spec.seed)
 
 
 def _check_unique_ids(examples: list[Example]) -> None:

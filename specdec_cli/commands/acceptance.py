@@ -15,7 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..acceptance import AcceptanceAnalysis, AcceptanceReport, AcceptanceRequest, PromptAcceptance, report
 from ..acceptance.results import PROMPT_RECORDS
-from ..inputs import check_plot_path
+from ..errors import UsageError
+from ..inputs import check_plot_path, subset
 from ..recipe import Recipe
 from ..results_store import ResultsStore
 from ..verifiers import VerifierRegistry
@@ -23,20 +24,24 @@ from . import common
 
 
 def acceptance(
-    prompts: Annotated[Optional[list[str]], typer.Option("--prompt", help="A prompt; repeatable.")] = None,
-    prompt_file: Annotated[
-        Optional[Path], typer.Option(help="Text file (one prompt per line) or .jsonl (Spec-Bench's format too).")
-    ] = None,
+    prompt_args: Annotated[Optional[list[str]], typer.Argument(
+        metavar="PROMPT", help="Prompts to continue (any number); or --prompt-file, or piped stdin.", show_default=False)] = None,
+    prompts: Annotated[Optional[list[str]], typer.Option("--prompt", hidden=True)] = None,
+    prompt_file: common.PromptFileOption = None,
     field: common.FieldOption = None,
+    limit: Annotated[Optional[int], typer.Option(metavar="N", help="Use only the first N prompts (after --shuffle).")] = None,
+    shuffle: Annotated[bool, typer.Option("--shuffle", metavar="", help="Shuffle the prompts (--shuffle-seed) before --limit.")] = False,
+    shuffle_seed: Annotated[int, typer.Option(metavar="N", help="Seed of --shuffle (the data order, not sampling).")] = 0,
     recipe: common.RecipeOption = None,
-    verifiers: Annotated[
-        Optional[str], typer.Option("--verifier", help="Comma list of verifiers; default: all installed.")
-    ] = None,
-    num_drafts: Annotated[str, typer.Option("--num-drafts", help="Comma list of K values (columns).")] = "1,2,4",
-    kl: Annotated[str, typer.Option("--kl", help="Comma list of KL bounds D in nats: a row each for every verifier with a KL bound.")] = "0.05,0.2,0.5",
-    draft_temperatures: Annotated[
-        Optional[str], typer.Option(help="Comma list: drafts that differ only in temperature (copies of the first draft).")
-    ] = None,
+    verifiers: Annotated[Optional[str], typer.Option("--verifier", metavar="NAME[,NAME…]", help=(
+        "Comma list of verifiers (rows). [dim]\\[default: every installed verifier that has a per-token acceptance "
+        "for these drafts][/dim]"))] = None,
+    num_drafts: Annotated[str, typer.Option("--num-drafts", metavar="K[,K…]", help="Comma list of draft counts (columns).")] = "1,2,4",
+    kl: Annotated[Optional[str], typer.Option("--kl", metavar="NATS[,NATS…]", help=(
+        "Comma list of KL bounds D in nats: a row each for every verifier with a KL bound. [dim]\\[default: "
+        "fractions of the pair's measured KL(q‖p) on the first prompt][/dim]"))] = None,
+    draft_temperatures: Annotated[Optional[str], typer.Option(metavar="T[,T…]", help=(
+        "Drafts that differ only in temperature: copies of the recipe's first draft at these temperatures."))] = None,
     max_new_tokens: common.MaxNewTokensOption = None,
     temperature: common.TemperatureOption = None,
     top_k: common.TopKOption = None,
@@ -45,10 +50,11 @@ def acceptance(
     device: common.DeviceOption = None,
     dtype: common.DtypeOption = None,
     sets: common.SetOption = None,
-    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON instead of a table.")] = False,
-    output: Annotated[Optional[Path], typer.Option(help="Write acceptance.json and acceptance.csv to this folder.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Draw acceptance vs K, and acceptance vs KL for verifiers with a KL bound, to a PNG.")] = None,
+    chat: common.ChatOption = None,
+    as_json: common.JsonOption = False,
+    output: common.OutputOption = None,
+    plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help=(
+        "Draw acceptance against K, and acceptance against KL for verifiers with a KL bound, to this PNG."))] = None,
 ) -> None:
     """Acceptance probability of each verifier per number of drafts, on positions the target generates."""
     temperatures = common.parse_list(draft_temperatures, float, "--draft-temperatures")
@@ -57,21 +63,33 @@ def acceptance(
         top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat, draft_temperatures=temperatures or None,
     )  # fmt: skip
     resolved = options.resolve()
-    names = common.parse_list(verifiers, str, "--verifier") or VerifierRegistry().names()
-    request = AcceptanceRequest(
-        verifiers=tuple(names), num_drafts=tuple(common.parse_list(num_drafts, int, "--num-drafts")),
-        kl_values=tuple(common.parse_list(kl, float, "--kl")),
-    )  # fmt: skip
-    texts = _prompts(prompts, prompt_file, field)
+    common.check_at_least_one(limit, "--limit")
+    counts = tuple(common.parse_list(num_drafts, int, "--num-drafts"))
+    bounds = common.parse_list(kl, float, "--kl")
+    names, left_out = _applicable(common.parse_list(verifiers, str, "--verifier"), counts, len(set(resolved.drafts)) <= 1)
+    request = AcceptanceRequest(verifiers=tuple(names), num_drafts=counts, kl_values=tuple(bounds) if bounds else None)
+    texts = subset(_prompts([*(prompt_args or []), *(prompts or [])], prompt_file, field), limit, shuffle, shuffle_seed)
     check_plot_path(plot)
-    store = _open_store(output, resolved, request, texts)
+    _run(resolved, request, texts, left_out, output, as_json, plot)
+
+
+def _run(recipe: Recipe, request: AcceptanceRequest, texts: list[str], left_out: list[str], output: Path | None,
+         as_json: bool, plot: Path | None) -> None:  # fmt: skip
+    """Evaluate what the results folder does not hold yet, then write and show the report (also when stopped)."""
+    store = _open_store(output, recipe, request, texts)
     err = Console(stderr=True)
     with err.status("Loading models…"):
-        analysis = AcceptanceAnalysis(resolved, request)
+        analysis = AcceptanceAnalysis(recipe, request)
     results = _evaluate(analysis, texts, store, err)
+    if left_out:
+        err.print("left out: " + "; ".join(left_out), highlight=False, soft_wrap=True)
+    if analysis.kl_reference is not None:
+        bounds_text = ", ".join(f"{b:g}" for b in analysis.request.kl_values)
+        err.print(f"KL bounds {bounds_text}: 0.1, 0.3 and 1 × the pair's mean KL(q‖p) = {analysis.kl_reference:.3g} nats "
+                  "on the first prompt (--kl sets others)", highlight=False, soft_wrap=True)  # fmt: skip
     if results.interrupted:
         err.print(f"interrupted: results over {len(results.prompts)} of {len(texts)} prompts")
-    content = report.payload(resolved, request, results, analysis.decoder.device)
+    content = report.payload(recipe, analysis.request, results, analysis.decoder.device)
     if output is not None:
         report.write(output, content, results)
     _show(content, results, as_json, plot)
@@ -114,6 +132,25 @@ def _open_store(output: Path | None, recipe: Recipe, request: AcceptanceRequest,
     config = {"recipe": recipe.to_dict(), "request": dataclasses.asdict(request),
               "prompts": hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16]}  # fmt: skip
     return ResultsStore(output, config, kind=PROMPT_RECORDS)
+
+
+def _applicable(names: list[str], num_drafts: tuple[int, ...], identical: bool) -> tuple[list[str], list[str]]:
+    """The verifiers (default: every installed one) that have a per-token acceptance for some K of
+    ``num_drafts``, and why each other one is left out. Checked before any model loads."""
+    registry = VerifierRegistry()
+    kept, left_out = [], []
+    for name in [registry.canonical(n) for n in names] or registry.names():
+        cls = registry.verifier_class(name)
+        reasons = [cls.reason_to_refuse(k, identical or k == 1) for k in num_drafts]
+        if not cls.token_level:
+            left_out.append(f"{name} (decides whole blocks, so it has no per-token acceptance; compare it with bench)")
+        elif all(reasons):
+            left_out.append(f"{name} ({reasons[0]})")
+        else:
+            kept.append(name)
+    if not kept:
+        raise UsageError("no verifier has a per-token acceptance for these drafts: " + "; ".join(left_out))
+    return kept, left_out
 
 
 def _prompts(prompts: list[str] | None, prompt_file: Path | None, field: str | None) -> list[str]:

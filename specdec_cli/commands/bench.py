@@ -29,61 +29,61 @@ from . import common
 
 
 def bench(
-    task: Annotated[str, typer.Option(help="wmt, xsum, dolly or spec-bench.")] = "wmt",
-    lang_pair: Annotated[str, typer.Option(help="WMT language pair, SRC-TGT.")] = "en-fr",
-    source: Annotated[Optional[Path], typer.Option(help="Plain-text inputs, one per line.")] = None,
-    reference: Annotated[Optional[Path], typer.Option(help="Plain-text references aligned with --source.")] = None,
-    dataset: Annotated[Optional[Path], typer.Option(help="A .jsonl file of examples (Spec-Bench's format too).")] = None,
-    source_field: Annotated[Optional[str], typer.Option(help="Input field of --dataset records.")] = None,
-    reference_field: Annotated[Optional[str], typer.Option(help="Reference field of --dataset records.")] = None,
-    template: Annotated[
-        Optional[str], typer.Option(help="Prompt template with {source}; default: the task's, per model kind.")
-    ] = None,
-    limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N examples.")] = None,
-    shuffle: Annotated[bool, typer.Option(help="Shuffle the examples (with --seed) before --limit.")] = False,
-    seed: Annotated[int, typer.Option(help="Seed of --shuffle.")] = 0,
-    seeds: Annotated[Optional[str], typer.Option(help="Comma list: repeat every cell with these sampling seeds.")] = None,
+    task: Annotated[str, typer.Option(metavar="TASK", help="wmt, xsum, dolly or spec-bench.")] = "wmt",
+    lang_pair: Annotated[str, typer.Option(metavar="SRC-TGT", help="WMT language pair.")] = "en-fr",
+    source: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Plain-text inputs, one per line.")] = None,
+    reference: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Plain-text references aligned with --source.")] = None,
+    dataset: Annotated[Optional[Path], typer.Option(metavar="FILE", help="A .jsonl file of examples (Spec-Bench's format too).")] = None,
+    source_field: Annotated[Optional[str], typer.Option(metavar="NAME", help="Input field of --dataset records.")] = None,
+    reference_field: Annotated[Optional[str], typer.Option(metavar="NAME", help="Reference field of --dataset records.")] = None,
+    template: Annotated[Optional[str], typer.Option(metavar="TEXT", help=(
+        "Prompt template with {source}. [dim]\\[default: the task's, for the target's kind][/dim]"))] = None,
+    limit: Annotated[Optional[int], typer.Option(metavar="N", help="Use only the first N examples (after --shuffle).")] = None,
+    shuffle: Annotated[bool, typer.Option("--shuffle", metavar="", help="Shuffle the examples (--shuffle-seed) before --limit.")] = False,
+    shuffle_seed: Annotated[int, typer.Option(metavar="N", help="Seed of --shuffle (the data order, not sampling).")] = 0,
+    seed: common.SeedOption = None,
+    seeds: Annotated[Optional[str], typer.Option(metavar="N[,N…]", help=(
+        "Comma list of sampling seeds: every cell runs with each (mean ± std over seeds). [dim]\\[default: --seed][/dim]"))] = None,
     recipe: common.RecipeOption = None,
-    verifiers: Annotated[Optional[str], typer.Option("--verifier", help="Comma list of verifiers (grid).")] = None,
-    kl: Annotated[Optional[str], typer.Option("--kl", help="Comma list of KL bounds D in nats, for verifiers with one (grid).")] = None,
-    num_drafts: Annotated[Optional[str], typer.Option("--num-drafts", help="Comma list of K (grid).")] = None,
-    draft_length: Annotated[Optional[str], typer.Option("--draft-length", help="Comma list of L (grid).")] = None,
-    temperature: Annotated[Optional[str], typer.Option("--temperature", help="Comma list of temperatures (grid).")] = None,
-    draft_temperatures: Annotated[
-        Optional[str], typer.Option(help="Draft temperature sets: '1.0,1.2' is one set of two drafts; ';' separates sets.")
-    ] = None,
+    verifiers: Annotated[Optional[str], typer.Option("--verifier", metavar="NAME[,NAME…]", help=(
+        f"Comma list of verifiers (grid). {common.from_recipe(common.DEFAULT_RECIPE.verifier.name)}"))] = None,
+    kl: Annotated[Optional[str], typer.Option("--kl", metavar="NATS[,NATS…]", help=(
+        "Comma list of KL bounds D in nats, for verifiers with one (grid)."))] = None,
+    num_drafts: Annotated[Optional[str], typer.Option("--num-drafts", metavar="K[,K…]", help=(
+        f"Comma list of draft counts (grid). {common.from_recipe(common.DEFAULT_RECIPE.speculation.num_drafts)}"))] = None,
+    draft_length: Annotated[Optional[str], typer.Option("--draft-length", metavar="L[,L…]", help=(
+        f"Comma list of draft lengths in tokens (grid). {common.from_recipe(common.DEFAULT_RECIPE.speculation.draft_length)}"))] = None,
+    temperature: Annotated[Optional[str], typer.Option("--temperature", metavar="T[,T…]", help=(
+        f"Comma list of temperatures (grid). {common.from_recipe(common.DEFAULT_RECIPE.generation.temperature)}"))] = None,
+    draft_temperatures: Annotated[Optional[str], typer.Option(metavar="T,T[;T,T]", help=(
+        "Draft temperature sets: '1.0,1.2' is one set of two drafts; ';' separates sets (grid)."))] = None,
     max_new_tokens: common.MaxNewTokensOption = None,
     top_k: common.TopKOption = None,
     top_p: common.TopPOption = None,
     device: common.DeviceOption = None,
     dtype: common.DtypeOption = None,
     sets: common.SetOption = None,
-    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template.")] = None,
-    output: Annotated[Optional[Path], typer.Option(help="Results folder: written as it goes; re-run to resume.")] = None,
-    report_dir: Annotated[
-        Optional[Path], typer.Option("--report", help="Re-render the table of a results folder without running models.")
-    ] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Draw speedup (or token rate) against quality to a PNG.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print results.json instead of the table.")] = False,
+    chat: common.ChatOption = None,
+    output: common.OutputOption = None,
+    report_dir: Annotated[Optional[Path], typer.Option("--report", metavar="FOLDER", help=(
+        "Show the results of a results folder again, without running models."))] = None,
+    plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help=(
+        "Draw speedup (or token rate) against quality to this PNG."))] = None,
+    as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print results.json instead of the table.")] = False,
 ) -> None:
     """Benchmark speed and quality of speculative configurations against the target alone."""
     check_plot_path(plot)
+    common.check_at_least_one(limit, "--limit")
     if report_dir is not None:
         config, records = load_saved(report_dir)
         _show(summarize(config, records), as_json, plot, "")
         return
-    options = common.RecipeOptions(
-        recipe=recipe, sets=sets or [], max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p, device=device,
-        dtype=dtype, chat=chat,
-    )  # fmt: skip
-    base = options.resolve()
+    base = common.RecipeOptions(recipe=recipe, sets=sets or [], max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p,
+                                seed=seed, device=device, dtype=dtype, chat=chat).resolve()  # fmt: skip
     examples = load_examples(DataSource(
         task=task, lang_pair=lang_pair, source_file=source, reference_file=reference, dataset=dataset,
-        source_field=source_field,
-        reference_field=reference_field, limit=limit, shuffle=shuffle, seed=seed,
+        source_field=source_field, reference_field=reference_field, limit=limit, shuffle=shuffle, seed=shuffle_seed,
     ))  # fmt: skip
-    if not examples:
-        raise UsageError("the data has no examples")
     grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures)
     plan = _Plan(base=base, task=get_task(task), lang_pair=lang_pair, template=template, examples=examples, grid=grid,
                  seeds=common.parse_list(seeds, int, "--seeds") or [base.seed])  # fmt: skip

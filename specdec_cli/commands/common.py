@@ -26,33 +26,73 @@ from ..inputs import read_stdin, read_text, text_value
 from ..recipe import AUTOREGRESSIVE, Recipe, apply_overrides, build_recipe, read_recipe_file, set_path
 from ..verifiers import VerifierRegistry
 
+DEFAULT_RECIPE = build_recipe(read_recipe_file(None))
+"""The shipped default recipe: where an option left out takes its value from (unless --recipe names another)."""
+
+
+def from_recipe(value: object) -> str:
+    """Help text for an option whose default is the recipe's: the default recipe's value."""
+    return f"[dim]\\[default: the recipe's; {value} in the default recipe][/dim]"
+
+
+_generation = DEFAULT_RECIPE.generation
+_speculation = DEFAULT_RECIPE.speculation
+
 RecipeOption = Annotated[
     Optional[str],
-    typer.Option("--recipe", "-r", help="Recipe YAML file, or the name of a shipped recipe. Default: 'default'."),
+    typer.Option("--recipe", "-r", metavar="FILE|NAME",
+                 help="Recipe YAML file, or the name of a shipped recipe. [dim]\\[default: default][/dim]"),
 ]
 SetOption = Annotated[
     Optional[list[str]],
-    typer.Option("--set", help="Override any recipe key: --set generation.top_k=50 (value read as YAML). Repeatable."),
+    typer.Option("--set", metavar="KEY=VALUE",
+                 help="Override any recipe key, e.g. --set generation.top_k=50 (value read as YAML). Repeatable."),
 ]
 VerifierOption = Annotated[
     Optional[str],
-    typer.Option(help="Verifier name, or a comma list to compare on the same prompts: speculative,block,none (none: the target alone)."),
+    typer.Option(metavar="NAME[,NAME…]", help="Verifier, or a comma list to compare on the same prompts: "
+                 f"speculative,block,none (none: the target alone). {from_recipe(DEFAULT_RECIPE.verifier.name)}"),
 ]
 KlOption = Annotated[
-    Optional[float], typer.Option("--kl", help="KL bound D in nats, for a verifier that has one (see `specdec verifiers`).")
+    Optional[float],
+    typer.Option("--kl", metavar="NATS", help="KL bound D in nats, for a verifier that has one (see `specdec verifiers`)."),
 ]
-NumDraftsOption = Annotated[Optional[int], typer.Option(help="K: draft sequences sampled per draft config.")]
-DraftLengthOption = Annotated[Optional[int], typer.Option(help="L: tokens each draft proposes per block.")]
-MaxNewTokensOption = Annotated[Optional[int], typer.Option(help="Most tokens to generate per sample.")]
-TemperatureOption = Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 = greedy.")]
-TopKOption = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens; 0 = off.")]
-TopPOption = Annotated[Optional[float], typer.Option(help="Nucleus sampling mass in (0, 1]; 1 = off.")]
-FieldOption = Annotated[
-    Optional[str], typer.Option(help="Prompt field of a .jsonl prompt file (default: prompt, text, instruction, question, turns).")
-]
-SeedOption = Annotated[Optional[int], typer.Option(help="Random seed (same seed and device give the same output).")]
-DeviceOption = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N for every model.")]
-DtypeOption = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 for every model.")]
+NumDraftsOption = Annotated[Optional[int], typer.Option(
+    metavar="K", help=f"Draft sequences sampled from each draft per block. {from_recipe(_speculation.num_drafts)}")]
+DraftLengthOption = Annotated[Optional[int], typer.Option(
+    metavar="L", help=f"Tokens each draft proposes per block. {from_recipe(_speculation.draft_length)}")]
+MaxNewTokensOption = Annotated[Optional[int], typer.Option(
+    metavar="TOKENS", help=f"Most tokens to generate per sample. {from_recipe(_generation.max_new_tokens)}")]
+TemperatureOption = Annotated[Optional[float], typer.Option(
+    metavar="T", help=f"Sampling temperature (0 = greedy). {from_recipe(_generation.temperature)}")]
+TopKOption = Annotated[Optional[int], typer.Option(
+    metavar="TOKENS", help=f"Sample among the k most likely tokens (0 = all). {from_recipe(_generation.top_k)}")]
+TopPOption = Annotated[Optional[float], typer.Option(
+    metavar="MASS", help=f"Sample among the most likely tokens holding this probability mass, in (0, 1] (1 = all). "
+    f"{from_recipe(_generation.top_p)}")]
+FieldOption = Annotated[Optional[str], typer.Option(
+    metavar="NAME", help="Prompt field of a .jsonl prompt file. [dim]\\[default: the first of prompt, text, instruction, "
+    "question, turns][/dim]")]
+PromptFileOption = Annotated[Optional[Path], typer.Option(
+    metavar="FILE", help="One prompt per non-empty line, or .jsonl (Spec-Bench's format too); '-' reads stdin.")]
+SeedOption = Annotated[Optional[int], typer.Option(
+    metavar="N", help=f"Sampling seed: the same seed on the same device gives the same output. {from_recipe(DEFAULT_RECIPE.seed)}")]
+DeviceOption = Annotated[Optional[str], typer.Option(
+    metavar="DEVICE", help="auto, cpu, cuda or cuda:N, for every model. [dim]\\[default: the recipe's; auto: CUDA when present][/dim]")]
+DtypeOption = Annotated[Optional[str], typer.Option(
+    metavar="DTYPE", help="auto, float32, bfloat16 or float16, for every model. [dim]\\[default: the recipe's][/dim]")]
+ChatOption = Annotated[Optional[bool], typer.Option(
+    "--chat/--no-chat", metavar="", help=f"Apply the target's chat template to each prompt. {from_recipe(_generation.chat)}")]
+JsonOption = Annotated[bool, typer.Option("--json", metavar="", help="Print the results as one JSON object instead of a table.")]
+OutputOption = Annotated[Optional[Path], typer.Option(
+    metavar="FOLDER", help="Results folder: written as it goes; run the same command again to resume.")]
+PlotOption = Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Also draw the results to this PNG.")]
+
+
+def check_at_least_one(value: int | None, option: str) -> None:
+    """Counts the option parser leaves unchecked (its range note would clutter the help)."""
+    if value is not None and value < 1:
+        raise UsageError(f"{option} must be at least 1, got {value}")
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -27,10 +26,9 @@ ACCEPTED_STYLE = "green"
 
 
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(help="Text to continue. Omit to read --prompt-file or stdin.")] = None,
-    prompt_file: Annotated[
-        Optional[Path], typer.Option(help="File with one prompt per non-empty line ('-' for stdin).")
-    ] = None,
+    prompt: Annotated[Optional[str], typer.Argument(
+        metavar="PROMPT", help="Text to continue. Leave out to read --prompt-file or piped stdin.", show_default=False)] = None,
+    prompt_file: common.PromptFileOption = None,
     field: common.FieldOption = None,
     recipe: common.RecipeOption = None,
     verifier: common.VerifierOption = None,
@@ -45,22 +43,19 @@ def generate(
     device: common.DeviceOption = None,
     dtype: common.DtypeOption = None,
     sets: common.SetOption = None,
-    num_samples: Annotated[int, typer.Option(min=1, help="Independent samples per prompt.")] = 1,
-    chat: Annotated[
-        Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template to each prompt.")
-    ] = None,
-    autoregressive: Annotated[
-        bool, typer.Option("--autoregressive", help="Decode with the target alone (the baseline); same as --verifier none.")
-    ] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object (resolved recipe, samples with text, token_ids, stats).")
-    ] = False,
+    num_samples: Annotated[int, typer.Option(metavar="N", help="Independent samples per prompt, each with its own seed.")] = 1,
+    chat: common.ChatOption = None,
+    autoregressive: Annotated[bool, typer.Option(
+        "--autoregressive", metavar="", help="Decode with the target alone (the baseline); the same as --verifier none.")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", metavar="", help="Print one JSON object: the resolved recipe and every sample's text, token ids and statistics.")] = False,
 ) -> None:
     """Generate text with speculative decoding; accepted draft tokens are shown in green on a terminal.
 
     A comma list of verifiers (--verifier speculative,block,none) compares them on the same prompts
     and seeds, with the models loaded once, and prints one table (none = the target alone).
     """
+    common.check_at_least_one(num_samples, "--num-samples")
     names = common.parse_list(verifier, str, "--verifier")
     if autoregressive:
         names = [AUTOREGRESSIVE]

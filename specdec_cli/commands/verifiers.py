@@ -13,7 +13,7 @@ from ..verifiers import VerifierRegistry, parameter_defaults
 
 
 def verifiers(
-    as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the list as JSON.")] = False,
 ) -> None:
     """List installed verifiers: name, lossless, max drafts, parameters, KL bound, package; and load failures."""
     registry = VerifierRegistry()
