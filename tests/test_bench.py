@@ -217,3 +217,27 @@ def test_two_processes_give_the_samples_of_one(recipe_path, data, tmp_path):
     assert not list(double.glob("samples.rank*.jsonl"))
     assert _final_numbers(double)["samples"] == _final_numbers(single)["samples"]
     assert json.loads((double / "results.json").read_text())["environment"]["world_size"] == 2
+
+
+def test_spec_bench_per_category_speedups_and_the_multi_turn_note(run, recipe_path, tmp_path):  # noqa: F811
+    dataset = tmp_path / "questions.jsonl"
+    dataset.write_text("".join(
+        json.dumps({"question_id": i, "category": f"cat{i % 2}", "turns": [s, "d e"] if i < 2 else [s]}) + "\n"
+        for i, s in enumerate(SOURCES[:4])
+    ))  # fmt: skip
+    out = tmp_path / "out"
+    code, stdout, err = run(["bench", "-r", recipe_path, "--task", "spec-bench", "--dataset", str(dataset),
+                             "--output", str(out)])  # fmt: skip
+    assert code == 0, err
+    assert "2 of 4 questions have 2 turns; only the first turn of each is generated" in err
+    metrics = _by_cell(out)["speculative K=1 L=3 T=1"]["per_seed"]["0"]
+    assert set(metrics["speedup_by_category"]) == {"cat0", "cat1"} and min(metrics["speedup_by_category"].values()) > 0
+    assert "tokens/s per category" in stdout and "Tokens/s per category" in (out / "table.md").read_text()
+
+
+def test_cells_run_example_by_example_so_drift_cancels(run, recipe_path, data, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    assert run(_bench_args(recipe_path, data, out, "--limit", "3", "--draft-length", "2,3"))[0] == 0
+    order = [(s["example_id"], s["cell"]) for s in _samples(out)]
+    cells = ["baseline T=1", "speculative K=1 L=2 T=1", "speculative K=1 L=3 T=1"]
+    assert order == [(example, cell) for example in ("0", "1", "2") for cell in cells]

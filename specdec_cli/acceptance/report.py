@@ -40,12 +40,12 @@ def table(report: AcceptanceReport) -> Table:
             "for identical drafts, K=2 different drafts sharing at most 128 tokens"
         ),
     )
-    result.add_column("verifier", no_wrap=True)
+    result.add_column("verifier", overflow="fold")
     for k in report.num_drafts:
-        result.add_column(f"K={k}", justify="right", no_wrap=True)
+        result.add_column(f"K={k}", justify="right", overflow="fold")
     has_kl = any(report.kl(row) is not None for row in report.rows)
     if has_kl:
-        result.add_column("KL(q‖out), mean", justify="right", no_wrap=True)
+        result.add_column("KL(q‖out), mean", justify="right", overflow="fold")
     for row in report.rows:
         cells = [_format(report.cell(row, k)) for k in report.num_drafts]
         if has_kl:

@@ -51,9 +51,41 @@ def rich_table(results: BenchResults, title: str) -> Table:
     table = Table(title=title, caption=f"mean{' ± std over ' + str(seeds) + ' seeds' if seeds > 1 else ''}; "
                   "speedup: token rate over the target-alone baseline of the same run, prompts and seed")  # fmt: skip
     for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+        table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
     for line in body:
         table.add_row(*line, style="dim" if line[0].startswith("baseline") else None)
+    return table
+
+
+def category_rows(results: BenchResults) -> tuple[list[str], list[list[str]]] | None:
+    """Per-category token rate and speedup (mean over seeds): a row per category, a column per configuration.
+    None when the task has no categories."""
+    per_cell = [[m for m in cell.per_seed.values()] for cell in results.cells]
+    categories = sorted({name for seeds in per_cell for m in seeds for name in m.get("tokens_per_second_by_category", {})})
+    if not categories:
+        return None
+    body = []
+    for name in categories:
+        line = [name]
+        for seeds in per_cell:
+            rates = [m["tokens_per_second_by_category"][name] for m in seeds if name in m.get("tokens_per_second_by_category", {})]
+            speedups = [m["speedup_by_category"][name] for m in seeds if name in m.get("speedup_by_category", {})]
+            text = f"{sum(rates) / len(rates):.1f}" if rates else "—"
+            line.append(text + (f" ({sum(speedups) / len(speedups):.2f}×)" if speedups else ""))
+        body.append(line)
+    return ["category"] + [cell.key for cell in results.cells], body
+
+
+def category_table(results: BenchResults) -> Table | None:
+    rows = category_rows(results)
+    if rows is None:
+        return None
+    header, body = rows
+    table = Table(title="tokens/s per category (speedup over the baseline)")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
+    for line in body:
+        table.add_row(*line)
     return table
 
 
@@ -64,6 +96,10 @@ def markdown(results: BenchResults) -> str:
     signatures = {(QUALITY[m], metrics[f"{m}_signature"]) for c in results.cells for metrics in c.per_seed.values()
                   for m in ("bleu", "chrf") if f"{m}_signature" in metrics}  # fmt: skip
     notes = [f"\n{label} signature (sacrebleu): `{signature}`" for label, signature in sorted(signatures)]
+    if (categories := category_rows(results)) is not None:
+        header, body = categories
+        lines += ["", "Tokens/s per category (speedup over the baseline):", "", "| " + " | ".join(header) + " |",
+                  "|" + "---|" * len(header)] + ["| " + " | ".join(line) + " |" for line in body]  # fmt: skip
     return "\n".join(lines + notes) + "\n"
 
 

@@ -170,26 +170,42 @@ class BenchRunner:
         )  # fmt: skip
 
     def run(self, on_sample: Callable[[Progress], None] | None = None) -> None:
+        """Every pending (seed, example), each run by every cell in turn: the baseline and the cells
+        see the same state of the machine, so slow drift (thermal, other load) cancels in speedups."""
         mine = self.my_examples()
         total, done = self.pending(), 0
+        decoders = self._warm_decoders(mine)
+        for seed in self.seeds:
+            for index, example in mine:
+                for cell, decoder in decoders.items():
+                    if self.store.done((cell.key, seed, example.id)):
+                        continue
+                    self._sample(cell, decoder, seed, index, example)
+                    done += 1
+                    if on_sample is not None:
+                        on_sample(Progress(done, total, cell.key))
+
+    def _warm_decoders(self, mine: list[tuple[int, Example]]) -> dict[GridCell, SpeculativeDecoder]:
+        """A decoder for every cell with pending samples, its prompts checked against the model's context and
+        one warm-up run on the first, before any sample is timed."""
+        decoders = {}
         for cell in self.cells:
-            todo = [(seed, index, example) for seed in self.seeds for index, example in mine
-                    if not self.store.done((cell.key, seed, example.id))]  # fmt: skip
-            if not todo:
-                continue
-            decoder = self.decoder(cell)
-            prompt_ids = {example.id: decoder.encode_prompt(self.prompt(example)) for _, _, example in todo}
-            decoder.warm_up(prompt_ids[todo[0][2].id])
-            for seed, index, example in todo:
-                tokens, mask, stats = decoder.generate_ids(prompt_ids[example.id], sample_seed(seed, index, 0))
-                self.store.append(BenchSample(
-                    cell=cell.key, seed=seed, example_id=example.id, index=index, category=example.category,
-                    prompt=self.prompt(example), text=decoder.target.tokenizer.decode(tokens, skip_special_tokens=True),
-                    reference=example.reference, token_ids=tokens, accepted_mask=mask, stats=stats.to_dict(),
-                ).to_record())  # fmt: skip
-                done += 1
-                if on_sample is not None:
-                    on_sample(Progress(done, total, cell.key))
+            pending = [example for seed in self.seeds for _, example in mine
+                       if not self.store.done((cell.key, seed, example.id))]  # fmt: skip
+            if pending:
+                decoders[cell] = self.decoder(cell)
+                encoded = [decoders[cell].encode_prompt(self.prompt(example)) for example in pending]  # all fit first
+                decoders[cell].warm_up(encoded[0])
+        return decoders
+
+    def _sample(self, cell: GridCell, decoder: SpeculativeDecoder, seed: int, index: int, example: Example) -> None:
+        prompt = self.prompt(example)
+        tokens, mask, stats = decoder.generate_ids(decoder.encode_prompt(prompt), sample_seed(seed, index, 0))
+        self.store.append(BenchSample(
+            cell=cell.key, seed=seed, example_id=example.id, index=index, category=example.category, prompt=prompt,
+            text=decoder.target.tokenizer.decode(tokens, skip_special_tokens=True), reference=example.reference,
+            token_ids=tokens, accepted_mask=mask, stats=stats.to_dict(),
+        ).to_record())  # fmt: skip
 
 
 def check_cells(cells: list[GridCell], skipped: list[str], base: Recipe, registry: VerifierRegistry) -> list[str]:

@@ -30,8 +30,21 @@ LANGUAGES = {"en": "English", "fr": "French", "de": "German", "cs": "Czech", "ru
 class Example:
     id: str
     source: str
+    """The input: the first turn of a multi-turn question."""
     reference: str | None = None
     category: str | None = None
+    turns: int = 1
+    """Turns of the question the example comes from; only the first is generated (see :func:`turns_note`)."""
+
+
+def turns_note(examples: list[Example]) -> str | None:
+    """A note for data with multi-turn questions: a later turn needs the model's own earlier answer in its
+    prompt, so a benchmark of one generation per example runs the first turn only."""
+    multi = [e for e in examples if e.turns > 1]
+    if not multi:
+        return None
+    return (f"{len(multi)} of {len(examples)} questions have {max(e.turns for e in multi)} turns; only the first "
+            "turn of each is generated (a later turn's prompt needs the model's own earlier answer)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -177,7 +190,8 @@ def _jsonl(path: Path, task: Task, spec: DataSource) -> list[Example]:
             source = f"{source}\n\n{record['context']}"
         reference = record.get(reference_field) if reference_field else None
         identifier = str(record.get("question_id", record.get("id", number - 1)))
-        examples.append(Example(identifier, source, reference, record.get("category")))
+        turns = len(record[source_field]) if isinstance(record[source_field], list) else 1
+        examples.append(Example(identifier, source, reference, record.get("category"), turns))
     return examples
 
 

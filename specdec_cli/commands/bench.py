@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..bench import report
 from ..bench.results import BenchResults, summarize
 from ..bench.runner import BenchRunner, Grid, check_cells
-from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair
+from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair, turns_note
 from ..errors import UsageError
 from ..inputs import check_plot_path
 from ..model_pool import ModelPool
@@ -119,6 +119,8 @@ class _Plan:
         self.languages = parse_lang_pair(self.lang_pair)
         self.cells, self.skipped = self.grid.cells(self.registry)
         self.notes = check_cells(self.cells, self.skipped, self.base, self.registry)
+        if (note := turns_note(self.examples)) is not None:
+            self.notes.append(note)
 
     def config(self) -> dict:
         """What defines the run's results (a results folder refuses another)."""
@@ -178,7 +180,10 @@ def _show(results: BenchResults, as_json: bool, plot: Path | None, note: str) ->
     else:
         config = results.config
         title = f"specdec bench: {config['task']['name']}, {config['data']['examples']} examples"
-        Console(width=None if sys.stdout.isatty() else 200).print(report.rich_table(results, title))
+        console = Console(width=None if sys.stdout.isatty() else 200)
+        console.print(report.rich_table(results, title))
+        if (categories := report.category_table(results)) is not None:
+            console.print(categories)
     if note:
         Console(stderr=True).print(note)
     if plot is not None:  # after the table: a failing plot never hides it

@@ -161,7 +161,7 @@ def _comparison_table(rows: list[ConfigurationResult], samples: int) -> Table:
     table = Table(title="verifiers compared", caption=caption)
     table.add_column("verifier")
     for name in ("tokens/s", "speedup", "block efficiency", "acceptance", "tokens", "seconds"):
-        table.add_column(name, justify="right", no_wrap=True)
+        table.add_column(name, justify="right", overflow="fold")
     for row in rows:
         label = "none (target alone)" if not row.speculative else row.label
         acceptance = "—" if row.acceptance_rate is None else f"{row.acceptance_rate:.1%}"
