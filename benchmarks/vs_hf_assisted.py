@@ -61,7 +61,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="Passes over the prompts (each interleaves all configurations).")
     args = parser.parse_args()
-    recipe = load_recipe("default", [f"generation.max_new_tokens={args.max_new_tokens}"])
+    recipe = load_recipe("default", [f"generation.max_new_tokens={args.max_new_tokens}", "generation.temperature=1",
+                                     "generation.top_p=1"])  # as measured (the demo default is T = 0.3)
     speculative = SpeculativeDecoder.from_recipe(recipe)
     target = speculative.target
     alone = speculative.with_config(verifier="none")

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Annotated
 
 import typer
@@ -53,19 +54,22 @@ def _global_options(
         bool, typer.Option("--version", metavar="", callback=_show_version, is_eager=True, help="Print the version and exit.")
     ] = False,
     debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show full tracebacks for errors.")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", metavar="", help="Let the libraries' own progress bars and warnings through.")] = False,
 ) -> None:
     """Speculative decoding: generate with exact, pluggable verifiers; measure acceptance and speed."""
 
 
-def _quiet_libraries() -> None:
-    """Keep library chatter (download bars, deprecation notes) off the user's terminal."""
+def _quiet_libraries(verbose: bool) -> None:
+    """Keep library chatter (loading and download bars, advisory warnings) off the user's terminal,
+    unless --verbose. Environment settings only: they act when the libraries are first imported,
+    so a command that never loads a model never imports them."""
+    if verbose:
+        return
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars follow it too
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    warnings.simplefilter("ignore")
 
 
 # click's ClickException, whichever click typer runs on (newer typer releases vendor their own).
@@ -80,7 +84,7 @@ def _terminate_like_ctrl_c(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: user errors become one line and an exit code."""
     args = sys.argv[1:] if argv is None else argv
-    _quiet_libraries()
+    _quiet_libraries("--verbose" in args)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
     try:

@@ -135,3 +135,33 @@ def test_a_third_party_kl_bound_gets_the_sweep_and_the_kl_column(tiny_models):
     assert [c.key for c in cells] == ["baseline T=1", "budgeted D=0.1 K=1 L=3 T=1", "budgeted D=0.2 K=1 L=3 T=1",
                                       "speculative K=1 L=3 T=1"]  # fmt: skip
     assert cells[1].recipe(recipe, registry).verifier.params == {"budget": 0.1}
+
+
+def test_the_draft_cost_note_says_when_speculation_cannot_pay():
+    from specdec_cli.calibration import DraftCost, draft_cost_note
+
+    slow = DraftCost(target_token_s=0.060, target_block_s=0.105, draft_s=0.074, acceptance=0.95,
+                     machine="AMD EPYC (no native bfloat16), 2 threads")  # fmt: skip
+    assert slow.speedup(1.0, 4) == pytest.approx(5 * 0.060 / (4 * 0.074 + 0.105))
+    note = draft_cost_note(slow, 4, bfloat16_draft=True)
+    assert "even if every draft token is accepted (at most 0.75×)" in note and "(avx512_bf16 or AMX)" in note
+    assert "(avx512_bf16 or AMX)" not in draft_cost_note(slow, 4, bfloat16_draft=False)
+    middling = DraftCost(target_token_s=0.06, target_block_s=0.07, draft_s=0.012, acceptance=0.3, machine="x")
+    assert middling.speedup(1.0, 4) > 1 > middling.speedup(0.3, 4)
+    assert "at the acceptance measured (30%)" in draft_cost_note(middling, 4, bfloat16_draft=False)
+    fast = DraftCost(target_token_s=0.06, target_block_s=0.07, draft_s=0.006, acceptance=0.9, machine="x")
+    assert draft_cost_note(fast, 4, bfloat16_draft=True) is None
+
+
+def test_the_draft_cost_is_measured_once_and_cached(tiny_models, tmp_path, monkeypatch):
+    from specdec_cli.calibration import draft_cost
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(tiny_recipe(tiny_models, "llama")))
+    calls = []
+    original = SpeculativeDecoder.generate_ids
+    monkeypatch.setattr(SpeculativeDecoder, "generate_ids", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    first = draft_cost(decoder, [3, 4, 5])
+    assert len(calls) == 4 and first.target_token_s > 0 and first.draft_s > 0 and first.target_block_s > 0
+    assert draft_cost(decoder, [3, 4, 5]) == first and len(calls) == 4
+    assert len(list((tmp_path / "calibration").iterdir())) == 1

@@ -81,6 +81,7 @@ class AcceptanceAnalysis:
         prompts: Sequence[str],
         on_prompt: Callable[[PromptAcceptance], None] | None = None,
         done: Sequence[PromptAcceptance] = (),
+        on_tokens: Callable[[int], None] | None = None,
     ) -> AcceptanceReport:
         """Evaluate every prompt not in ``done`` (a resumed run's); Ctrl-C stops early and keeps what
         was computed (``interrupted``). A prompt's result depends only on the recipe and its index."""
@@ -92,7 +93,7 @@ class AcceptanceAnalysis:
         encoded = [self.decoder.encode_prompt(p) for p in prompts]
         try:
             for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
-                result = finished.get(index) or self.evaluate_prompt(prompt, index, ids)
+                result = finished.get(index) or self.evaluate_prompt(prompt, index, ids, on_tokens)
                 report.add(result)
                 if on_prompt is not None and index not in finished:
                     on_prompt(result)
@@ -140,8 +141,12 @@ class AcceptanceAnalysis:
         target, drafts = target.double(), torch.stack(drafts, dim=1).double()  # [T, V], [T, C, V]
         return target / target.sum(-1, keepdim=True), drafts / drafts.sum(-1, keepdim=True)
 
-    def evaluate_prompt(self, prompt: str, index: int, prompt_ids: list[int]) -> PromptAcceptance:
-        tokens, _, _ = self.decoder.generate_ids(prompt_ids, sample_seed(self.recipe.seed, index, 0))
+    def evaluate_prompt(self, prompt: str, index: int, prompt_ids: list[int],
+                        on_tokens: Callable[[int], None] | None = None) -> PromptAcceptance:  # fmt: skip
+        """Every row's acceptance at each position of the target's own continuation of the prompt;
+        ``on_tokens(count)`` follows the generation."""
+        progress = None if on_tokens is None else (lambda tokens, _mask: on_tokens(len(tokens)))
+        tokens, _, _ = self.decoder.generate_ids(prompt_ids, sample_seed(self.recipe.seed, index, 0), progress)
         target, configs = self.laws(prompt_ids, tokens)  # [T, V], [T, C, V]
         result = PromptAcceptance(prompt=prompt, prompt_index=index, positions=len(tokens))
         for num_drafts in self.request.num_drafts:

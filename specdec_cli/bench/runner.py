@@ -104,13 +104,6 @@ class Grid:
         return cells, sorted(set(skipped))
 
 
-@dataclass
-class Progress:
-    done: int
-    total: int
-    cell: str
-
-
 @dataclass(kw_only=True)
 class BenchSample:
     """One line of samples.jsonl: a (cell, seed, example) generation and its statistics."""
@@ -169,21 +162,17 @@ class BenchRunner:
             for cell in self.cells for seed in self.seeds for _, example in mine
         )  # fmt: skip
 
-    def run(self, on_sample: Callable[[Progress], None] | None = None) -> None:
+    def run(self, on_tokens: Callable[[str, int], None] | None = None) -> None:
         """Every pending (seed, example), each run by every cell in turn: the baseline and the cells
-        see the same state of the machine, so slow drift (thermal, other load) cancels in speedups."""
+        see the same state of the machine, so slow drift (thermal, other load) cancels in speedups.
+        ``on_tokens(cell key, count)`` follows generation, block by block."""
         mine = self.my_examples()
-        total, done = self.pending(), 0
         decoders = self._warm_decoders(mine)
         for seed in self.seeds:
             for index, example in mine:
                 for cell, decoder in decoders.items():
-                    if self.store.done((cell.key, seed, example.id)):
-                        continue
-                    self._sample(cell, decoder, seed, index, example)
-                    done += 1
-                    if on_sample is not None:
-                        on_sample(Progress(done, total, cell.key))
+                    if not self.store.done((cell.key, seed, example.id)):
+                        self._sample(cell, decoder, seed, index, example, on_tokens)
 
     def _warm_decoders(self, mine: list[tuple[int, Example]]) -> dict[GridCell, SpeculativeDecoder]:
         """A decoder for every cell with pending samples, its prompts checked against the model's context and
@@ -198,9 +187,13 @@ class BenchRunner:
                 decoders[cell].warm_up(encoded[0])
         return decoders
 
-    def _sample(self, cell: GridCell, decoder: SpeculativeDecoder, seed: int, index: int, example: Example) -> None:
+    def _sample(self, cell: GridCell, decoder: SpeculativeDecoder, seed: int, index: int, example: Example,
+                on_tokens: Callable[[str, int], None] | None) -> None:  # fmt: skip
         prompt = self.prompt(example)
-        tokens, mask, stats = decoder.generate_ids(decoder.encode_prompt(prompt), sample_seed(seed, index, 0))
+        progress = None if on_tokens is None else (lambda new, _mask: on_tokens(cell.key, len(new)))
+        tokens, mask, stats = decoder.generate_ids(decoder.encode_prompt(prompt), sample_seed(seed, index, 0), progress)
+        if on_tokens is not None:
+            on_tokens(cell.key, decoder.config.generation.max_new_tokens - len(tokens))  # an early EOS's unused budget
         self.store.append(BenchSample(
             cell=cell.key, seed=seed, example_id=example.id, index=index, category=example.category, prompt=prompt,
             text=decoder.target.tokenizer.decode(tokens, skip_special_tokens=True), reference=example.reference,

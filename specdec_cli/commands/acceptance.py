@@ -11,7 +11,6 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..acceptance import AcceptanceAnalysis, AcceptanceReport, AcceptanceRequest, PromptAcceptance, report
 from ..acceptance.results import PROMPT_RECORDS
@@ -112,16 +111,13 @@ def _evaluate(analysis: AcceptanceAnalysis, texts: list[str], store: ResultsStor
     done = [PromptAcceptance.from_record(record) for record in store.records.values()]
     if store.dropped_cut_line:
         err.print("note: the last prompt line was cut short (a killed run or a full disk); it was dropped and runs again")
-    with Progress(
-        TextColumn("prompts"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err, transient=True
-    ) as progress:
-        task = progress.add_task("prompts", total=len(texts), completed=len(done))
-
+    budget = analysis.recipe.generation.max_new_tokens
+    with common.token_progress(len(texts) * budget, completed=len(done) * budget, label="prompts") as progress:
         def written(result: PromptAcceptance) -> None:
             store.append(result.to_record())
-            progress.advance(task)
+            progress.advance(budget - result.positions)  # the budget an early EOS left unused
 
-        report = analysis.run(texts, on_prompt=written, done=done)
+        report = analysis.run(texts, on_prompt=written, done=done, on_tokens=progress.advance)
     store.close()
     return report
 

@@ -12,7 +12,6 @@ from typing import Annotated, Optional
 import torch
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..bench import report
 from ..bench.results import BenchResults, summarize
@@ -150,11 +149,14 @@ def _run(plan: _Plan, output: Path | None, as_json: bool, plot: Path | None) -> 
                              seeds=plan.seeds, store=store, rank=rank, world_size=world_size, registry=plan.registry,
                              template=plan.template, lang_pair=plan.languages, pool=pool)  # fmt: skip
     interrupted = False
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err, transient=True, disable=rank != 0) as progress:  # fmt: skip
-        bar = progress.add_task("samples", total=runner.pending())
+    budget = plan.base.generation.max_new_tokens
+    with common.token_progress(runner.pending() * budget, enabled=rank == 0, label="samples") as progress:
+        def on_tokens(cell: str, tokens: int) -> None:
+            progress.describe(cell)
+            progress.advance(tokens)
+
         try:
-            runner.run(on_sample=lambda p: progress.update(bar, completed=p.done, description=p.cell))
+            runner.run(on_tokens)
         except KeyboardInterrupt:
             interrupted = True
     store.close()

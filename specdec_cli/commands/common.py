@@ -215,18 +215,32 @@ def parse_list(text: str | None, kind: type, option: str) -> list:
         raise UsageError(f"{option} expects a comma list of {kind.__name__} values, got '{text}'") from None
 
 
+class TokenProgress:
+    """A progress bar counted in tokens, so its ETA moves within a long sample (a prompt's worth of
+    tokens at a time would leave it blank for minutes)."""
+
+    def __init__(self, progress: Progress | None, task: int | None):
+        self._progress, self._task = progress, task
+
+    def advance(self, tokens: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, tokens)
+
+    def describe(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=text)
+
+
 @contextmanager
-def token_progress(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """A progress bar on stderr counted in tokens (so its ETA moves within a long sample); yields
-    ``advance(tokens)``. Disabled, it yields a function that does nothing."""
+def token_progress(total: int, enabled: bool = True, completed: int = 0, label: str = "generating") -> Iterator[TokenProgress]:
+    """A :class:`TokenProgress` on stderr (transient); disabled, one that does nothing."""
     if not enabled:
-        yield lambda _tokens: None
+        yield TokenProgress(None, None)
         return
-    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("generating", total=total)
-        yield lambda tokens: progress.advance(task, tokens)
+        yield TokenProgress(progress, progress.add_task(label, total=total, completed=completed))
 
 
 def write_plot(draw: Callable[[], None], path: Path) -> None:

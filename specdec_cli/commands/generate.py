@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import __version__
+from ..calibration import note_for
 from ..comparison import ConfigurationResult, compare
 from ..engine import SpeculativeDecoder, require_text
 from ..errors import UsageError
@@ -80,14 +81,17 @@ def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: boo
     err = Console(stderr=True)
     with err.status("Loading models (the first run converts the GGUF weights once)…"):
         decoder = SpeculativeDecoder.from_recipe(recipe)
-    decoder.warm_up(decoder.encode_prompt(prompts[0]))
+    first = decoder.encode_prompt(prompts[0])
+    decoder.warm_up(first)
+    if (note := note_for(decoder, first)) is not None:
+        err.print(note, highlight=False, soft_wrap=True)
     out = Console(highlight=False)
     stream = None if as_json else _Stream(decoder.target.tokenizer, out, several=len(prompts) * num_samples > 1)
     total = len(prompts) * num_samples * recipe.generation.max_new_tokens
     # A terminal that shows the text needs no bar; a pipe or --json would otherwise be silent.
-    with common.token_progress(total, enabled=as_json or not out.is_terminal) as advance:
+    with common.token_progress(total, enabled=as_json or not out.is_terminal) as progress:
         def on_block(prompt_index: int, sample_index: int, new_tokens: list[int], accepted: list[bool]) -> None:
-            advance(len(new_tokens))
+            progress.advance(len(new_tokens))
             if stream is not None:
                 stream.on_block(prompt_index, sample_index, new_tokens, accepted)
 
@@ -112,9 +116,11 @@ def _compare(recipe: Recipe, names: list[str], kl: float | None, prompts: list[s
         base = SpeculativeDecoder.from_recipe(first, registry=registry)
     decoders = {label: base.with_config(verifier=r.verifier.name, verifier_params=r.verifier.params)
                 for label, r in recipes.items()}  # fmt: skip
+    if (note := note_for(base, base.encode_prompt(prompts[0]))) is not None:
+        err.print(note, highlight=False, soft_wrap=True)
     total = len(decoders) * len(prompts) * num_samples * recipe.generation.max_new_tokens
-    with common.token_progress(total, enabled=True) as advance:
-        rows = compare(decoders, prompts, num_samples, on_tokens=advance)
+    with common.token_progress(total) as progress:
+        rows = compare(decoders, prompts, num_samples, on_tokens=progress.advance)
     if as_json:
         payload = {"specdec_version": __version__, "recipe": recipe.to_dict(), "environment": provenance(base.device),
                    "configurations": [row.summary() | {"samples": [r.to_dict() for r in row.results]}
