@@ -6,39 +6,43 @@ The library is usable without the CLI::
     decoder = SpeculativeDecoder.from_recipe(load_recipe("my-recipe.yaml"))
     results = decoder.generate(["Write a haiku about the sea."])
     results = decoder.generate(["Write a haiku about the sea."], verifier="block", draft_length=8)  # same models
+
+Names are imported on first use, so commands that never run a model never import torch.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
 
-from .decoding import Draft
-from .engine import SpeculativeDecoder
-from .errors import SpecdecError
-from .model_pool import ModelPool
-from .recipe import DecodingConfig, Recipe, load_recipe
-from .sampling import SamplingParams, probs_from_logits
-from .stats import GenerationResult, SampleStats
-from .verifiers import BlockDecision, BlockVerifier, Verifier, load_verifier
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 try:
     __version__ = version("specdec-cli")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = [
-    "BlockDecision",
-    "BlockVerifier",
-    "DecodingConfig",
-    "Draft",
-    "GenerationResult",
-    "ModelPool",
-    "Recipe",
-    "SampleStats",
-    "SamplingParams",
-    "SpecdecError",
-    "SpeculativeDecoder",
-    "Verifier",
-    "__version__",
-    "load_recipe",
-    "load_verifier",
-    "probs_from_logits",
-]
+_WHERE = {
+    "Draft": "decoding",
+    "SpeculativeDecoder": "engine",
+    "SpecdecError": "errors",
+    "ModelPool": "model_pool",
+    "DecodingConfig": "recipe",
+    "Recipe": "recipe",
+    "load_recipe": "recipe",
+    "SamplingParams": "sampling",
+    "probs_from_logits": "sampling",
+    "GenerationResult": "stats",
+    "SampleStats": "stats",
+    "BlockDecision": "verifiers",
+    "BlockVerifier": "verifiers",
+    "Verifier": "verifiers",
+    "load_verifier": "verifiers",
+}
+
+__all__ = ["__version__", *sorted(_WHERE)]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

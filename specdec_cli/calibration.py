@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .engine import SpeculativeDecoder
-from .models import cache_dir
+from .inputs import cache_dir
 from .provenance import cpu_model
 from .recipe import AUTOREGRESSIVE
 from .stats import SampleStats

@@ -28,6 +28,7 @@ import torch
 
 from .decoding import Draft, create_verifier, target_sampling
 from .errors import NonFiniteLogitsError, UsageError
+from .inputs import require_text
 from .model_pool import ModelPool
 from .model_session import ModelSession
 from .models import LoadedModel, shared_vocab_size
@@ -388,11 +389,6 @@ def _check_context(prompt: int, max_new_tokens: int, draft_length: int, context:
             f"(and {draft_length} draft tokens); lower --max-new-tokens or --draft-length"
             + ("" if encoder_decoder else ", or shorten the prompt")
         )
-
-
-def require_text(prompt: str) -> None:
-    if not prompt.strip():
-        raise UsageError("the prompt is empty; give some text to continue")
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import random
-
 import os
+import random
 import tempfile
 from pathlib import Path
 from typing import Any, TextIO
@@ -74,3 +73,13 @@ def subset(items: list, limit: int | None, shuffle: bool, seed: int) -> list:
     if shuffle:
         random.Random(seed).shuffle(items)
     return items[:limit] if limit else items
+
+
+def cache_dir() -> Path:
+    """Where converted weights and measurements are cached: ``$SPECDEC_CACHE``, default ``~/.cache/specdec``."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def require_text(prompt: str) -> None:
+    if not prompt.strip():
+        raise UsageError("the prompt is empty; give some text to continue")

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 
 from .errors import ModelLoadError, UsageError
-from .inputs import check_writable_folder
+from .inputs import cache_dir, check_writable_folder
 from .recipe import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -258,10 +258,6 @@ def _share_tensors(source: torch.nn.Module, twin: torch.nn.Module) -> None:
         for attribute in ("original_inv_freq", "attention_scaling"):
             if hasattr(original, attribute):
                 setattr(module, attribute, getattr(original, attribute))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
 def _cached_gguf_conversion(folder: str, gguf_file: str, common: dict[str, Any]) -> str:

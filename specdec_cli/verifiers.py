@@ -17,8 +17,6 @@ constructor's keyword arguments are its parameters.
 
 from __future__ import annotations
 
-import importlib.metadata
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,20 +24,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from stevedore import extension
 
-from .errors import UsageError
+from .registry import VerifierParameterError, VerifierParameterValueError, VerifierRegistry, parameter_defaults
 from .sampling import sample
 
-ENTRY_POINT_GROUP = "specdec.verifiers"
+__all__ = [  # the registry's names stay importable from here, where plugin authors look
+    "BlockDecision", "BlockVerifier", "Verifier", "VerifierParameterError", "VerifierParameterValueError",
+    "VerifierRegistry", "load_verifier", "parameter_defaults", "first_rejection", "shared_prefix_length",
+    "walk_alive_rows",
+]  # fmt: skip
 
-
-class VerifierParameterError(UsageError, TypeError):
-    """An unknown or ill-typed verifier parameter (a TypeError too, as Python callers expect)."""
-
-
-class VerifierParameterValueError(VerifierParameterError, ValueError):
-    """A verifier's own ValueError about a parameter's value, as one line (still a ValueError)."""
 
 
 @dataclass(frozen=True)
@@ -316,113 +310,6 @@ def first_rejection(
     bonus = sample(bonus_law, generator).view(1)  # [1]; only kept when every position was accepted
     committed = torch.cat([tokens, bonus])  # [L+1]
     return BlockDecision(committed, num_accepted, torch.zeros_like(num_accepted))
-
-
-def parameter_defaults(cls: type) -> dict[str, Any]:
-    """A verifier class's parameters and their defaults, from its constructor's signature."""
-    signature = inspect.signature(cls.__init__)
-    return {
-        name: p.default
-        for name, p in signature.parameters.items()
-        if name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-    }
-
-
-class VerifierRegistry:
-    """The one way verifiers are found: entry points of the group ``specdec.verifiers``, through stevedore.
-
-    Names are case-insensitive. :meth:`load_class` is the one place a plugin class is loaded;
-    tests and embedders override it. A plugin that fails to import is kept with its error, so
-    ``specdec verifiers`` can show it and using it names the failure.
-    """
-
-    group = ENTRY_POINT_GROUP
-
-    def __init__(self) -> None:
-        self._manager: extension.ExtensionManager | None = None
-        self._failures: dict[str, str] = {}
-
-    def _extensions(self) -> extension.ExtensionManager:
-        if self._manager is None:
-            def failed(_manager, entry_point, error) -> None:
-                self._failures[entry_point.name] = f"{type(error).__name__}: {error}"
-
-            self._manager = extension.ExtensionManager(
-                self.group, invoke_on_load=False, on_load_failure_callback=failed
-            )
-        return self._manager
-
-    def names(self) -> list[str]:
-        """The installed verifiers that load."""
-        return sorted(set(self._extensions().names()))
-
-    def failures(self) -> dict[str, str]:
-        """name → error, for installed plugins that failed to load."""
-        self._extensions()
-        return dict(self._failures)
-
-    def load_class(self, name: str) -> type[BlockVerifier]:
-        if name in self.failures():
-            raise UsageError(f"verifier '{name}' is installed but failed to load: {self._failures[name]}")
-        return self._extensions()[name].plugin
-
-    def package(self, name: str) -> str:
-        """'distribution version' that provides verifier ``name`` (stevedore does not keep it)."""
-        for dist in importlib.metadata.distributions():
-            if any(ep.group == self.group and ep.name == name for ep in dist.entry_points):
-                return f"{dist.metadata['Name']} {dist.version}"
-        return self._extensions()[name].entry_point.value
-
-    def canonical(self, name: str) -> str:
-        """The installed verifier's entry-point name for ``name`` (case-insensitive), or a UsageError."""
-        key = name.strip().lower()
-        if key not in self.names() and key not in self.failures():
-            installed = ", ".join(self.names()) or "none"
-            raise UsageError(f"unknown verifier '{name}'; installed verifiers: {installed} (see `specdec verifiers`)")
-        return key
-
-    def verifier_class(self, name: str) -> type[BlockVerifier]:
-        """The class of the installed verifier ``name`` (case-insensitive)."""
-        return self.load_class(self.canonical(name))
-
-    def names_where(self, wanted: Callable[[type[BlockVerifier]], bool]) -> list[str]:
-        """Installed verifiers whose class satisfies ``wanted`` (for suggestions in messages)."""
-        return [name for name in self.names() if wanted(self.load_class(name))]
-
-    def params_for(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
-        """The entries of ``params`` (a recipe's verifier.params) that verifier ``name`` takes.
-
-        A run that compares several verifiers gives each the parameters it has: ``max_support``
-        reaches ``is-lp`` whichever verifier the recipe names.
-        """
-        accepted = parameter_defaults(self.verifier_class(name))
-        return {key: value for key, value in params.items() if key in accepted}
-
-    def with_kl_bound(self, name: str, params: dict[str, Any], bound: float) -> dict[str, Any]:
-        """``params`` with verifier ``name``'s KL bound set to ``bound`` (a UsageError if it has none)."""
-        parameter = self.verifier_class(name).kl_bound_parameter
-        if parameter is None:
-            bounded = ", ".join(self.names_where(lambda cls: cls.kl_bound_parameter is not None)) or "none installed"
-            raise UsageError(f"--kl sets a KL bound, which verifier '{name}' does not have; "
-                             f"verifiers with one: {bounded}")  # fmt: skip
-        return {**params, parameter: bound}
-
-    def create(self, name: str, params: dict[str, Any] | None = None) -> BlockVerifier:
-        """An instance of ``name``; a plugin's own ValueError or TypeError about its parameters becomes
-        one line for the user (VerifierParameterError), naming the verifier."""
-        key = self.canonical(name)
-        cls = self.load_class(key)
-        try:
-            return cls(**(params or {}))
-        except VerifierParameterError:
-            raise
-        except (ValueError, TypeError) as error:
-            reason = str(error).removeprefix(f"{key}: ")
-            wrapper = VerifierParameterValueError if isinstance(error, ValueError) else VerifierParameterError
-            raise wrapper(
-                f"verifier '{key}': {reason} (given {params or {}}; fix verifier.params in the recipe, "
-                "or --set verifier.params.NAME=VALUE)"
-            ) from error
 
 
 def load_verifier(name: str, params: dict[str, Any] | None = None) -> BlockVerifier:

@@ -200,8 +200,8 @@ def test_a_plot_that_fails_never_hides_the_table(run, inputs, monkeypatch, tmp_p
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(report, "plot", broken_plot)
-    code, out, err = run(["acceptance", "-r", inputs["recipe"], "--prompt", "a b", "--num-drafts", "1",
-                          "--max-new-tokens", "3", "--plot", str(tmp_path / "plot.png")])  # fmt: skip
+    code, out, err = run(["acceptance", "-r", inputs["recipe"], "--prompt", "a b", "--num-drafts", "1", "--verifier",
+                          "speculative", "--max-new-tokens", "3", "--plot", str(tmp_path / "plot.png")])  # fmt: skip
     assert code == 1
     assert "token-level acceptance probability" in out  # the table came first
     _one_error_line(err, "could not write the plot")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +280,18 @@ def test_help_shows_placeholders_and_defaults_not_python_types(run, command):
         assert noise not in out, noise
     if command != "verifiers":
         assert "default recipe" in out
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["verifiers"],
+                                  ["bench", "--report", "benchmarks/results/wmt_default"]])  # fmt: skip
+def test_listing_help_and_reports_never_import_torch(args, tmp_path):
+    """These paths run no model, so they must start fast: neither torch nor transformers is imported
+    (`verifiers` reads the plugins' description cache, which its first run writes)."""
+    script = ("import sys; from specdec_cli.cli import main\n"
+              "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+              "print('heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")  # fmt: skip
+    env = {**os.environ, "SPECDEC_CACHE": str(tmp_path)}
+    for _ in range(2):  # the first run may fill the cache
+        result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                                cwd=Path(__file__).resolve().parent.parent, timeout=120)  # fmt: skip
+    assert result.stdout.strip().splitlines()[-1] == "heavy: []", result.stdout[-500:] + result.stderr[-500:]

@@ -9,7 +9,7 @@ import torch
 
 from specdec_cli import ModelPool, SpeculativeDecoder
 from specdec_cli.acceptance import AcceptanceAnalysis, AcceptanceRequest, AcceptanceRow
-from specdec_cli.bench.runner import Grid
+from specdec_cli.bench.grid import Grid
 from specdec_cli.errors import UsageError
 from specdec_cli.models import load_model
 from specdec_cli.recipe import build_recipe

@@ -1,15 +1,24 @@
 """`specdec acceptance`'s library side: the analysis (:mod:`.analysis`), its typed results
-(:mod:`.results`) and their table, files and plot (:mod:`.report`)."""
+(:mod:`.results`) and their table, files and plot (:mod:`.report`).
 
-from .analysis import AcceptanceAnalysis
-from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, Estimate, PromptAcceptance
+Names are imported on first use, so the results and the report can be read without torch.
+"""
 
-__all__ = [
-    "OPTIMUM",
-    "AcceptanceAnalysis",
-    "AcceptanceReport",
-    "AcceptanceRequest",
-    "AcceptanceRow",
-    "Estimate",
-    "PromptAcceptance",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "AcceptanceAnalysis": "analysis",
+    **{name: "results" for name in ("OPTIMUM", "AcceptanceReport", "AcceptanceRequest", "AcceptanceRow", "Estimate",
+                                    "PromptAcceptance")},  # fmt: skip
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -6,20 +6,24 @@ import csv
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from rich.table import Table
 
-from ..provenance import provenance
 from ..recipe import Recipe
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, Estimate
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 2
 """acceptance.json: 2 moved versions and device into ``environment`` (the provenance record)."""
 
 
-def payload(recipe: Recipe, request: AcceptanceRequest, report: AcceptanceReport, device: torch.device) -> dict:
+def payload(recipe: Recipe, request: AcceptanceRequest, report: AcceptanceReport, device: "torch.device") -> dict:
     """acceptance.json's content (also what ``--json`` prints)."""
+    from ..provenance import provenance  # torch: this runs after the models did
+
     return {
         "format": FORMAT_VERSION,
         "environment": provenance(device),
@@ -32,8 +36,10 @@ def payload(recipe: Recipe, request: AcceptanceRequest, report: AcceptanceReport
 
 
 def table(report: AcceptanceReport) -> Table:
+    title = "token-level acceptance probability"
     result = Table(
-        title="token-level acceptance probability",
+        title=title,
+        min_width=len(title) + 4,  # a narrow table would fold its own title
         caption=(
             f"mean ± standard error over {report.positions} positions of {len(report.prompts)} prompts; "
             "optimum: best of any lossless rule (Hu et al. 2025; Khisti et al. Thm 3), exact: full vocabulary "

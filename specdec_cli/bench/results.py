@@ -10,10 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import SpecdecError
-from ..verifiers import VerifierRegistry
+from ..registry import VerifierRegistry
+from .grid import BASELINE, GridCell
 from .metrics import corpus_quality, expected_speedup, mean_and_std, speed_summary
-from .runner import BASELINE, GridCell
 
 SUMMARIZED = ("block_efficiency", "acceptance_rate", "token_acceptance", "tokens_per_second", "speedup",
               "expected_speedup", "efficiency_vs_expected", "engine_overhead", "bleu", "chrf", "rougeL")  # fmt: skip
@@ -110,12 +109,9 @@ def _seed_metrics(cell: GridCell, samples: list[dict], baseline: list[dict], con
 
 
 def token_level(verifier: str) -> bool:
-    """Whether a verifier decides position by position (else per-token acceptance is not defined for it)."""
-    registry = VerifierRegistry()
-    try:
-        return bool(registry.verifier_class(verifier).token_level)
-    except SpecdecError:  # a results folder read after its plugin was uninstalled
-        return True
+    """Whether a verifier decides position by position (else per-token acceptance is not defined for it);
+    True for a verifier no longer installed (a results folder read after its plugin was removed)."""
+    return bool(VerifierRegistry().describe().get(verifier.lower(), {}).get("token_level", True))
 
 
 def _add_speedup(metrics: dict, cell: GridCell, samples: list[dict], baseline: list[dict], per_token: bool) -> None:

@@ -1,108 +1,19 @@
-"""The benchmark grid: its cells, the runner that generates every (cell, seed, example), and the checks
-that run before any model loads."""
+"""The runner that generates every (grid cell, seed, example), and the checks that run before any model loads."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..engine import SpeculativeDecoder, sample_seed
 from ..errors import UsageError
 from ..model_pool import ModelPool
-from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig, validate
+from ..recipe import Recipe, validate
 from ..results_store import ResultsStore
-from ..verifiers import VerifierRegistry
+from ..registry import VerifierRegistry
+from .grid import BASELINE, GridCell
 from .tasks import Example, Task
-
-BASELINE = AUTOREGRESSIVE
-
-
-@dataclass(frozen=True, kw_only=True)
-class GridCell:
-    """One configuration of the grid; verifier 'none' is the target-only baseline."""
-
-    verifier: str
-    kl: float | None
-    """The verifier's KL bound D (its ``kl_bound_parameter``), for a verifier that has one."""
-    num_drafts: int
-    draft_length: int
-    temperature: float
-    draft_temperatures: tuple[float, ...] | None
-
-    @classmethod
-    def baseline(cls, temperature: float) -> "GridCell":
-        return cls(verifier=BASELINE, kl=None, num_drafts=0, draft_length=0, temperature=temperature,
-                   draft_temperatures=None)  # fmt: skip
-
-    @classmethod
-    def from_config(cls, spec: dict) -> "GridCell":
-        """A cell from a results folder's config.json (JSON made the draft temperatures a list)."""
-        temperatures = spec["draft_temperatures"]
-        return cls(**{**spec, "draft_temperatures": tuple(temperatures) if temperatures else None})
-
-    @property
-    def key(self) -> str:
-        if self.verifier == BASELINE:
-            return f"baseline T={self.temperature:g}"
-        name = self.verifier if self.kl is None else f"{self.verifier} D={self.kl:g}"
-        drafts = "" if self.draft_temperatures is None else " dT=" + ",".join(f"{t:g}" for t in self.draft_temperatures)
-        return f"{name} K={self.num_drafts} L={self.draft_length} T={self.temperature:g}{drafts}"
-
-    @property
-    def baseline_key(self) -> str:
-        return GridCell.baseline(self.temperature).key
-
-    def recipe(self, base: Recipe, registry: VerifierRegistry) -> Recipe:
-        """The base recipe with this cell's settings; the verifier gets the base's parameters it takes."""
-        generation = dataclasses.replace(base.generation, temperature=self.temperature)
-        if self.verifier == BASELINE:
-            return dataclasses.replace(base, generation=generation, verifier=VerifierConfig(name=BASELINE))
-        drafts = base.drafts
-        if self.draft_temperatures is not None:
-            drafts = tuple(dataclasses.replace(base.drafts[0], temperature=t) for t in self.draft_temperatures)
-        params = registry.params_for(self.verifier, base.verifier.params)
-        if self.kl is not None:
-            params = registry.with_kl_bound(self.verifier, params, self.kl)
-        return dataclasses.replace(
-            base,
-            drafts=drafts,
-            verifier=dataclasses.replace(base.verifier, name=self.verifier, params=params),
-            speculation=dataclasses.replace(base.speculation, num_drafts=self.num_drafts, draft_length=self.draft_length),
-            generation=generation,
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Grid:
-    verifiers: tuple[str, ...]
-    kl: tuple[float, ...]
-    num_drafts: tuple[int, ...]
-    draft_lengths: tuple[int, ...]
-    temperatures: tuple[float, ...]
-    draft_temperatures: tuple[tuple[float, ...] | None, ...] = (None,)
-
-    def cells(self, registry: VerifierRegistry) -> tuple[list[GridCell], list[str]]:
-        """Baselines first, then every combination the verifier takes; and why the others were left out."""
-        cells = [GridCell.baseline(t) for t in self.temperatures]
-        skipped = []
-        for name in self.verifiers:
-            name = registry.canonical(name)
-            verifier_class = registry.load_class(name)
-            bounds: tuple[float | None, ...] = self.kl if verifier_class.kl_bound_parameter and self.kl else (None,)
-            for kl, k, length, temperature, draft_temps in itertools.product(
-                bounds, self.num_drafts, self.draft_lengths, self.temperatures, self.draft_temperatures
-            ):
-                rows = k * (len(draft_temps) if draft_temps else 1)
-                reason = verifier_class.reason_to_refuse(rows, identical_laws=not draft_temps or len(set(draft_temps)) == 1)
-                if reason is not None:
-                    skipped.append(reason)
-                    continue
-                cells.append(GridCell(verifier=name, kl=kl, num_drafts=k, draft_length=length, temperature=temperature,
-                                      draft_temperatures=draft_temps))  # fmt: skip
-        return cells, sorted(set(skipped))
-
 
 @dataclass(kw_only=True)
 class BenchSample:

@@ -7,19 +7,22 @@ import hashlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from ..acceptance import AcceptanceAnalysis, AcceptanceReport, AcceptanceRequest, PromptAcceptance, report
-from ..acceptance.results import PROMPT_RECORDS
+from ..acceptance import report
+from ..acceptance.results import PROMPT_RECORDS, AcceptanceReport, AcceptanceRequest, PromptAcceptance
 from ..errors import UsageError
 from ..inputs import check_plot_path, subset
 from ..recipe import Recipe
 from ..results_store import ResultsStore
-from ..verifiers import VerifierRegistry
+from ..registry import VerifierRegistry
 from . import common
+
+if TYPE_CHECKING:
+    from ..acceptance.analysis import AcceptanceAnalysis
 
 
 def acceptance(
@@ -75,6 +78,8 @@ def acceptance(
 def _run(recipe: Recipe, request: AcceptanceRequest, texts: list[str], left_out: list[str], output: Path | None,
          as_json: bool, plot: Path | None) -> None:  # fmt: skip
     """Evaluate what the results folder does not hold yet, then write and show the report (also when stopped)."""
+    from ..acceptance.analysis import AcceptanceAnalysis  # torch and transformers: only now
+
     store = _open_store(output, recipe, request, texts)
     err = Console(stderr=True)
     with err.status("Loading models…"):
@@ -106,7 +111,7 @@ def _show(content: dict, results: AcceptanceReport, as_json: bool, plot: Path | 
         common.write_plot(lambda: report.plot(plot, results), plot)
 
 
-def _evaluate(analysis: AcceptanceAnalysis, texts: list[str], store: ResultsStore, err: Console) -> AcceptanceReport:
+def _evaluate(analysis: "AcceptanceAnalysis", texts: list[str], store: ResultsStore, err: Console) -> AcceptanceReport:
     """Every prompt the store does not hold yet, each written to it as it comes, under a progress bar."""
     done = [PromptAcceptance.from_record(record) for record in store.records.values()]
     if store.dropped_cut_line:

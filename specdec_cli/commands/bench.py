@@ -9,21 +9,18 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-import torch
 import typer
 from rich.console import Console
 
 from ..bench import report
 from ..bench.results import BenchResults, summarize
-from ..bench.runner import BenchRunner, Grid, check_cells
+from ..bench.grid import Grid
 from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair, turns_note
 from ..errors import UsageError
 from ..inputs import check_plot_path
-from ..model_pool import ModelPool
-from ..provenance import provenance
 from ..recipe import Recipe
 from ..results_store import ResultsStore, load_saved
-from ..verifiers import VerifierRegistry
+from ..registry import VerifierRegistry
 from . import common
 
 
@@ -117,6 +114,8 @@ class _Plan:
     def __post_init__(self) -> None:
         self.languages = parse_lang_pair(self.lang_pair)
         self.cells, self.skipped = self.grid.cells(self.registry)
+        from ..bench.runner import check_cells  # torch: imported only on the paths that run models
+
         self.notes = check_cells(self.cells, self.skipped, self.base, self.registry)
         if (note := turns_note(self.examples)) is not None:
             self.notes.append(note)
@@ -143,6 +142,10 @@ def _run(plan: _Plan, output: Path | None, as_json: bool, plot: Path | None) -> 
         err.print("note: the last sample line was cut short (a killed run or a full disk); it was dropped and runs again")
     for line in [f"skipped: {reason}" for reason in plan.skipped] + [f"note: {note}" for note in plan.notes]:
         err.print(line, highlight=False)
+    from ..bench.runner import BenchRunner  # torch and transformers: only a run that loads models imports them
+    from ..model_pool import ModelPool
+    from ..provenance import provenance
+
     pool = ModelPool()
     with err.status("Loading models…"):
         runner = BenchRunner(recipe=plan.base, task=plan.task, examples=plan.examples, cells=plan.cells,
@@ -210,6 +213,7 @@ def _init_distributed() -> tuple[int, int]:
     if missing:
         raise UsageError(f"WORLD_SIZE={world_size} is set without {', '.join(missing)}; launch a data-parallel "
                          "run with torchrun (it sets them), or unset WORLD_SIZE")
+    import torch
     import torch.distributed as dist
 
     if torch.cuda.is_available():

@@ -24,7 +24,7 @@ from rich.progress import (
 from ..errors import SpecdecError, UsageError
 from ..inputs import read_stdin, read_text, text_value
 from ..recipe import AUTOREGRESSIVE, Recipe, apply_overrides, build_recipe, read_recipe_file, set_path
-from ..verifiers import VerifierRegistry
+from ..registry import VerifierRegistry
 
 DEFAULT_RECIPE = build_recipe(read_recipe_file(None))
 """The shipped default recipe: where an option left out takes its value from (unless --recipe names another)."""

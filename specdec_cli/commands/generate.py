@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -13,15 +13,16 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import __version__
-from ..calibration import note_for
-from ..comparison import ConfigurationResult, compare
-from ..engine import SpeculativeDecoder, require_text
 from ..errors import UsageError
-from ..provenance import provenance
+from ..inputs import require_text
 from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig
+from ..registry import VerifierRegistry, parameter_defaults
 from ..stats import GenerationResult
-from ..verifiers import VerifierRegistry, parameter_defaults
 from . import common
+
+if TYPE_CHECKING:  # torch and transformers load only when a command runs models
+    from ..comparison import ConfigurationResult
+    from ..engine import SpeculativeDecoder
 
 ACCEPTED_STYLE = "green"
 
@@ -78,6 +79,9 @@ def generate(
 
 def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: bool) -> None:
     """One configuration: the text streams as blocks are committed, then a table of its statistics."""
+    from ..calibration import note_for
+    from ..engine import SpeculativeDecoder
+
     err = Console(stderr=True)
     with err.status("Loading models (the first run converts the GGUF weights once)…"):
         decoder = SpeculativeDecoder.from_recipe(recipe)
@@ -108,6 +112,11 @@ def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: boo
 def _compare(recipe: Recipe, names: list[str], kl: float | None, prompts: list[str], num_samples: int,
              as_json: bool) -> None:  # fmt: skip
     """Every verifier of ``names`` on the same prompts and seeds, models loaded once; one table."""
+    from ..calibration import note_for
+    from ..comparison import compare
+    from ..engine import SpeculativeDecoder
+    from ..provenance import provenance
+
     registry = VerifierRegistry()
     recipes = _comparison_recipes(recipe, names, kl, registry)
     err = Console(stderr=True)
@@ -139,6 +148,8 @@ def _comparison_recipes(recipe: Recipe, names: list[str], kl: float | None,
                         registry: VerifierRegistry) -> dict[str, Recipe]:  # fmt: skip
     """The recipe for each listed verifier (its parameters from the recipe, --kl where it has a KL bound),
     each checked against the recipe's drafts before any model loads."""
+    from ..engine import SpeculativeDecoder
+
     labels = [AUTOREGRESSIVE if n.strip().lower() == AUTOREGRESSIVE else registry.canonical(n) for n in names]
     if len(set(labels)) < len(labels):
         raise UsageError(f"--verifier lists a verifier twice ({', '.join(names)}); give each once")

@@ -9,26 +9,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..verifiers import VerifierRegistry, parameter_defaults
+from ..registry import VerifierRegistry
 
 
 def verifiers(
     as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the list as JSON.")] = False,
 ) -> None:
     """List installed verifiers: name, lossless, max drafts, parameters, KL bound, package; and load failures."""
-    registry = VerifierRegistry()
-    rows = []
-    for name in registry.names():
-        cls = registry.load_class(name)
-        rows.append({
-            "name": name,
-            "lossless": bool(getattr(cls, "lossless", False)),
-            "max_drafts": getattr(cls, "max_drafts", None),
-            "parameters": parameter_defaults(cls),
-            "kl_bound_parameter": cls.kl_bound_parameter,
-            "package": registry.package(name),
-        })  # fmt: skip
-    failures = registry.failures()
+    described = VerifierRegistry().describe()
+    rows = [{"name": name, **{key: info[key] for key in ("lossless", "max_drafts", "parameters", "kl_bound_parameter",
+                                                          "package")}}
+            for name, info in sorted(described.items()) if "error" not in info]  # fmt: skip
+    failures = {name: info["error"] for name, info in described.items() if "error" in info}
     if as_json:
         failed = [{"name": name, "error": error} for name, error in sorted(failures.items())]
         typer.echo(json.dumps({"verifiers": rows, "failed": failed}, indent=2))
