@@ -93,7 +93,7 @@ class BlockVerifier(ABC):
         sampling settings). Every caller asks here: the engine, bench's grid and acceptance.
         """
         if cls.max_drafts is not None and num_drafts > cls.max_drafts:
-            return f"verifier '{cls.name}' takes at most {cls.max_drafts} draft(s) per position, not {num_drafts}"
+            return f"verifier '{cls.name}' takes at most {cls.max_drafts} draft(s) per position"
         if cls.identical_drafts and not identical_laws:
             return (f"verifier '{cls.name}' needs identical drafts (one draft config sampled K times), "
                     "not drafts of different laws")  # fmt: skip

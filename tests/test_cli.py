@@ -113,7 +113,7 @@ def test_autoregressive_flag_and_verifier_none(run, recipe_path):
         (["--temperature", "-1"], 2, "generation.temperature: must be >= 0"),
         (["--top-p", "1.5"], 2, "generation.top_p: must be in (0, 1]"),
         (["--verifier", "nosuch"], 2, "unknown verifier 'nosuch'; installed verifiers: "),
-        (["--num-drafts", "3"], 2, "takes at most 1 draft(s) per position, not 3"),
+        (["--num-drafts", "3"], 2, "takes at most 1 draft(s) per position; lower --num-drafts (K × draft configs = 3)"),
         (["--kl", "0.5"], 2, "--kl sets a KL bound, which verifier 'speculative' does not have; verifiers with one: mentored"),
     ],
 )

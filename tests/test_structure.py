@@ -165,3 +165,13 @@ def test_the_draft_cost_is_measured_once_and_cached(tiny_models, tmp_path, monke
     assert len(calls) == 4 and first.target_token_s > 0 and first.draft_s > 0 and first.target_block_s > 0
     assert draft_cost(decoder, [3, 4, 5]) == first and len(calls) == 4
     assert len(list((tmp_path / "calibration").iterdir())) == 1
+
+
+def test_a_verifier_keeps_its_colour_whatever_else_is_installed():
+    """A colour comes from the name alone (installing a plugin recolours nothing); the shipped ones differ."""
+    from specdec_cli.plotting import verifier_colour
+
+    shipped = [name for name, info in VerifierRegistry().describe().items()
+               if info.get("package", "").startswith("specdec-cli ")]
+    assert len(shipped) == 7 and len({verifier_colour(name) for name in shipped}) == len(shipped)
+    assert verifier_colour("optimum") == "#000000"

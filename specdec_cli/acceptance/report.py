@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from ..plotting import verifier_colour
 from ..recipe import Recipe
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, Estimate
 
@@ -90,22 +91,16 @@ def write(folder: Path, content: dict, report: AcceptanceReport) -> None:
 
 
 def plot(path: Path, report: AcceptanceReport) -> None:
-    """Acceptance against K for every row; beside it, acceptance against KL for rows with a KL bound."""
+    """Acceptance against K for every row (± standard error); beside it, acceptance against KL for rows
+    with a KL bound. Each verifier keeps its colour in every plot (:func:`~specdec_cli.plotting.verifier_colour`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     bounded = [row for row in report.rows if row.kl_bound is not None and report.kl(row) and report.cell(row, 1)]
-    figure, axes = plt.subplots(1, 2 if bounded else 1, figsize=(11 if bounded else 6, 4.5), squeeze=False)
-    by_k = axes[0][0]
-    for row in report.rows:
-        points = [(k, c.mean) for k in report.num_drafts if (c := report.cell(row, k)) is not None]
-        if len(points) > 1 or (points and row.kl_bound is None):
-            by_k.plot(*zip(*points), marker="o", label=row.label, linestyle="--" if row.verifier == OPTIMUM else "-")
-    by_k.set(xlabel="number of drafts K", ylabel="acceptance probability", title="acceptance vs K",
-             xticks=report.num_drafts)  # fmt: skip
-    by_k.legend(fontsize=8)
+    figure, axes = plt.subplots(1, 2 if bounded else 1, figsize=(12 if bounded else 6.5, 4.8), squeeze=False)
+    _plot_by_k(axes[0][0], report)
     if bounded:
         _plot_kl_tradeoff(axes[0][1], report, bounded)
     figure.tight_layout()
@@ -113,16 +108,42 @@ def plot(path: Path, report: AcceptanceReport) -> None:
     plt.close(figure)
 
 
+def _plot_by_k(axis, report: AcceptanceReport) -> None:
+    """One series per row, each nudged sideways a little so rows that agree (as every lossless
+    single-draft rule does at K = 1) stay visible side by side instead of hiding one another."""
+    series = [(row, [(k, c) for k in report.num_drafts if (c := report.cell(row, k)) is not None])
+              for row in report.rows if row.kl_bound is None]  # fmt: skip
+    series = [(row, points) for row, points in series if points]
+    width = 0.3 if len(report.num_drafts) > 1 else 0.6
+    for number, (row, points) in enumerate(series):
+        shift = width * (number / max(len(series) - 1, 1) - 0.5) if len(series) > 1 else 0.0
+        xs = [report.num_drafts.index(k) + shift for k, _ in points]
+        means = [c.mean for _, c in points]
+        errors = [0.0 if math.isnan(c.stderr) else c.stderr for _, c in points]
+        axis.errorbar(xs, means, yerr=errors, marker="o", markersize=5, capsize=2, label=row.label,
+                      color=verifier_colour(row.verifier), linestyle="--" if row.verifier == OPTIMUM else "-")  # fmt: skip
+    axis.set_xticks(range(len(report.num_drafts)), [str(k) for k in report.num_drafts])
+    axis.set(xlabel="number of drafts K", ylabel="acceptance probability (± s.e.)", title="acceptance vs K")
+    axis.legend(fontsize=8, loc="lower right")
+
+
 def _plot_kl_tradeoff(axis, report: AcceptanceReport, bounded: list[AcceptanceRow]) -> None:
-    """Acceptance at K = 1 against KL(q ‖ output) for each bounded verifier, with the lossless optimum at KL 0."""
+    """Acceptance at K = 1 against KL(q ‖ output) for each bounded verifier, with the lossless optimum at KL 0.
+    Bounds are labelled in the legend-like text beside each point, alternating above and below."""
     for verifier in dict.fromkeys(row.verifier for row in bounded):
         rows = [row for row in bounded if row.verifier == verifier]
         divergences = [report.kl(row).mean for row in rows]
-        accepted = [report.cell(row, 1).mean for row in rows]
-        axis.plot(divergences, accepted, marker="o", label=verifier)
-        for row, x, y in zip(rows, divergences, accepted):
-            axis.annotate(f"D={row.kl_bound:g}", (x, y), fontsize=8, textcoords="offset points", xytext=(4, -10))
+        cells = [report.cell(row, 1) for row in rows]
+        errors = [0.0 if math.isnan(c.stderr) else c.stderr for c in cells]
+        colour = verifier_colour(verifier)
+        axis.errorbar(divergences, [c.mean for c in cells], yerr=errors, marker="o", capsize=2, color=colour,
+                      label=verifier)  # fmt: skip
+        for number, (row, x, cell) in enumerate(zip(rows, divergences, cells)):
+            axis.annotate(f"D={row.kl_bound:g}", (x, cell.mean), fontsize=7, color=colour, textcoords="offset points",
+                          xytext=(5, -12 if number % 2 else 6), annotation_clip=True)  # fmt: skip
     if (optimum := report.cell(OPTIMUM, 1)) is not None:
-        axis.scatter([0.0], [optimum.mean], color="black", zorder=3, label="lossless optimum (KL 0)")
-    axis.set(xlabel="KL(q ‖ output), nats", ylabel="acceptance probability (K=1)", title="lossy verifiers")
-    axis.legend(fontsize=8)
+        axis.scatter([0.0], [optimum.mean], color=verifier_colour(OPTIMUM), zorder=3, label="lossless optimum (KL 0)")
+    axis.margins(x=0.15, y=0.1)  # room for the labels inside the axes
+    axis.locator_params(axis="x", nbins=5)  # small KL values have long tick labels
+    axis.set(xlabel="KL(q ‖ output), nats", ylabel="acceptance probability at K=1 (± s.e.)", title="lossy verifiers")
+    axis.legend(fontsize=8, loc="lower right")

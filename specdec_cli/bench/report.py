@@ -8,7 +8,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .results import BenchResults, MeanStd
+from ..plotting import verifier_colour
+from .grid import BASELINE
+from .results import BenchResults, CellResult, MeanStd
 
 QUALITY = {"bleu": "BLEU", "chrf": "chrF", "rougeL": "ROUGE-L"}
 SPEED = [
@@ -122,25 +124,66 @@ def csv_text(results: BenchResults) -> str:
 
 
 def plot(results: BenchResults, path: Path) -> None:
-    """Speed (speedup, or token rate when there is none) against quality, one point per configuration."""
+    """Speedup of every configuration over the target alone (± std over seeds), the baseline at 1 and a
+    line there, so a slower configuration reads as slower; beside it, speedup against quality when the
+    task has a quality metric. Each verifier keeps its colour (:func:`~specdec_cli.plotting.verifier_colour`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    quality = next((n for n in QUALITY if any(n in c.summary for c in results.cells)), None)
     speed = "speedup" if any("speedup" in c.summary for c in results.cells) else "tokens_per_second"
-    figure, axis = plt.subplots(figsize=(7, 5))
-    for cell in results.cells:
-        summary = cell.summary
-        if speed not in summary and speed == "speedup":
-            continue
-        y = summary[speed].mean
-        x = summary[quality].mean if quality and quality in summary else 0.0
-        axis.scatter([x], [y])
-        axis.annotate(cell.key, (x, y), fontsize=7, textcoords="offset points", xytext=(4, 4))
-    axis.set(xlabel=QUALITY.get(quality, "(no quality metric)"), ylabel=speed.replace("_", " "),
-             title="speed vs quality per configuration")  # fmt: skip
+    quality = next((n for n in QUALITY if any(n in c.summary for c in results.cells)), None)
+    cells = [c for c in results.cells if speed in c.summary or c.cell.verifier == BASELINE]
+    figure, axes = plt.subplots(1, 2 if quality else 1, figsize=(13 if quality else 7, 0.45 * len(cells) + 2),
+                                squeeze=False)  # fmt: skip
+    _plot_speed(axes[0][0], cells, speed)
+    if quality:
+        _plot_speed_against_quality(axes[0][1], cells, speed, quality)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _value(cell: CellResult, name: str) -> tuple[float, float]:
+    """(mean, std) of a summarized metric; the baseline's speedup is 1 by definition."""
+    if name == "speedup" and cell.cell.verifier == BASELINE:
+        return 1.0, 0.0
+    value = cell.summary[name]
+    return value.mean, value.std if value.n > 1 else 0.0
+
+
+def _plot_speed(axis, cells: list[CellResult], speed: str) -> None:
+    """A bar per configuration, top to bottom as in the table, with the speedup = 1 line."""
+    positions = list(range(len(cells)))[::-1]
+    values = [_value(cell, speed) for cell in cells]
+    axis.barh(positions, [m for m, _ in values], xerr=[s for _, s in values], capsize=3,
+              color=[verifier_colour(cell.cell.verifier) for cell in cells])  # fmt: skip
+    axis.set_yticks(positions, [cell.key for cell in cells], fontsize=8)
+    if speed == "speedup":
+        axis.axvline(1.0, color="black", linewidth=1, linestyle="--")
+        axis.set_xlim(0, max(1.15, max(m + s for m, s in values) * 1.1))
+    axis.set(xlabel=speed.replace("_", " ") + (" over the target alone (± std over seeds)" if speed == "speedup" else ""),
+             title="speed per configuration")  # fmt: skip
+
+
+_MARKERS = "o^Dv<>Ph*X"
+"""Configurations of one verifier share its colour and differ by marker."""
+
+
+def _plot_speed_against_quality(axis, cells: list[CellResult], speed: str, quality: str) -> None:
+    seen: dict[str, int] = {}
+    for cell in cells:
+        if quality not in cell.summary:
+            continue
+        verifier = cell.cell.verifier
+        seen[verifier] = seen.get(verifier, -1) + 1
+        marker = "s" if verifier == BASELINE else _MARKERS[seen[verifier] % len(_MARKERS)]
+        (y, y_error), (x, x_error) = _value(cell, speed), _value(cell, quality)
+        axis.errorbar([x], [y], xerr=[x_error], yerr=[y_error], marker=marker, markersize=7, capsize=2,
+                      color=verifier_colour(verifier), label=cell.key)  # fmt: skip
+    if speed == "speedup":
+        axis.axhline(1.0, color="black", linewidth=1, linestyle="--")
+    axis.margins(0.15)
+    axis.set(xlabel=QUALITY[quality], ylabel=speed.replace("_", " "), title="speed against quality")
+    axis.legend(fontsize=7, loc="best")
