@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .engine import SpeculativeDecoder
-from .inputs import cache_dir
+from .inputs import cache_dir, write_cache_file
 from .provenance import cpu_model
 from .recipe import AUTOREGRESSIVE
 from .stats import SampleStats
@@ -61,11 +61,7 @@ def draft_cost(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> DraftCost:
         acceptance=speculative.token_acceptance,
         machine=machine,
     )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(cost)))
-    except OSError:
-        pass  # an unwritable cache only costs the measurement next time
+    write_cache_file(path, json.dumps(asdict(cost)))
     return cost
 
 

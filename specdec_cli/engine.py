@@ -123,9 +123,7 @@ class SpeculativeDecoder:
         config = cls.check_recipe(recipe, registry, autoregressive)  # before the slow loads
         pool = pool if pool is not None else ModelPool()
         target = pool.target(recipe.target)
-        drafts = [Draft(pool.draft(spec, target), spec.temperature, spec.top_k, spec.top_p)
-                  for spec in (recipe.drafts if config.speculative else ())]  # fmt: skip
-        return cls(target, drafts, config, registry)
+        return cls(target, pool.drafts(recipe.drafts if config.speculative else (), target), config, registry)
 
     @staticmethod
     def check_recipe(recipe: Recipe, registry: VerifierRegistry, autoregressive: bool = False) -> DecodingConfig:

@@ -83,3 +83,12 @@ def cache_dir() -> Path:
 def require_text(prompt: str) -> None:
     if not prompt.strip():
         raise UsageError("the prompt is empty; give some text to continue")
+
+
+def write_cache_file(path: Path, text: str) -> None:
+    """Write a cache entry; a failure (read-only home, full disk) only costs recomputing it next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError:
+        pass

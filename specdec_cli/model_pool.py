@@ -9,9 +9,10 @@ with every draft, loads each model once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from .decoding import Draft
 from .models import LoadedModel, check_same_tokenizer, derive_early_exit_draft, load_model
 from .recipe import DraftConfig, ModelConfig
 
@@ -39,6 +40,10 @@ class ModelPool:
         loaded = self._get(_model_key(spec), lambda: self._loader(spec, "draft"))
         check_same_tokenizer(target, loaded)
         return loaded
+
+    def drafts(self, specs: Sequence[DraftConfig], target: LoadedModel) -> list[Draft]:
+        """The drafts of ``specs`` for ``target``, each with its own sampling settings."""
+        return [Draft(self.draft(spec, target), spec.temperature, spec.top_k, spec.top_p) for spec in specs]
 
     def models(self) -> list[LoadedModel]:
         """Every model loaded so far, in loading order."""

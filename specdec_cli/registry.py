@@ -16,13 +16,12 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stevedore import extension
 
 from .errors import UsageError
-from .inputs import cache_dir
+from .inputs import cache_dir, write_cache_file
 
 if TYPE_CHECKING:
     from .verifiers import BlockVerifier
@@ -105,7 +104,7 @@ class VerifierRegistry:
             except (OSError, ValueError):
                 self._descriptions = {name: self._description(name) for name in self.names()}
                 self._descriptions |= {name: {"error": error} for name, error in self.failures().items()}
-                _write_quietly(path, json.dumps(self._descriptions))
+                write_cache_file(path, json.dumps(self._descriptions))
         return self._descriptions
 
     def _description(self, name: str) -> dict[str, Any]:
@@ -186,12 +185,3 @@ def _entry_points_key(group: str) -> str:
 
 def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
-
-
-def _write_quietly(path: Path, text: str) -> None:
-    """A cache write that may fail (read-only home): the next run describes the plugins again."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    except OSError:
-        pass

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..decoding import Draft
 from ..engine import SpeculativeDecoder, sample_seed
 from ..errors import SpecdecError, UsageError
 from ..model_pool import ModelPool
@@ -54,8 +53,7 @@ class AcceptanceAnalysis:
         """The pair's mean KL(q ‖ p) on the first prompt, when the KL bounds were derived from it."""
         pool = pool if pool is not None else ModelPool()
         self.decoder = SpeculativeDecoder.from_recipe(recipe, autoregressive=True, pool=pool, registry=self.registry)
-        target = self.decoder.target
-        self.drafts = [Draft(pool.draft(spec, target), spec.temperature, spec.top_k, spec.top_p) for spec in recipe.drafts]
+        self.drafts = pool.drafts(recipe.drafts, self.decoder.target)
 
     def _verifiers(self, bounds: Sequence[float]) -> dict[AcceptanceRow, BlockVerifier]:
         """One verifier per row; a verifier with a KL bound gets a row per bound (one with its own

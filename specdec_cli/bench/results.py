@@ -71,10 +71,14 @@ def summarize(config: dict, records: list[dict], **provenance: Any) -> BenchResu
     by_cell: dict[str, dict[int, list[dict]]] = {}
     for record in records:
         by_cell.setdefault(record["cell"], {}).setdefault(record["seed"], []).append(record)
+    described = VerifierRegistry().describe()  # once: it reads the plugins' description cache
     cells = []
     for spec in config["cells"]:
         cell = GridCell.from_config(spec)
-        per_seed = {str(seed): _seed_metrics(cell, samples, by_cell.get(cell.baseline_key, {}).get(seed, []), config)
+        # A verifier no longer installed (a folder read after its plugin was removed) counts as token-level.
+        per_token = cell.verifier == BASELINE or described.get(cell.verifier, {}).get("token_level", True)
+        per_seed = {str(seed): _seed_metrics(cell, samples, by_cell.get(cell.baseline_key, {}).get(seed, []), config,
+                                             per_token)
                     for seed, samples in sorted(by_cell.get(cell.key, {}).items())}  # fmt: skip
         summary = {}
         for name in SUMMARIZED:
@@ -87,10 +91,11 @@ def summarize(config: dict, records: list[dict], **provenance: Any) -> BenchResu
     return BenchResults(cells=cells, config=config, **provenance)
 
 
-def _seed_metrics(cell: GridCell, samples: list[dict], baseline: list[dict], config: dict) -> dict[str, Any]:
-    """One seed's metrics for ``cell`` from its samples, with speedups over the same seed's baseline."""
+def _seed_metrics(cell: GridCell, samples: list[dict], baseline: list[dict], config: dict,
+                  per_token: bool) -> dict[str, Any]:  # fmt: skip
+    """One seed's metrics for ``cell`` from its samples, with speedups over the same seed's baseline.
+    ``per_token``: the verifier decides position by position (else per-token acceptance is undefined)."""
     samples = sorted(samples, key=lambda r: r["index"])
-    per_token = cell.verifier == BASELINE or token_level(cell.verifier)
     metrics = speed_summary([r["stats"] for r in samples])
     metrics.update(corpus_quality(config["task"]["metrics"], [r["text"] for r in samples],
                                   [r["reference"] for r in samples]))  # fmt: skip
@@ -106,12 +111,6 @@ def _seed_metrics(cell: GridCell, samples: list[dict], baseline: list[dict], con
             metrics["speedup_by_category"] = {name: rate / base[name] for name, rate in
                                               metrics["tokens_per_second_by_category"].items() if base.get(name)}  # fmt: skip
     return metrics
-
-
-def token_level(verifier: str) -> bool:
-    """Whether a verifier decides position by position (else per-token acceptance is not defined for it);
-    True for a verifier no longer installed (a results folder read after its plugin was removed)."""
-    return bool(VerifierRegistry().describe().get(verifier.lower(), {}).get("token_level", True))
 
 
 def _add_speedup(metrics: dict, cell: GridCell, samples: list[dict], baseline: list[dict], per_token: bool) -> None:

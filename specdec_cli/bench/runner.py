@@ -78,38 +78,48 @@ class BenchRunner:
         see the same state of the machine, so slow drift (thermal, other load) cancels in speedups.
         ``on_tokens(cell key, count)`` follows generation, block by block."""
         mine = self.my_examples()
-        decoders = self._warm_decoders(mine)
+        prepared = self._prepare(mine)
         for seed in self.seeds:
             for index, example in mine:
-                for cell, decoder in decoders.items():
+                for cell, run in prepared.items():
                     if not self.store.done((cell.key, seed, example.id)):
-                        self._sample(cell, decoder, seed, index, example, on_tokens)
+                        self._sample(cell, run, seed, index, example, on_tokens)
 
-    def _warm_decoders(self, mine: list[tuple[int, Example]]) -> dict[GridCell, SpeculativeDecoder]:
-        """A decoder for every cell with pending samples, its prompts checked against the model's context and
-        one warm-up run on the first, before any sample is timed."""
-        decoders = {}
+    def _prepare(self, mine: list[tuple[int, Example]]) -> dict[GridCell, _CellRun]:
+        """A decoder for every cell with pending samples, each pending prompt encoded once (and so checked
+        against the model's context) and one warm-up run on the first, before any sample is timed."""
+        prepared = {}
         for cell in self.cells:
-            pending = [example for seed in self.seeds for _, example in mine
-                       if not self.store.done((cell.key, seed, example.id))]  # fmt: skip
+            pending = {example.id: example for seed in self.seeds for _, example in mine
+                       if not self.store.done((cell.key, seed, example.id))}  # fmt: skip
             if pending:
-                decoders[cell] = self.decoder(cell)
-                encoded = [decoders[cell].encode_prompt(self.prompt(example)) for example in pending]  # all fit first
-                decoders[cell].warm_up(encoded[0])
-        return decoders
+                decoder = self.decoder(cell)
+                prompt_ids = {key: decoder.encode_prompt(self.prompt(example)) for key, example in pending.items()}
+                decoder.warm_up(next(iter(prompt_ids.values())))
+                prepared[cell] = _CellRun(decoder, prompt_ids)
+        return prepared
 
-    def _sample(self, cell: GridCell, decoder: SpeculativeDecoder, seed: int, index: int, example: Example,
+    def _sample(self, cell: GridCell, run: _CellRun, seed: int, index: int, example: Example,
                 on_tokens: Callable[[str, int], None] | None) -> None:  # fmt: skip
-        prompt = self.prompt(example)
+        decoder = run.decoder
         progress = None if on_tokens is None else (lambda new, _mask: on_tokens(cell.key, len(new)))
-        tokens, mask, stats = decoder.generate_ids(decoder.encode_prompt(prompt), sample_seed(seed, index, 0), progress)
+        tokens, mask, stats = decoder.generate_ids(run.prompt_ids[example.id], sample_seed(seed, index, 0), progress)
         if on_tokens is not None:
             on_tokens(cell.key, decoder.config.generation.max_new_tokens - len(tokens))  # an early EOS's unused budget
         self.store.append(BenchSample(
-            cell=cell.key, seed=seed, example_id=example.id, index=index, category=example.category, prompt=prompt,
-            text=decoder.target.tokenizer.decode(tokens, skip_special_tokens=True), reference=example.reference,
-            token_ids=tokens, accepted_mask=mask, stats=stats.to_dict(),
+            cell=cell.key, seed=seed, example_id=example.id, index=index, category=example.category,
+            prompt=self.prompt(example), text=decoder.target.tokenizer.decode(tokens, skip_special_tokens=True),
+            reference=example.reference, token_ids=tokens, accepted_mask=mask, stats=stats.to_dict(),
         ).to_record())  # fmt: skip
+
+
+@dataclass
+class _CellRun:
+    """A cell's decoder and its pending prompts, encoded once."""
+
+    decoder: SpeculativeDecoder
+    prompt_ids: dict[str, list[int]]
+    """example id → token ids of its prompt."""
 
 
 def check_cells(cells: list[GridCell], skipped: list[str], base: Recipe, registry: VerifierRegistry) -> list[str]:
