@@ -257,6 +257,7 @@ def test_generate_compares_verifiers_on_the_same_prompts_and_seeds(run, recipe_p
     ("speculative,Speculative", "--verifier lists a verifier twice"),
     ("speculative,nosuch", "unknown verifier 'nosuch'"),
     ("speculative,block", "--kl sets a KL bound, which verifier 'speculative' does not have"),
+    ("none,speculative", "--kl sets a KL bound, which verifier 'speculative' does not have"),
 ])  # fmt: skip
 def test_generate_comparison_inputs_are_checked_before_loading(run, recipe_path, verifiers, pattern):
     code, _, err = run(["generate", "-r", recipe_path, "--verifier", verifiers, "--kl", "0.1", "a"])

@@ -154,8 +154,8 @@ def _comparison_recipes(recipe: Recipe, names: list[str], kl: float | None,
     if len(set(labels)) < len(labels):
         raise UsageError(f"--verifier lists a verifier twice ({', '.join(names)}); give each once")
     bounded = [label for label in labels if label != AUTOREGRESSIVE and registry.verifier_class(label).kl_bound_parameter]
-    if kl is not None and not bounded:
-        registry.with_kl_bound(labels[0], {}, kl)  # the one-line error naming verifiers that have a bound
+    if kl is not None and not bounded:  # the one-line error naming verifiers that have a bound
+        registry.with_kl_bound(next(label for label in labels if label != AUTOREGRESSIVE), {}, kl)
     recipes = {}
     for name in labels:
         params = {} if name == AUTOREGRESSIVE else registry.params_for(name, recipe.verifier.params)
