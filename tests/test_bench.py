@@ -241,3 +241,25 @@ def test_cells_run_example_by_example_so_drift_cancels(run, recipe_path, data, t
     order = [(s["example_id"], s["cell"]) for s in _samples(out)]
     cells = ["baseline T=1", "speculative K=1 L=2 T=1", "speculative K=1 L=3 T=1"]
     assert order == [(example, cell) for example in ("0", "1", "2") for cell in cells]
+
+
+def test_per_category_speedup_compares_the_examples_both_runs_finished():
+    """An interrupted baseline lacks an example: the category's speedup leaves it out on both sides."""
+    from specdec_cli.bench.results import summarize
+
+    def record(cell, example, category, tokens, seconds):
+        stats = {"new_tokens": tokens, "target_forwards": tokens, "draft_forwards": 0, "drafted_tokens": 0,
+                 "verified_tokens": 0, "accepted_tokens": 0, "draft_time_s": 0.0, "target_time_s": seconds,
+                 "verify_time_s": 0.0, "wall_time_s": seconds, "forward_time_s": seconds,
+                 "drafted_per_position": [], "accepted_per_position": []}  # fmt: skip
+        return {"cell": cell, "seed": 0, "example_id": example, "index": int(example), "category": category,
+                "text": "x", "reference": None, "stats": stats}  # fmt: skip
+
+    baseline = {"verifier": "none", "kl": None, "num_drafts": 0, "draft_length": 0, "temperature": 1.0,
+                "draft_temperatures": None}  # fmt: skip
+    speculative = {**baseline, "verifier": "speculative", "num_drafts": 1, "draft_length": 3}
+    config = {"cells": [baseline, speculative], "task": {"metrics": [], "per_category": True}}
+    records = [record("baseline T=1", "0", "a", 10, 1.0),  # the baseline never ran example 1
+               record("speculative K=1 L=3 T=1", "0", "a", 10, 0.5), record("speculative K=1 L=3 T=1", "1", "a", 10, 5.0)]
+    metrics = summarize(config, records).cells[1].per_seed["0"]
+    assert metrics["speedup_by_category"] == {"a": pytest.approx(2.0)} and metrics["speedup"] == pytest.approx(2.0)

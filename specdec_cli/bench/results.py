@@ -105,11 +105,11 @@ def _seed_metrics(cell: GridCell, samples: list[dict], baseline: list[dict], con
         del metrics["token_acceptance"]  # a block-level decision has no per-token acceptance
     if config["task"]["per_category"]:
         metrics["tokens_per_second_by_category"] = _by_category(samples)
-        if cell.verifier != BASELINE and baseline:
-            shared = {r["example_id"] for r in samples}
+        if cell.verifier != BASELINE and baseline:  # like the overall speedup: on the examples both ran
+            shared = {r["example_id"] for r in samples} & {r["example_id"] for r in baseline}
+            mine = _by_category([r for r in samples if r["example_id"] in shared])
             base = _by_category([r for r in baseline if r["example_id"] in shared])
-            metrics["speedup_by_category"] = {name: rate / base[name] for name, rate in
-                                              metrics["tokens_per_second_by_category"].items() if base.get(name)}  # fmt: skip
+            metrics["speedup_by_category"] = {name: rate / base[name] for name, rate in mine.items() if base.get(name)}
     return metrics
 
 
