@@ -1,7 +1,7 @@
 """End to end on the offline default pair: specdec against transformers' assisted generation, side by side.
 
 Both use the very same model objects: the float32 SmolLM2-135M-Instruct target and its bfloat16
-copy as the draft (recipes/default.yaml), the same chat-templated prompts, temperature 1 over the
+copy as the draft (the shipped default recipe), the same chat-templated prompts, temperature 1 over the
 full vocabulary (no top-k, no top-p), γ = L = 4 draft tokens, and the same max_new_tokens; and
 both targets alone as baselines. Configurations are interleaved prompt by prompt, after one
 warm-up generation each. Reported: tokens/s, tokens per target forward (target forwards counted
