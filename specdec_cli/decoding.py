@@ -7,8 +7,10 @@ call without loading anything again (:meth:`~specdec_cli.engine.SpeculativeDecod
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
+from .draft_rows import DraftRows
 from .errors import UsageError
 from .models import LoadedModel
 from .recipe import DecodingConfig
@@ -34,31 +36,33 @@ class Draft:
             top_p=generation.top_p if self.top_p is None else self.top_p,
         )
 
+    def law(self, config: DecodingConfig) -> Hashable:
+        """The key of this draft's law for :class:`~specdec_cli.draft_rows.DraftRows`: drafts that share a
+        loaded model and sampling settings draw from one law."""
+        return id(self.model.model), self.sampling(config)
+
 
 def target_sampling(config: DecodingConfig) -> SamplingParams:
     """The target's sampling law under ``config`` (every draft's too, unless it sets its own)."""
     return SamplingParams(config.generation.temperature, config.generation.top_k, config.generation.top_p)
 
 
-def create_verifier(
-    config: DecodingConfig, draft_rows: int, identical_laws: bool, registry: VerifierRegistry
-) -> BlockVerifier | None:
-    """The config's verifier (None for the target alone), once it has said it takes these drafts.
+def create_verifier(config: DecodingConfig, rows: DraftRows, registry: VerifierRegistry) -> BlockVerifier | None:
+    """The config's verifier (None for the target alone), once it has said it takes these draft rows.
 
-    draft_rows: drafts per position (K × draft configs); identical_laws: all are sampled from one
-    law. Refusals are one line that says what would work instead.
+    Refusals are one line that says what would work instead.
     """
     if not config.speculative:
         return None
-    if draft_rows == 0:
+    if rows.count == 0:
         raise UsageError("no draft to speculate with: add a 'draft:' section to the recipe, or use --autoregressive")
     verifier = registry.create(config.verifier.name, dict(config.verifier.params))
-    reason = type(verifier).reason_to_refuse(draft_rows, identical_laws)
+    reason = type(verifier).reason_to_refuse(rows.count, rows.identical_laws)
     if reason is None:
         return verifier
-    if draft_rows > (verifier.max_drafts or draft_rows):
-        takes_more = registry.names_where(lambda cls: cls.max_drafts is None or cls.max_drafts >= draft_rows)
-        hint = f"lower --num-drafts (K × draft configs = {draft_rows}), or use {', '.join(takes_more)}"
+    if rows.count > (verifier.max_drafts or rows.count):
+        takes_more = registry.names_where(lambda cls: cls.max_drafts is None or cls.max_drafts >= rows.count)
+        hint = f"lower --num-drafts (K × draft configs = {rows.count}), or use {', '.join(takes_more)}"
     else:
         different = registry.names_where(lambda cls: not cls.identical_drafts and (cls.max_drafts or 2) > 1)
         hint = f"use one draft config, or a verifier for different drafts ({', '.join(different)})"

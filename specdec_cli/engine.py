@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .decoding import Draft, create_verifier, target_sampling
+from .draft_rows import every_config, recipe_draft_rows
 from .errors import NonFiniteLogitsError, UsageError
 from .inputs import require_text
 from .model_pool import ModelPool
@@ -82,9 +83,8 @@ class SpeculativeDecoder:
         self.target_params = target_sampling(config)
         self.target_session = ModelSession(target, self.vocab_size, config.speculation.kv_cache)
         self.draft_groups = self._draft_groups() if config.speculative else []
-        rows = [params for group in self.draft_groups for params in group.row_params]
-        identical = len(self.draft_groups) == 1 and len(set(rows)) == 1
-        self.verifier = create_verifier(config, len(rows), identical, self.registry)
+        rows = every_config([draft.law(config) for draft in self.drafts], config.speculation.num_drafts)
+        self.verifier = create_verifier(config, rows, self.registry)
         self.draft_length = config.speculation.draft_length if self.draft_groups else 0
         self.eos_ids = target.eos_ids
         self.eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=target.device)  # [eos ids]
@@ -131,8 +131,7 @@ class SpeculativeDecoder:
         config = recipe.decoding_config()
         if autoregressive:
             config = config.replace(verifier=AUTOREGRESSIVE)
-        draft_rows = len(recipe.drafts) * config.speculation.num_drafts if config.speculative else 0
-        create_verifier(config, draft_rows, len(set(recipe.drafts)) == 1, registry)
+        create_verifier(config, recipe_draft_rows(recipe), registry)
         return config
 
     # ----------------------------------------------------------------------- generation

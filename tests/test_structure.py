@@ -131,7 +131,7 @@ def test_a_third_party_kl_bound_gets_the_sweep_and_the_kl_column(tiny_models):
     assert "takes at most 1 draft" in report.unavailable[("budgeted D=0.5", 2)]
     grid = Grid(verifiers=("budgeted", "speculative"), kl=(0.1, 0.2), num_drafts=(1,), draft_lengths=(3,),
                 temperatures=(1.0,))  # fmt: skip
-    cells, _ = grid.cells(registry)
+    cells, _ = grid.cells(registry, recipe)
     assert [c.key for c in cells] == ["baseline T=1", "budgeted D=0.1 K=1 L=3 T=1", "budgeted D=0.2 K=1 L=3 T=1",
                                       "speculative K=1 L=3 T=1"]  # fmt: skip
     assert cells[1].recipe(recipe, registry).verifier.params == {"budget": 0.1}

@@ -2,7 +2,12 @@
 
 Accept the draft token x with probability min(1, λ·q(x)/p(x)), otherwise draw from (q - p)+.
 λ = 1 is standard speculative sampling (lossless); λ > 1 accepts more often and is lossy.
+λ < 1 is refused: a rejection could then happen where q(x) > p(x), and the residual (q - p)+ would
+often hand back the rejected token itself, so the rule would neither accept min(p, λq) nor be
+the scheme its name promises.
 """
+
+import math
 
 import torch
 
@@ -15,7 +20,10 @@ class LenientSpeculative(Verifier):
     max_drafts = 1
 
     def __init__(self, *, leniency: float = 1.0):
-        self.leniency = leniency
+        # specdec shows a constructor's ValueError to the user as one line naming the verifier.
+        if not isinstance(leniency, (int, float)) or not math.isfinite(leniency) or leniency < 1:
+            raise ValueError(f"leniency must be a finite number >= 1 (1 = speculative sampling), got {leniency!r}")
+        self.leniency = float(leniency)
 
     def _accept(self, target_probs, draft_probs, x):  # min(1, λ q(x)/p(x)) for x [..., 1]
         return (self.leniency * target_probs.gather(-1, x) / draft_probs.gather(-1, x)).clamp(max=1.0)

@@ -14,10 +14,12 @@ vocabulary for K identical drafts, and for K = 2 different drafts when they shar
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 
+from ..draft_rows import DraftRows, round_robin
 from ..engine import SpeculativeDecoder, sample_seed
 from ..errors import SpecdecError, UsageError
 from ..model_pool import ModelPool
@@ -54,6 +56,8 @@ class AcceptanceAnalysis:
         pool = pool if pool is not None else ModelPool()
         self.decoder = SpeculativeDecoder.from_recipe(recipe, autoregressive=True, pool=pool, registry=self.registry)
         self.drafts = pool.drafts(recipe.drafts, self.decoder.target)
+        _check_memory(recipe.generation.max_new_tokens, max(request.num_drafts), self.decoder.vocab_size,
+                      self.decoder.device)  # fmt: skip
 
     def _verifiers(self, bounds: Sequence[float]) -> dict[AcceptanceRow, BlockVerifier]:
         """One verifier per row; a verifier with a KL bound gets a row per bound (one with its own
@@ -71,6 +75,10 @@ class AcceptanceAnalysis:
                 verifiers[row] = self.registry.create(name, self.registry.with_kl_bound(name, own, bound))
         return verifiers
 
+    def draft_rows(self, num_drafts: int) -> DraftRows:
+        """K = ``num_drafts`` rows taken in turn from the draft configs."""
+        return round_robin([draft.law(self.decoder.config) for draft in self.drafts], num_drafts)
+
     def rows(self) -> list[AcceptanceRow]:
         return [AcceptanceRow(OPTIMUM), *self.verifiers]
 
@@ -85,8 +93,9 @@ class AcceptanceAnalysis:
         was computed (``interrupted``). A prompt's result depends only on the recipe and its index."""
         if self.request.kl_values is None and self._has_kl_bound():
             self.derive_kl_values(prompts[0])
+        identical = all(self.draft_rows(k).identical_laws for k in self.request.num_drafts)
         report = AcceptanceReport(rows=self.rows(), num_drafts=sorted(set(self.request.num_drafts)),
-                                  identical_drafts=len(self.drafts) == 1)  # fmt: skip
+                                  identical_drafts=identical)  # fmt: skip
         finished = {result.prompt_index: result for result in done}
         encoded = [self.decoder.encode_prompt(p) for p in prompts]
         try:
@@ -149,7 +158,7 @@ class AcceptanceAnalysis:
         result = PromptAcceptance(prompt=prompt, prompt_index=index, positions=len(tokens))
         for num_drafts in self.request.num_drafts:
             drafts = configs[:, [k % len(self.drafts) for k in range(num_drafts)]]  # [T, K, V]
-            identical = len(self.drafts) == 1 or num_drafts == 1
+            identical = self.draft_rows(num_drafts).identical_laws
             optimum, reason = _optimum(target, drafts, identical)
             result.record(AcceptanceRow(OPTIMUM), num_drafts, optimum, reason)
             for row, verifier in self.verifiers.items():
@@ -190,3 +199,26 @@ def _optimum(target: torch.Tensor, drafts: torch.Tensor, identical: bool) -> tup
         )
     return [float(optimal_acceptance_two_drafts(q, p[0], p[1])) for q, p in zip(target, drafts)], ""
 
+
+
+def _check_memory(positions: int, num_drafts: int, vocab_size: int, device: torch.device) -> None:
+    """A prompt's K draft laws, ``[T, K, V]`` in float64, must fit the device's memory: refuse a
+    ``--num-drafts`` or ``--max-new-tokens`` too large for it in one line, before allocating."""
+    needed = positions * num_drafts * vocab_size * 8
+    available = _device_memory(device)
+    if available is not None and needed > available:
+        raise UsageError(
+            f"--num-drafts {num_drafts} with --max-new-tokens {positions} needs {needed / 2**30:.3g} GiB for the draft laws "
+            f"alone ({positions} positions × {num_drafts} drafts × {vocab_size} tokens × 8 bytes) and this device has "
+            f"{available / 2**30:.3g} GiB; lower --num-drafts or --max-new-tokens"
+        )
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes (None where it cannot be told)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None

@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from ..draft_rows import recipe_draft_rows
+from ..errors import UsageError
 from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig
 from ..registry import VerifierRegistry
 
@@ -54,6 +56,8 @@ class GridCell:
             return dataclasses.replace(base, generation=generation, verifier=VerifierConfig(name=BASELINE))
         drafts = base.drafts
         if self.draft_temperatures is not None:
+            if not base.drafts:
+                raise UsageError("--draft-temperatures needs a draft in the recipe to copy")
             drafts = tuple(dataclasses.replace(base.drafts[0], temperature=t) for t in self.draft_temperatures)
         params = registry.params_for(self.verifier, base.verifier.params)
         if self.kl is not None:
@@ -76,8 +80,9 @@ class Grid:
     temperatures: tuple[float, ...]
     draft_temperatures: tuple[tuple[float, ...] | None, ...] = (None,)
 
-    def cells(self, registry: VerifierRegistry) -> tuple[list[GridCell], list[str]]:
-        """Baselines first, then every combination the verifier takes; and why the others were left out."""
+    def cells(self, registry: VerifierRegistry, base: Recipe) -> tuple[list[GridCell], list[str]]:
+        """Baselines first, then every combination whose verifier takes the cell's draft rows (counted
+        from the cell's own recipe over ``base``, as the engine counts them); and why the others were left out."""
         cells = [GridCell.baseline(t) for t in self.temperatures]
         skipped = []
         for name in self.verifiers:
@@ -87,11 +92,12 @@ class Grid:
             for kl, k, length, temperature, draft_temps in itertools.product(
                 bounds, self.num_drafts, self.draft_lengths, self.temperatures, self.draft_temperatures
             ):
-                rows = k * (len(draft_temps) if draft_temps else 1)
-                reason = verifier_class.reason_to_refuse(rows, identical_laws=not draft_temps or len(set(draft_temps)) == 1)
+                cell = GridCell(verifier=name, kl=kl, num_drafts=k, draft_length=length, temperature=temperature,
+                                draft_temperatures=draft_temps)  # fmt: skip
+                rows = recipe_draft_rows(cell.recipe(base, registry))
+                reason = verifier_class.reason_to_refuse(rows.count, rows.identical_laws)
                 if reason is not None:
                     skipped.append(reason)
                     continue
-                cells.append(GridCell(verifier=name, kl=kl, num_drafts=k, draft_length=length, temperature=temperature,
-                                      draft_temperatures=draft_temps))  # fmt: skip
+                cells.append(cell)
         return cells, sorted(set(skipped))

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+from collections.abc import Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -14,6 +15,7 @@ from rich.console import Console
 
 from ..acceptance import report
 from ..acceptance.results import PROMPT_RECORDS, AcceptanceReport, AcceptanceRequest, PromptAcceptance
+from ..draft_rows import draft_law, round_robin
 from ..errors import UsageError
 from ..inputs import check_plot_path, subset
 from ..recipe import Recipe
@@ -68,7 +70,8 @@ def acceptance(
     common.check_at_least_one(limit, "--limit")
     counts = tuple(common.parse_list(num_drafts, int, "--num-drafts"))
     bounds = common.parse_list(kl, float, "--kl")
-    names, left_out = _applicable(common.parse_list(verifiers, str, "--verifier"), counts, len(set(resolved.drafts)) <= 1)
+    laws = [draft_law(draft, resolved.generation) for draft in resolved.drafts]
+    names, left_out = _applicable(common.parse_list(verifiers, str, "--verifier"), counts, laws)
     request = AcceptanceRequest(verifiers=tuple(names), num_drafts=counts, kl_values=tuple(bounds) if bounds else None)
     texts = subset(_prompts([*(prompt_args or []), *(prompts or [])], prompt_file, field), limit, shuffle, shuffle_seed)
     check_plot_path(plot)
@@ -135,14 +138,17 @@ def _open_store(output: Path | None, recipe: Recipe, request: AcceptanceRequest,
     return ResultsStore(output, config, kind=PROMPT_RECORDS)
 
 
-def _applicable(names: list[str], num_drafts: tuple[int, ...], identical: bool) -> tuple[list[str], list[str]]:
+def _applicable(names: list[str], num_drafts: tuple[int, ...], draft_laws: list[Hashable]) -> tuple[list[str], list[str]]:
     """The verifiers (default: every installed one) that have a per-token acceptance for some K of
-    ``num_drafts``, and why each other one is left out. Checked before any model loads."""
+    ``num_drafts`` (K rows taken in turn from the draft configs, whose laws are keyed by ``draft_laws``),
+    and why each other one is left out. Checked before any model loads."""
     registry = VerifierRegistry()
     kept, left_out = [], []
+    # A recipe without drafts is refused, in its own words, when the analysis is set up.
+    rows = [round_robin(draft_laws or [None], k) for k in num_drafts]
     for name in [registry.canonical(n) for n in names] or registry.names():
         cls = registry.verifier_class(name)
-        reasons = [cls.reason_to_refuse(k, identical or k == 1) for k in num_drafts]
+        reasons = [cls.reason_to_refuse(row.count, row.identical_laws) for row in rows]
         if not cls.token_level:
             left_out.append(f"{name} (decides whole blocks, so it has no per-token acceptance; compare it with bench)")
         elif all(reasons):

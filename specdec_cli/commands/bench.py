@@ -113,7 +113,7 @@ class _Plan:
 
     def __post_init__(self) -> None:
         self.languages = parse_lang_pair(self.lang_pair)
-        self.cells, self.skipped = self.grid.cells(self.registry)
+        self.cells, self.skipped = self.grid.cells(self.registry, self.base)
         from ..bench.runner import check_cells  # torch: imported only on the paths that run models
 
         self.notes = check_cells(self.cells, self.skipped, self.base, self.registry)

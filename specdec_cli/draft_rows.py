@@ -1,0 +1,58 @@
+"""The one rule for "which draft rows does a block verify, and are their laws identical".
+
+A block verifies ``count`` draft rows at each position. Their laws are identical when every row is
+sampled from the same model with the same sampling settings: SpecTr takes only such drafts, and
+the optimum for identical drafts has a closed form. The engine (loaded drafts), bench's grid and
+acceptance (recipes, before any model loads) all ask :meth:`DraftRows.of`, each giving one law key
+per row; :func:`draft_law` is the key of a recipe's draft, ``Draft.law`` of a loaded one.
+
+Torch-free, so that reading a results folder or listing a grid stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from .recipe import DraftConfig, GenerationConfig, Recipe
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """The draft rows of one position of a block."""
+
+    count: int
+    """Drafts per position: K rows of each draft config (0 for the target alone)."""
+    identical_laws: bool
+    """Every row is sampled from one law: one model under one set of sampling settings."""
+
+    @classmethod
+    def of(cls, row_laws: Sequence[Hashable]) -> "DraftRows":
+        """The rows whose laws are keyed by ``row_laws`` (one key per row; equal keys, equal laws)."""
+        return cls(count=len(row_laws), identical_laws=len(set(row_laws)) <= 1)
+
+
+def draft_law(draft: DraftConfig, generation: GenerationConfig) -> Hashable:
+    """What decides the law of a recipe's draft: its model (the config without its sampling
+    settings) and its sampling settings, a left-out one taking the target's (``generation``)."""
+    model = dataclasses.replace(draft, temperature=None, top_k=None, top_p=None)
+    sampling = tuple(generation_value if own is None else own for own, generation_value in (
+        (draft.temperature, generation.temperature), (draft.top_k, generation.top_k), (draft.top_p, generation.top_p)))
+    return model, sampling
+
+
+def every_config(config_laws: Sequence[Hashable], num_drafts: int) -> DraftRows:
+    """A block's rows: ``num_drafts`` samples of each draft config (how the engine drafts)."""
+    return DraftRows.of([law for law in config_laws for _ in range(num_drafts)])
+
+
+def round_robin(config_laws: Sequence[Hashable], num_drafts: int) -> DraftRows:
+    """``num_drafts`` rows taken in turn from the draft configs (how ``acceptance`` counts K)."""
+    return DraftRows.of([config_laws[k % len(config_laws)] for k in range(num_drafts)])
+
+
+def recipe_draft_rows(recipe: Recipe) -> DraftRows:
+    """The rows a recipe's blocks verify, known before any model loads."""
+    laws = [draft_law(draft, recipe.generation) for draft in recipe.drafts]
+    return every_config(laws, recipe.speculation.num_drafts)
