@@ -1,27 +1,37 @@
-"""Does the draft pay on this machine? One short measurement of a decoder's forward costs, cached.
+"""Does the draft pay on this machine? A short measurement of a decoder's forward costs, cached.
 
 Speculation is faster than the target alone only when a draft forward is cheap next to a target
 forward. On a CPU without native bfloat16, for example, a bfloat16 draft can cost more than a
 float32 target many times its size. :func:`draft_cost` measures both forwards with the engine's
-own timers (two short generations, the first untimed), and caches the result beside the
-converted weights. :func:`draft_cost_note` turns it into one honest line when the draft does not pay.
+own timers (a few short generations of each, the first untimed; the least time of each quantity,
+since a busy machine only ever adds time) and caches the result beside the converted weights, with
+its date. A cached figure is measured again when asked, when it is a month old, and when it cannot
+be right (a damaged entry, or a smaller draft of the same dtype slower than the target scoring a whole block).
+:func:`draft_cost_note` turns it into one honest line when the draft does not pay.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+import math
+from contextlib import suppress
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import torch
 
 from .engine import SpeculativeDecoder
-from .inputs import cache_dir, write_cache_file
+from .inputs import cache_dir
 from .provenance import cpu_model
 from .recipe import AUTOREGRESSIVE
+from .results_store import write_atomically
 from .stats import SampleStats
 
-_CALIBRATION_TOKENS = 16
+_CALIBRATION_TOKENS = 8
+_REPEATS = 3
+_MAX_AGE = timedelta(days=30)
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,8 @@ class DraftCost:
     draft_s: float
     acceptance: float
     machine: str
+    measured_at: str = ""
+    """When (ISO 8601, UTC); "" for a figure not measured here."""
 
     def speedup(self, acceptance: float, draft_length: int) -> float:
         """Expected token rate over the target alone's: tokens a block commits, (1 − α^(L+1)) / (1 − α),
@@ -43,33 +55,83 @@ class DraftCost:
         return tokens * self.target_token_s / block if block else 0.0
 
 
-def draft_cost(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> DraftCost:
-    """The decoder's forward costs on this machine: from the cache, or measured now (a few seconds)."""
+def draft_cost(decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool = False) -> DraftCost | None:
+    """The decoder's forward costs on this machine: the cached figure if it can be trusted (and
+    ``recalibrate`` is off), else measured now (a few seconds) and cached. None when even a fresh
+    measurement cannot be right (a machine too busy to measure): no figure says less than a wrong one."""
     machine = _machine(decoder)
     path = cache_dir() / "calibration" / f"{_key(decoder, machine)}.json"
-    if path.is_file():
-        try:
-            return DraftCost(**json.loads(path.read_text()))
-        except (ValueError, TypeError):
-            pass  # a damaged or older cache entry is measured again
-    speculative, alone = (_steady_stats(decoder.with_config(**changes), prompt_ids)
-                          for changes in ({}, {"verifier": AUTOREGRESSIVE}))  # fmt: skip
-    cost = DraftCost(
-        target_token_s=alone.target_time_s / max(alone.target_forwards, 1),
-        target_block_s=speculative.target_time_s / max(speculative.target_forwards, 1),
-        draft_s=speculative.draft_time_s / max(speculative.draft_forwards, 1),
-        acceptance=speculative.token_acceptance,
-        machine=machine,
-    )
-    write_cache_file(path, json.dumps(asdict(cost)))
+    cached = None if recalibrate else _read_cached(path)
+    if cached is not None and _plausible(cached, decoder):
+        return cached
+    cost = _measure(decoder, prompt_ids, machine)
+    if not _plausible(cost, decoder):
+        return None
+    with suppress(OSError):  # a cache that cannot be written (read-only, full) only costs measuring again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(asdict(cost)))
     return cost
 
 
-def _steady_stats(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> SampleStats:
-    """Statistics of a short generation after an untimed one (lazy initialisation is not the steady cost)."""
+def _measure(decoder: SpeculativeDecoder, prompt_ids: list[int], machine: str) -> DraftCost:
+    """The least time per forward of each kind over a few short generations with the draft and without."""
+    speculative = _timed_runs(decoder, prompt_ids)
+    alone = _timed_runs(decoder.with_config(verifier=AUTOREGRESSIVE), prompt_ids)
+    return DraftCost(
+        target_token_s=min(s.target_time_s / max(s.target_forwards, 1) for s in alone),
+        target_block_s=min(s.target_time_s / max(s.target_forwards, 1) for s in speculative),
+        draft_s=min(s.draft_time_s / max(s.draft_forwards, 1) for s in speculative),
+        acceptance=sum(s.token_acceptance for s in speculative) / len(speculative),
+        machine=machine,
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _timed_runs(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> list[SampleStats]:
+    """Statistics of :data:`_REPEATS` short generations after an untimed one (lazy initialisation is
+    not the steady cost)."""
     probe = decoder.with_config(max_new_tokens=_CALIBRATION_TOKENS)
     probe.generate_ids(prompt_ids, seed=-1)
-    return probe.generate_ids(prompt_ids, seed=-2)[2]
+    return [probe.generate_ids(prompt_ids, seed=-2 - repeat)[2] for repeat in range(_REPEATS)]
+
+
+def _read_cached(path: Path) -> DraftCost | None:
+    """The cached figure, or None when there is none or it is not one (damaged, another shape, an older
+    format): it is then measured again, never trusted."""
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    names = {f.name: f.type for f in fields(DraftCost)}
+    if not isinstance(entry, dict) or entry.keys() != names.keys():
+        return None
+    if not all(isinstance(entry[name], str if kind == "str" else (int, float)) and not isinstance(entry[name], bool)
+               for name, kind in names.items()):  # fmt: skip
+        return None
+    return DraftCost(**entry)
+
+
+def _plausible(cost: DraftCost, decoder: SpeculativeDecoder) -> bool:
+    """Whether ``cost`` can be this machine's: positive finite times, an acceptance in [0, 1], measured
+    less than :data:`_MAX_AGE` ago, and no draft step slower than the target's forward over a whole block
+    when every draft is smaller than the target and of its dtype (a busy machine measured, not the model)."""
+    times = (cost.target_token_s, cost.target_block_s, cost.draft_s)
+    if not all(math.isfinite(t) and t > 0 for t in times) or not 0 <= cost.acceptance <= 1:
+        return False
+    try:
+        age = datetime.now(timezone.utc) - datetime.fromisoformat(cost.measured_at)
+    except (ValueError, TypeError):  # not a date, or one without its time zone
+        return False
+    if not timedelta(0) <= age <= _MAX_AGE:
+        return False
+    target = decoder.target.model
+    like_the_target = all(d.model.model.dtype == target.dtype and _size(d.model.model) < _size(target)
+                          for d in decoder.drafts)  # fmt: skip
+    return not (like_the_target and cost.draft_s > cost.target_block_s)
+
+
+def _size(model: torch.nn.Module) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
 
 
 def draft_cost_note(cost: DraftCost, draft_length: int, bfloat16_draft: bool) -> str | None:
@@ -89,15 +151,20 @@ def draft_cost_note(cost: DraftCost, draft_length: int, bfloat16_draft: bool) ->
     remedy = "a GPU"
     if bfloat16_draft and "no native bfloat16" in cost.machine:
         remedy += ", or a CPU with native bfloat16 (avx512_bf16 or AMX) for this bfloat16 draft,"
-    return f"note: {figures}, {verdict}; {remedy} would make it pay (measured once, cached)"
+    measured = f"measured {cost.measured_at[:10]}" if cost.measured_at else "measured"
+    return f"note: {figures}, {verdict}; {remedy} would make it pay ({measured}, cached; --recalibrate measures again)"
 
 
-def note_for(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> str | None:
-    """:func:`draft_cost_note` for a speculative decoder (None for the target alone, or when the draft pays)."""
+def note_for(decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool = False) -> str | None:
+    """:func:`draft_cost_note` for a speculative decoder (None for the target alone, when the draft pays,
+    or when no trustworthy figure could be measured). ``recalibrate``: measure again, whatever is cached."""
     if decoder.verifier is None:
         return None
+    cost = draft_cost(decoder, prompt_ids, recalibrate)
+    if cost is None:
+        return None
     bfloat16_draft = any(d.model.model.dtype == torch.bfloat16 for d in decoder.drafts)
-    return draft_cost_note(draft_cost(decoder, prompt_ids), decoder.draft_length, bfloat16_draft)
+    return draft_cost_note(cost, decoder.draft_length, bfloat16_draft)
 
 
 def _machine(decoder: SpeculativeDecoder) -> str:

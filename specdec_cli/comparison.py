@@ -1,17 +1,19 @@
 """Several decoding configurations on the same prompts and seeds, with the models loaded once.
 
-:func:`compare` runs every configuration on each (prompt, sample) in turn, so slow drift of the
-machine (thermal, other load) falls on all of them alike, after one untimed warm-up each. A
+:class:`Comparison` runs every configuration on each (prompt, sample) in turn, so slow drift of
+the machine (thermal, other load) falls on all of them alike, after one untimed warm-up each. A
 configuration's figures are pooled over its samples: tokens per second is all its tokens over all
 its generation time, excluding model loading and the warm-up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .engine import SpeculativeDecoder, sample_seed
+from .engine import BlockCallback, SpeculativeDecoder, sample_seed
 from .stats import GenerationResult
 
 TokenCallback = Callable[[int], None]
@@ -65,33 +67,62 @@ class ConfigurationResult:
         }  # fmt: skip
 
 
-def compare(
-    decoders: dict[str, SpeculativeDecoder], prompts: Sequence[str], num_samples: int = 1,
-    on_tokens: TokenCallback | None = None,
-) -> list[ConfigurationResult]:  # fmt: skip
-    """Every configuration (label → decoder over the same models) on every prompt and sample, interleaved."""
-    encoded = {label: [d.encode_prompt(p) for p in prompts] for label, d in decoders.items()}  # all checked first
-    rows = [ConfigurationResult(label=label, decoder=decoder) for label, decoder in decoders.items()]
-    for row in rows:
-        row.decoder.warm_up(encoded[row.label][0])
-    for prompt_index, prompt in enumerate(prompts):
-        for sample_index in range(num_samples):
-            seed = sample_seed(rows[0].decoder.config.seed, prompt_index, sample_index)
-            for row in rows:
-                row.results.append(_sample(row.decoder, prompt, prompt_index, sample_index,
-                                           encoded[row.label][prompt_index], seed, on_tokens))  # fmt: skip
-    baseline = next((row for row in rows if not row.speculative), None)
-    if baseline is not None and baseline.tokens_per_second:
-        for row in rows:
-            row.speedup = row.tokens_per_second / baseline.tokens_per_second
-    return rows
+class Comparison:
+    """Configurations (label → decoder over the same models) run side by side, one round at a time.
+
+    A round is one (prompt, sample): every configuration runs it in turn, with the same seed. Its
+    results join :attr:`rows` only once every configuration has finished it, so a run stopped
+    part-way (Ctrl-C) still compares the configurations on the same samples.
+    """
+
+    def __init__(self, decoders: dict[str, SpeculativeDecoder]):
+        self.rows = [ConfigurationResult(label=label, decoder=decoder) for label, decoder in decoders.items()]
+
+    @property
+    def rounds(self) -> int:
+        """Complete rounds so far: the samples each configuration's figures are pooled over."""
+        return len(self.rows[0].results)
+
+    def run(self, prompts: Sequence[str], num_samples: int = 1,
+            on_tokens: TokenCallback | None = None) -> Iterator[list[GenerationResult]]:  # fmt: skip
+        """Warm every configuration up, then yield each round's results (in the order of :attr:`rows`)
+        once they are added to the rows; speedups are updated after each round."""
+        encoded = {row.label: [row.decoder.encode_prompt(p) for p in prompts] for row in self.rows}  # all checked first
+        for row in self.rows:
+            row.decoder.warm_up(encoded[row.label][0])
+        progress = None if on_tokens is None else (lambda tokens, _mask: on_tokens(len(tokens)))
+        for prompt_index, sample_index in itertools.product(range(len(prompts)), range(num_samples)):
+            results = []
+            for row in self.rows:
+                ids = encoded[row.label][prompt_index]
+                results.append(_sample(row.decoder, prompts[prompt_index], prompt_index, sample_index, ids, progress))
+                if on_tokens is not None:
+                    on_tokens(row.decoder.config.generation.max_new_tokens - len(results[-1].token_ids))  # stopped early
+            for row, result in zip(self.rows, results):
+                row.results.append(result)
+            self._update_speedups()
+            yield results
+
+    def _update_speedups(self) -> None:
+        baseline = next((row for row in self.rows if not row.speculative), None)
+        if baseline is not None and baseline.tokens_per_second:
+            for row in self.rows:
+                row.speedup = row.tokens_per_second / baseline.tokens_per_second
 
 
-def _sample(decoder: SpeculativeDecoder, prompt: str, prompt_index: int, sample_index: int, ids: list[int], seed: int,
-            on_tokens: TokenCallback | None) -> GenerationResult:  # fmt: skip
-    progress = None if on_tokens is None else (lambda tokens, _mask: on_tokens(len(tokens)))
-    tokens, mask, stats = decoder.generate_ids(ids, seed, progress)
-    if on_tokens is not None:
-        on_tokens(decoder.config.generation.max_new_tokens - len(tokens))  # a sample that stopped early
+def samples(decoder: SpeculativeDecoder, prompts: Sequence[str], num_samples: int = 1,
+            on_block: BlockCallback | None = None) -> Iterator[GenerationResult]:  # fmt: skip
+    """Each sample of each prompt (prompt-major), yielded as it finishes: the seeds and tokens of
+    :meth:`SpeculativeDecoder.generate`, so a caller that is stopped keeps the samples it was given."""
+    encoded = [decoder.encode_prompt(p) for p in prompts]  # all checked before any model runs
+    for prompt_index, sample_index in itertools.product(range(len(prompts)), range(num_samples)):
+        callback = None if on_block is None else functools.partial(on_block, prompt_index, sample_index)
+        yield _sample(decoder, prompts[prompt_index], prompt_index, sample_index, encoded[prompt_index], callback)
+
+
+def _sample(decoder: SpeculativeDecoder, prompt: str, prompt_index: int, sample_index: int, ids: list[int],
+            on_block: Callable[[list[int], list[bool]], None] | None) -> GenerationResult:  # fmt: skip
+    seed = sample_seed(decoder.config.seed, prompt_index, sample_index)
+    tokens, mask, stats = decoder.generate_ids(ids, seed, on_block)
     text = decoder.target.tokenizer.decode(tokens, skip_special_tokens=True)
     return GenerationResult(prompt, prompt_index, sample_index, tokens, text, stats, mask)

@@ -8,15 +8,20 @@ bench (cell, seed, example), an acceptance prompt) as soon as it is made, flushe
 leaves a valid folder and a re-run skips what is done. Processes of a distributed run write
 ``samples.rank<R>.jsonl`` and rank 0 merges them at the end. The summaries (``results.json``,
 ``acceptance.json``, tables) are derived from the records and rewritten whenever a run stops.
+Every file that is rewritten rather than appended to is replaced at once (:func:`write_atomically`):
+a full disk or a kill while writing leaves its previous version.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,19 @@ SAMPLES = "samples.jsonl"
 CONFIG = "config.json"
 LOCK = ".lock"
 
+# The keys that tell which command wrote a config.json (see commands/bench.py and commands/acceptance.py).
+_WRITERS = {"bench": frozenset({"cells", "seeds"}), "acceptance": frozenset({"request", "prompts"})}
+# What bench --report reads of a bench config.json (a type, [shape of each item], {key: shape}).
+_NUMBER = (int, float)
+_BENCH_CONFIG = {
+    "recipe": dict,
+    "task": {"name": str, "metrics": [str], "per_category": bool},
+    "data": {"examples": int},
+    "cells": [{"verifier": str, "kl": (*_NUMBER, type(None)), "num_drafts": int, "draft_length": int,
+               "temperature": _NUMBER, "draft_temperatures": ([_NUMBER], type(None))}],
+    "seeds": [int],
+}
+
 
 @dataclass(frozen=True)
 class RecordKind:
@@ -36,13 +54,17 @@ class RecordKind:
     key: Callable[[dict], tuple]
     fields: frozenset[str]
     may_change: tuple[str, ...] = ()
+    shape: dict[str, Any] = field(default_factory=dict)
+    """JSON types of some fields (see :func:`_fits`): a record whose fields have others is refused."""
 
 
 def sample_key(record: dict) -> tuple[str, int, str]:
     return record["cell"], record["seed"], record["example_id"]
 
 
-BENCH_SAMPLES = RecordKind(sample_key, frozenset({"cell", "seed", "example_id", "index", "stats", "text"}), ("cells",))
+_SAMPLE_SHAPE = {"cell": str, "seed": int, "example_id": str, "index": int, "stats": dict, "text": str,
+                 "reference": (str, type(None))}
+BENCH_SAMPLES = RecordKind(sample_key, frozenset(_SAMPLE_SHAPE), ("cells",), _SAMPLE_SHAPE)
 
 
 class ResultsStore:
@@ -62,42 +84,39 @@ class ResultsStore:
             return
         check_writable_folder(folder, "--output")
         self._lock = _take_lock(folder / (LOCK if world_size == 1 else f"{LOCK}.rank{rank}"))
-        config_path = folder / CONFIG
-        saved, current = None, json.loads(json.dumps(config))
-        if config_path.exists():
-            saved = _read_config(folder)
-            # A grid of other cells over the same recipe, data and seeds reuses every sample it shares
-            # (the baseline's above all); anything else would mix runs that do not compare.
-            changed = sorted(k for k in set(saved) | set(current)
-                             if k not in kind.may_change and saved.get(k) != current.get(k))  # fmt: skip
-            if changed:
-                raise UsageError(
-                    f"'{folder}' holds results of a different configuration (changed: {', '.join(changed)}); "
-                    "use another --output folder, or delete this one to start over"
-                )
+        try:
+            self._open(folder, kind)
+        except BaseException:
+            self._lock.close()  # a refused folder stays free for the next run
+            raise
+
+    def _open(self, folder: Path, kind: RecordKind) -> None:
+        """Compare the folder's configuration with this run's, read its records, open the samples file."""
+        saved, current = _read_config(folder), json.loads(json.dumps(self.config))
+        if saved is not None:
+            _check_same_run(folder, saved, current, kind)
         # Written with the first record (or at close): a run that fails before it pins nothing.
-        self._config_pending = rank == 0 and saved != current
-        name = SAMPLES if world_size == 1 else f"samples.rank{rank}.jsonl"
-        self.dropped_cut_line = _drop_cut_line(folder / name)
-        for path in sorted(folder.glob("samples*.jsonl")):
-            for record in _read_jsonl(path, kind.fields):
-                self.records[kind.key(record)] = record
-        self._handle = open(folder / name, "a", encoding="utf-8")
+        self._config_pending = self.rank == 0 and saved != current
+        path = folder / (SAMPLES if self.world_size == 1 else f"samples.rank{self.rank}.jsonl")
+        try:
+            self.dropped_cut_line = _drop_cut_line(path)
+            for records_path in sorted(folder.glob("samples*.jsonl")):
+                for record in _read_jsonl(records_path, kind):
+                    self.records[kind.key(record)] = record
+            self._handle = open(path, "a", encoding="utf-8")
+        except OSError as error:  # a samples file that is a folder, or not readable or writable
+            raise UsageError(f"cannot use '{error.filename or path}' ({error.strerror}); make it a writable file "
+                             "or give another --output folder") from None  # fmt: skip
 
     def done(self, key: tuple) -> bool:
         return key in self.records
 
     def append(self, record: dict) -> None:
         if self.folder is not None:
-            self._write_config()
-            try:
+            with self._disk_errors():
+                self._write_config()
                 self._handle.write(json.dumps(record) + "\n")
                 self._handle.flush()
-            except OSError as error:  # a full disk, a lost mount: what was written stays valid
-                raise SpecdecError(
-                    f"cannot write to '{self._handle.name}' ({error.strerror}); {len(self.records)} samples are "
-                    "kept there: free some space and run the same command to resume"
-                ) from None
         self.records[self.kind.key(record)] = record
 
     def merge(self, records: list[dict]) -> None:
@@ -107,51 +126,133 @@ class ResultsStore:
         if self.folder is None:
             return
         self._handle.close()
-        merged = self.folder / f"{SAMPLES}.tmp"
-        with open(merged, "w", encoding="utf-8") as handle:
-            for record in sorted(self.records.values(), key=lambda r: (r["cell"], r["seed"], r["index"])):
-                handle.write(json.dumps(record) + "\n")
-        os.replace(merged, self.folder / SAMPLES)
+        ordered = sorted(self.records.values(), key=lambda r: (r["cell"], r["seed"], r["index"]))
+        with self._disk_errors():
+            write_atomically(self.folder / SAMPLES, "".join(json.dumps(record) + "\n" for record in ordered))
         for path in self.folder.glob("samples.rank*.jsonl"):
             path.unlink()
 
     def _write_config(self) -> None:
         if self._config_pending:
-            (self.folder / CONFIG).write_text(json.dumps(self.config, indent=2) + "\n")
+            write_atomically(self.folder / CONFIG, json.dumps(self.config, indent=2) + "\n")
             self._config_pending = False
 
+    @contextmanager
+    def _disk_errors(self) -> Iterator[None]:
+        """One line for a full disk or a lost mount: what was written stays valid (appended lines, or
+        the previous version of a rewritten file)."""
+        try:
+            yield
+        except OSError as error:
+            raise SpecdecError(
+                f"cannot write to '{self.folder}' ({error.strerror}); {len(self.records)} samples are kept there: "
+                "free some space and run the same command to resume"
+            ) from None
+
     def close(self) -> None:
-        if self.folder is not None and not self._handle.closed:
-            self._write_config()
+        if self.folder is None or self._handle.closed:
+            return
+        try:
+            with self._disk_errors():
+                self._write_config()
+        finally:
             self._handle.close()
             self._lock.close()  # releases the lock
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step: written to a temporary file beside it, forced to the
+    disk, then renamed over it. A failure (a full disk, a kill) leaves the previous file as it was;
+    an ``OSError`` is the caller's to report."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temporary, "x", encoding="utf-8") as handle:  # "x": never another writer's file
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())  # the data is on the disk before the name points at it
+        os.replace(temporary, path)
+    except BaseException:
+        with suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise
+
+
 def load_saved(folder: Path) -> tuple[dict, list[dict]]:
-    """config and samples of a results directory (for --report)."""
-    if not (folder / CONFIG).exists():
+    """config and samples of a bench results folder (for --report); one line for any other folder."""
+    config = _read_config(folder)
+    if config is None:
         raise UsageError(f"'{folder}' is not a specdec bench results directory (no {CONFIG})")
+    writer = _writer(config)
+    if writer not in (None, "bench"):
+        raise UsageError(f"'{folder}' holds {writer} results (written by specdec {writer}); bench --report reads "
+                         "the folders that bench --output writes")  # fmt: skip
     records: dict[tuple, dict] = {}
     for path in sorted(folder.glob("samples*.jsonl")):
-        for record in _read_jsonl(path, BENCH_SAMPLES.fields):
-            records[sample_key(record)] = record
-    config = _read_config(folder)
-    if "cells" not in config:
+        try:
+            for record in _read_jsonl(path, BENCH_SAMPLES):
+                records[sample_key(record)] = record
+        except OSError as error:
+            raise UsageError(f"cannot read '{path}' ({error.strerror}); make it a readable file") from None
+    if writer is None or not _fits(config, _BENCH_CONFIG):
         raise UsageError(f"'{folder / CONFIG}' is not a specdec bench configuration; give a bench --output folder")
     return config, list(records.values())
 
 
-def _read_config(folder: Path) -> dict:
+def _check_same_run(folder: Path, saved: dict, current: dict, kind: RecordKind) -> None:
+    """Refuse a folder of another command, or of another configuration than the keys ``kind`` lets change."""
+    writer = _writer(saved)
+    if writer is not None and writer != _writer(current):
+        raise UsageError(f"'{folder}' holds {writer} results (written by specdec {writer}); give specdec "
+                         f"{_writer(current)} another --output folder")  # fmt: skip
+    # A grid of other cells over the same recipe, data and seeds reuses every sample it shares
+    # (the baseline's above all); anything else would mix runs that do not compare.
+    changed = sorted(k for k in set(saved) | set(current)
+                     if k not in kind.may_change and saved.get(k) != current.get(k))  # fmt: skip
+    if changed:
+        raise UsageError(
+            f"'{folder}' holds results of a different configuration (changed: {', '.join(changed)}); "
+            "use another --output folder, or delete this one to start over"
+        )
+
+
+def _writer(config: dict) -> str | None:
+    """The command that writes configurations like ``config`` (None: none of specdec's)."""
+    return next((name for name, keys in _WRITERS.items() if keys <= config.keys()), None)
+
+
+def _read_config(folder: Path) -> dict | None:
+    """The folder's config.json (None if it has none); one line if it cannot be read or is not a mapping."""
+    path = folder / CONFIG
     try:
-        config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UsageError(f"'{folder / CONFIG}' is damaged ({error}); delete the folder to start over") from None
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as error:
+        raise UsageError(f"cannot read '{path}' ({error.strerror}); make it readable or use another folder") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(
+            f"'{path}' is damaged ({error}); if the samples beside it came from this same command, delete just "
+            f"{CONFIG} and run the command again (they are kept), else use another folder"
+        ) from None
     if not isinstance(config, dict):
-        raise UsageError(f"'{folder / CONFIG}' is not a specdec configuration; use another --output folder")
+        raise UsageError(f"'{path}' is not a specdec results configuration (not a JSON mapping); use another folder")
     return config
 
 
-def _read_jsonl(path: Path, fields: frozenset[str]) -> list[dict]:
+def _fits(value: Any, shape: Any) -> bool:
+    """Whether the JSON ``value`` has ``shape``: a type or tuple of types (``bool`` only where named), a
+    one-item list (a list of items of that shape), a mapping (at least these keys, of these shapes), or a
+    tuple that mixes them (any one of them)."""
+    if isinstance(shape, dict):
+        return isinstance(value, dict) and all(key in value and _fits(value[key], sub) for key, sub in shape.items())
+    if isinstance(shape, list):
+        return isinstance(value, list) and all(_fits(item, shape[0]) for item in value)
+    if isinstance(shape, tuple):
+        return any(_fits(value, option) for option in shape)
+    return isinstance(value, shape) and (shape is bool or not isinstance(value, bool))
+
+
+def _read_jsonl(path: Path, kind: RecordKind) -> list[dict]:
     records = []
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     for number, line in enumerate(lines, 1):
@@ -161,10 +262,21 @@ def _read_jsonl(path: Path, fields: frozenset[str]) -> list[dict]:
             if number == len(lines):
                 continue  # the last line cut short by a kill: that sample is simply run again
             raise UsageError(f"'{path}' line {number} is not JSON; delete that line (its sample runs again)") from None
-        if not isinstance(record, dict) or not fields <= set(record):
+        if not _is_record(record, kind):
             raise UsageError(f"'{path}' line {number} is not a sample record; delete that line (its sample runs again)")
         records.append(record)
     return records
+
+
+def _is_record(record: Any, kind: RecordKind) -> bool:
+    """Whether a JSON line is a record of ``kind``: its fields, of their types, and a key that can key."""
+    if not isinstance(record, dict) or not kind.fields <= record.keys() or not _fits(record, kind.shape):
+        return False
+    try:
+        hash(kind.key(record))
+    except TypeError:  # a key field holding a list or a mapping
+        return False
+    return True
 
 
 def _drop_cut_line(path: Path) -> bool:
@@ -183,19 +295,24 @@ def _drop_cut_line(path: Path) -> bool:
 def _take_lock(path: Path):
     """An exclusive lock on ``path`` for as long as the returned file stays open (the OS frees it if
     the process dies): a second run writing the same folder is refused, naming the holder."""
-    handle = open(path, "a+", encoding="utf-8")
+    try:
+        handle = open(path, "a+", encoding="utf-8", errors="replace")
+    except OSError as error:  # a folder of that name, a read-only file
+        raise UsageError(f"cannot open the lock file '{path}' ({error.strerror}); remove it (specdec makes a new "
+                         "one) or give another --output folder") from None  # fmt: skip
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as error:
         handle.seek(0)
-        holder = handle.read().strip() or "unknown"
+        holder = handle.read(64).strip() or "unknown"
         handle.close()
-        raise UsageError(
-            f"'{path.parent}' is being written by another specdec run (pid {holder}); wait for it to finish "
-            "or give another --output folder"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
+        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise UsageError(f"'{path.parent}' is being written by another specdec run (pid {holder}); wait for it "
+                             "to finish or give another --output folder") from None  # fmt: skip
+        raise UsageError(f"cannot lock '{path}' ({error.strerror}): its filesystem does not support file locks, "
+                         "which keep two runs from mixing their results; give an --output folder on a local "
+                         "disk") from None  # fmt: skip
+    with suppress(OSError):  # the pid only names the holder to a refused run: a full disk may keep it out
+        os.ftruncate(handle.fileno(), 0)
+        os.write(handle.fileno(), str(os.getpid()).encode())  # unbuffered: nothing left to fail at close
     return handle

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
 import sys
-from typing import TYPE_CHECKING, Annotated, Optional
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Annotated, Optional, TypeVar
 
 import typer
 from rich.console import Console
@@ -25,11 +29,16 @@ if TYPE_CHECKING:  # torch and transformers load only when a command runs models
     from ..engine import SpeculativeDecoder
 
 ACCEPTED_STYLE = "green"
+LOADING = "Loading models (the first run converts the GGUF weights once)…"
+INTERRUPTED_EXIT = 130  # as the shell reports a run stopped by Ctrl-C
+BROKEN_PIPE_EXIT = 141  # as the shell reports `yes` in `yes | head`: 128 + SIGPIPE
+T = TypeVar("T")
 
 
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(
-        metavar="PROMPT", help="Text to continue. Leave out to read --prompt-file or piped stdin.", show_default=False)] = None,
+        metavar="PROMPT", show_default=False,
+        help="Text to continue (piped stdin is then not read). Leave out to read --prompt-file or piped stdin.")] = None,
     prompt_file: common.PromptFileOption = None,
     field: common.FieldOption = None,
     recipe: common.RecipeOption = None,
@@ -49,18 +58,22 @@ def generate(
     chat: common.ChatOption = None,
     autoregressive: Annotated[bool, typer.Option(
         "--autoregressive", metavar="", help="Decode with the target alone (the baseline); the same as --verifier none.")] = False,
-    as_json: Annotated[bool, typer.Option(
-        "--json", metavar="", help="Print one JSON object: the resolved recipe and every sample's text, token ids and statistics.")] = False,
+    threads: common.ThreadsOption = None,
+    recalibrate: Annotated[bool, typer.Option("--recalibrate", metavar="", help=(
+        "Measure the draft's cost on this machine again instead of using the cached figure (say, after it was "
+        "measured while the machine was busy)."))] = False,
+    as_json: Annotated[bool, typer.Option("--json", metavar="", help=(
+        "Print one JSON object: the resolved recipe, the environment and every sample's text, token ids and "
+        'statistics. Stopped by Ctrl-C: the finished samples, with "interrupted": true; after an error: nothing.'))] = False,
 ) -> None:
     """Generate text with speculative decoding; accepted draft tokens are shown in green on a terminal.
 
     A comma list of verifiers (--verifier speculative,block,none) compares them on the same prompts
     and seeds, with the models loaded once, and prints one table (none = the target alone).
+    Ctrl-C or SIGTERM prints what finished (exit code 130).
     """
     common.check_at_least_one(num_samples, "--num-samples")
-    names = common.parse_list(verifier, str, "--verifier")
-    if autoregressive:
-        names = [AUTOREGRESSIVE]
+    names = _verifier_names(verifier, autoregressive)
     comparing = len(names) > 1
     options = common.RecipeOptions(
         recipe=recipe, sets=sets or [], verifier=None if comparing else (names or [None])[0],
@@ -68,80 +81,179 @@ def generate(
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat,
     )  # fmt: skip
     resolved = options.resolve()
+    if not comparing and resolved.verifier.name.strip().lower() == AUTOREGRESSIVE:
+        _check_nothing_to_draft(kl, num_drafts, draft_length)
+    if field is not None and not str(prompt_file or "").lower().endswith(".jsonl"):
+        raise UsageError("--field names the prompt field of a .jsonl --prompt-file; drop it, or give a .jsonl file")
     prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
     for text in prompts:  # checked before the models load, which can take a while
         require_text(text)
-    if comparing:
-        _compare(resolved, names, kl, prompts, num_samples, as_json)
-    else:
-        _generate(resolved, prompts, num_samples, as_json)
+    common.apply_threads(threads)
+    with _quiet_when_the_reader_leaves():
+        if comparing:
+            _compare(resolved, names, kl, prompts, num_samples, as_json, recalibrate)
+        else:
+            _generate(resolved, prompts, num_samples, as_json, recalibrate)
 
 
-def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: bool) -> None:
+def _verifier_names(verifier: str | None, autoregressive: bool) -> list[str]:
+    """The verifiers --verifier lists; --autoregressive is --verifier none, and agrees with no other verifier."""
+    names = common.parse_list(verifier, str, "--verifier")
+    if verifier is not None and not names:
+        raise UsageError(f"--verifier lists no verifier ('{verifier}'); name one, or a comma list to compare: "
+                         "--verifier speculative,none")  # fmt: skip
+    if autoregressive and any(name.strip().lower() != AUTOREGRESSIVE for name in names):
+        raise UsageError(f"--autoregressive runs the target alone; it cannot be combined with --verifier {verifier}: "
+                         "drop one")  # fmt: skip
+    return [AUTOREGRESSIVE] if autoregressive else names
+
+
+def _check_nothing_to_draft(kl: float | None, num_drafts: int | None, draft_length: int | None) -> None:
+    """The target alone drafts nothing: a drafting flag given with it would be silently ignored."""
+    if kl is not None:
+        raise UsageError("--kl sets a KL bound, which the target alone does not have (--verifier none, "
+                         "--autoregressive); drop --kl, or name a verifier with one (see `specdec verifiers`)")  # fmt: skip
+    for option, value in (("--num-drafts", num_drafts), ("--draft-length", draft_length)):
+        if value is not None:
+            raise UsageError(f"{option} has no effect on the target alone (--verifier none, --autoregressive); drop "
+                             "it, or compare the two: --verifier speculative,none")  # fmt: skip
+
+
+@contextmanager
+def _quiet_when_the_reader_leaves() -> Iterator[None]:
+    """`specdec generate … | head`: a reader that closes the pipe ends the run as it ends `yes | head`,
+    quietly and with the shell's exit code for it, instead of a traceback."""
+    try:
+        try:
+            yield
+        finally:  # a pipe buffers: its last write fails here (on every way out), not at exit where nothing catches it
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The interpreter flushes stdout once more at exit: let that write go nowhere rather than fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(BROKEN_PIPE_EXIT) from None
+
+
+class _StdoutConsole(Console):
+    """Rich's console on stdout, leaving a closed pipe to :func:`_quiet_when_the_reader_leaves`
+    (Rich's own handling exits with 1, the code of a failure)."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
+def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: bool, recalibrate: bool) -> None:
     """One configuration: the text streams as blocks are committed, then a table of its statistics."""
     from ..calibration import note_for
+    from ..comparison import samples
     from ..engine import SpeculativeDecoder
 
     err = Console(stderr=True)
-    with err.status("Loading models (the first run converts the GGUF weights once)…"):
+    with err.status(LOADING):
         decoder = SpeculativeDecoder.from_recipe(recipe)
     first = decoder.encode_prompt(prompts[0])
     decoder.warm_up(first)
-    if (note := note_for(decoder, first)) is not None:
-        err.print(note, highlight=False, soft_wrap=True)
-    out = Console(highlight=False)
+    _print_note(err, note_for(decoder, first, recalibrate=recalibrate))
+    out = _StdoutConsole(highlight=False)
     stream = None if as_json else _Stream(decoder.target.tokenizer, out, several=len(prompts) * num_samples > 1)
-    total = len(prompts) * num_samples * recipe.generation.max_new_tokens
+    budget = recipe.generation.max_new_tokens
+    results: list[GenerationResult] = []
     # A terminal that shows the text needs no bar; a pipe or --json would otherwise be silent.
-    with common.token_progress(total, enabled=as_json or not out.is_terminal) as progress:
+    with common.token_progress(len(prompts) * num_samples * budget, enabled=as_json or not out.is_terminal) as progress:
         def on_block(prompt_index: int, sample_index: int, new_tokens: list[int], accepted: list[bool]) -> None:
             progress.advance(len(new_tokens))
             if stream is not None:
                 stream.on_block(prompt_index, sample_index, new_tokens, accepted)
 
-        results = decoder.generate(prompts, num_samples, on_block=on_block)
+        def finished(result: GenerationResult) -> None:
+            results.append(result)
+            progress.advance(budget - len(result.token_ids))  # the budget an early end of text left unused
+
+        interrupted = _until_interrupted(samples(decoder, prompts, num_samples, on_block), finished)
+    if stream is not None:
+        stream.finish()
+    if interrupted:
+        err.print(f"interrupted after {len(results)} of {len(prompts) * num_samples} samples; the statistics cover "
+                  f"those {len(results)}", highlight=False)  # fmt: skip
     if as_json:
-        payload = {"specdec_version": __version__, "recipe": recipe.to_dict(), "autoregressive": decoder.verifier is None,
-                   "samples": [r.to_dict() for r in results]}  # fmt: skip
-        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
-        return
-    stream.finish()
-    err.print(_stats_table(decoder, results, colour_caption=out.is_terminal))
+        _write_json(_json_header(recipe, decoder, interrupted) | {
+            "autoregressive": decoder.verifier is None, "samples": [r.to_dict() for r in results]})  # fmt: skip
+    elif results:
+        err.print(_stats_table(decoder, results, colour_caption=out.is_terminal))
+    if interrupted:
+        raise typer.Exit(INTERRUPTED_EXIT)
 
 
 def _compare(recipe: Recipe, names: list[str], kl: float | None, prompts: list[str], num_samples: int,
-             as_json: bool) -> None:  # fmt: skip
-    """Every verifier of ``names`` on the same prompts and seeds, models loaded once; one table."""
+             as_json: bool, recalibrate: bool) -> None:  # fmt: skip
+    """Every verifier of ``names`` on the same prompts and seeds, models loaded once: each round's texts
+    as it finishes, then one table over the rounds every verifier finished."""
     from ..calibration import note_for
-    from ..comparison import compare
+    from ..comparison import Comparison
     from ..engine import SpeculativeDecoder
-    from ..provenance import provenance
 
     registry = VerifierRegistry()
     recipes = _comparison_recipes(recipe, names, kl, registry)
     err = Console(stderr=True)
     first = next((r for r in recipes.values() if r.verifier.name != AUTOREGRESSIVE), next(iter(recipes.values())))
-    with err.status("Loading models (the first run converts the GGUF weights once)…"):
+    with err.status(LOADING):
         base = SpeculativeDecoder.from_recipe(first, registry=registry)
-    decoders = {label: base.with_config(verifier=r.verifier.name, verifier_params=r.verifier.params)
-                for label, r in recipes.items()}  # fmt: skip
-    if (note := note_for(base, base.encode_prompt(prompts[0]))) is not None:
-        err.print(note, highlight=False, soft_wrap=True)
-    total = len(decoders) * len(prompts) * num_samples * recipe.generation.max_new_tokens
+    comparison = Comparison({label: base.with_config(verifier=r.verifier.name, verifier_params=r.verifier.params)
+                             for label, r in recipes.items()})  # fmt: skip
+    _print_note(err, note_for(base, base.encode_prompt(prompts[0]), recalibrate=recalibrate))
+    out = _StdoutConsole(highlight=False, width=None if sys.stdout.isatty() else 120)
+    total = len(recipes) * len(prompts) * num_samples * recipe.generation.max_new_tokens
     with common.token_progress(total) as progress:
-        rows = compare(decoders, prompts, num_samples, on_tokens=progress.advance)
+        show = (lambda results: None) if as_json else functools.partial(_print_round, out, comparison.rows)
+        interrupted = _until_interrupted(comparison.run(prompts, num_samples, on_tokens=progress.advance), show)
+    if interrupted:
+        err.print(f"interrupted after {comparison.rounds} of {len(prompts) * num_samples} samples per configuration; "
+                  f"the configurations are compared on those {comparison.rounds}", highlight=False)  # fmt: skip
     if as_json:
-        payload = {"specdec_version": __version__, "recipe": recipe.to_dict(), "environment": provenance(base.device),
-                   "configurations": [row.summary() | {"samples": [r.to_dict() for r in row.results]}
-                                      for row in rows]}  # fmt: skip
-        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
-        return
-    out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
-    for row in rows:
-        for result in row.results:
+        _write_json(_json_header(recipe, base, interrupted) | {"configurations": [
+            row.summary() | {"samples": [r.to_dict() for r in row.results]} for row in comparison.rows]})  # fmt: skip
+    elif comparison.rounds:
+        out.print(_comparison_table(comparison.rows, comparison.rounds))
+    if interrupted:
+        raise typer.Exit(INTERRUPTED_EXIT)
+
+
+def _until_interrupted(results: Iterator[T], each: Callable[[T], None]) -> bool:
+    """Hand every result to ``each`` as it comes; True when Ctrl-C or SIGTERM stopped the run (the
+    results ``each`` was given are kept: they are what the command prints)."""
+    try:
+        for result in results:
+            each(result)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def _print_note(err: Console, note: str | None) -> None:
+    if note is not None:
+        err.print(note, highlight=False, soft_wrap=True)
+
+
+def _print_round(out: Console, rows: list[ConfigurationResult], results: list[GenerationResult]) -> None:
+    """One (prompt, sample)'s text from every configuration (``results`` in the order of ``rows``), written
+    in one go: Ctrl-C in the middle of a rich print leaves its text queued, and the table would repeat it."""
+    with out.capture() as captured:
+        for row, result in zip(rows, results):
             out.rule(f"prompt {result.prompt_index + 1}.{result.sample_index + 1} · {row.label}", style="dim")
             out.print(result.text, markup=False)
-    out.print(_comparison_table(rows, len(prompts) * num_samples))
+    sys.stdout.write(captured.get())
+    sys.stdout.flush()
+
+
+def _json_header(recipe: Recipe, decoder: SpeculativeDecoder, interrupted: bool) -> dict:
+    from ..provenance import provenance
+
+    return {"specdec_version": __version__, "recipe": recipe.to_dict(), "environment": provenance(decoder.device),
+            "interrupted": interrupted}  # fmt: skip
+
+
+def _write_json(payload: dict) -> None:
+    sys.stdout.write(json.dumps(payload, indent=2) + "\n")
 
 
 def _comparison_recipes(recipe: Recipe, names: list[str], kl: float | None,
