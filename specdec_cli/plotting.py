@@ -1,8 +1,10 @@
-"""What every plot shares: a colour per verifier name that does not change when plugins come or go."""
+"""What every plot shares: a colour per verifier name that does not change when plugins come or go, and a
+title that says what was run."""
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 # Tableau's ten colours, then their lighter halves: distinguishable, and readable in greyscale by shade.
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -18,3 +20,36 @@ def verifier_colour(name: str) -> str:
         return _FIXED[name]
     digest = hashlib.md5(name.encode(), usedforsecurity=False).hexdigest()  # a spread, not a secret
     return _PALETTE[int(digest, 16) % len(_PALETTE)]
+
+
+def describe_run(recipe: dict, what: str, conditions: list[dict]) -> str:
+    """A plot's title, so the picture says what was run: ``what`` (the task and its examples, or the
+    prompts), the token limit, the models (``recipe`` as its dict), and the machine of each set of
+    ``conditions`` (:func:`~specdec_cli.provenance.run_conditions`: device and threads)."""
+    target = recipe["target"]
+    drafts = ", ".join(_model_name(draft, target) for draft in recipe.get("drafts", ())) or "none"
+    # Several sets of conditions (a resume under others): each value once, 'threads 1 / 2'.
+    devices, threads = (" / ".join(dict.fromkeys(str(c.get(name, "?")) for c in conditions))
+                        for name in ("device", "threads"))  # fmt: skip
+    machine = f"{devices}, threads {threads}" if conditions else "device and threads not recorded"
+    return (f"{what}, at most {recipe['generation']['max_new_tokens']} new tokens\n"
+            f"target {_model_name(target, target)}, draft {drafts}\n{machine}")  # fmt: skip
+
+
+def _model_name(model: dict, target: dict) -> str:
+    """A model's short name: the last part of its hub id or path (and GGUF file), or the target's layers it
+    uses; with its dtype unless 'auto' (a draft is often the target's checkpoint in another dtype)."""
+    if model.get("early_exit"):
+        return f"{_model_name(target, target)}'s first {model['early_exit']} layers"
+    name = Path(str(model.get("model"))).name + (f"/{model['gguf_file']}" if model.get("gguf_file") else "")
+    return name if model.get("dtype", "auto") == "auto" else f"{name} ({model['dtype']})"
+
+
+def save(figure, path: Path) -> None:
+    """Write ``figure`` to ``path`` (the suffix picks the format) and free it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        figure.savefig(path, dpi=120)
+    finally:
+        plt.close(figure)

@@ -14,18 +14,25 @@ import torch
 from . import __version__
 
 
+def run_conditions(device: torch.device) -> dict:
+    """What a speed figure depends on besides the recipe and the data: torch's CPU threads (read now,
+    so after ``--threads`` or ``OMP_NUM_THREADS`` took effect), the device's name and the versions that
+    run it. ``bench`` keeps them on every sample: a resume under others is refused or flagged."""
+    import transformers
+
+    return {"threads": torch.get_num_threads(), "device": _device_name(device), "torch": torch.__version__,
+            "transformers": transformers.__version__, "specdec": __version__}  # fmt: skip
+
+
 def provenance(device: torch.device) -> dict:
-    """Versions, git hash, date, the device (CPU model and thread count, or GPU name), peak memory.
+    """:func:`run_conditions` and the rest of the record: Python, git hash, date, peak memory, world size.
 
     Peak memory is the process's resident peak on the CPU and the allocator's peak on a GPU,
     in MiB, at the time of the call.
     """
-    import transformers
-
     return {
-        "specdec": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "git": _git_hash(), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "device": _device_name(device), "threads": torch.get_num_threads(), "peak_memory_mib": _peak_memory(device),
+        **run_conditions(device), "python": platform.python_version(), "git": _git_hash(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "peak_memory_mib": _peak_memory(device),
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
     }  # fmt: skip
 

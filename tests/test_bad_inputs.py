@@ -196,7 +196,7 @@ def test_flags_keep_their_types_and_draft_is_drafts_0(run, inputs, flags):
 def test_a_plot_that_fails_never_hides_the_table(run, inputs, monkeypatch, tmp_path):
     from specdec_cli.acceptance import report
 
-    def broken_plot(path, results):
+    def broken_plot(path, results, content=None):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(report, "plot", broken_plot)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
@@ -10,8 +11,9 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from ..plotting import verifier_colour
+from ..plotting import describe_run, save, verifier_colour
 from ..recipe import Recipe
+from ..results_store import write_atomically
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, Estimate
 
 if TYPE_CHECKING:
@@ -75,37 +77,48 @@ def _format(cell: Estimate | None) -> str:
 
 
 def write(folder: Path, content: dict, report: AcceptanceReport) -> None:
-    """acceptance.json and acceptance.csv in ``folder``."""
+    """acceptance.json and acceptance.csv in ``folder``, each replaced whole (a failed write leaves the
+    previous file): an OSError is the caller's to report."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "acceptance.json").write_text(json.dumps(content, indent=2) + "\n")
-    with open(folder / "acceptance.csv", "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["row", "num_drafts", "mean", "stderr", "positions", "kl_mean"])
-        for row in report.rows:
-            divergence = report.kl(row)
-            for k in report.num_drafts:
-                cell = report.cell(row, k)
-                if cell is not None:
-                    writer.writerow([row.label, k, cell.mean, cell.stderr, cell.count,
-                                     divergence.mean if divergence else ""])  # fmt: skip
+    write_atomically(folder / "acceptance.json", json.dumps(content, indent=2) + "\n")
+    buffer = io.StringIO(newline="")
+    writer = csv.writer(buffer)
+    writer.writerow(["row", "num_drafts", "mean", "stderr", "positions", "kl_mean"])
+    for row in report.rows:
+        divergence = report.kl(row)
+        for k in report.num_drafts:
+            cell = report.cell(row, k)
+            if cell is not None:
+                writer.writerow([row.label, k, cell.mean, cell.stderr, cell.count,
+                                 divergence.mean if divergence else ""])  # fmt: skip
+    write_atomically(folder / "acceptance.csv", buffer.getvalue())
 
 
-def plot(path: Path, report: AcceptanceReport) -> None:
+def plot(path: Path, report: AcceptanceReport, content: dict | None = None) -> None:
+    """Draw :func:`figure` to ``path`` (the suffix picks the format)."""
+    save(figure(report, content), path)
+
+
+def figure(report: AcceptanceReport, content: dict | None = None):
     """Acceptance against K for every row (± standard error); beside it, acceptance against KL for rows
-    with a KL bound. Each verifier keeps its colour in every plot (:func:`~specdec_cli.plotting.verifier_colour`)."""
+    with a KL bound; above, what was run (from ``content``, acceptance.json's: recipe and environment).
+    Each verifier keeps its colour in every plot (:func:`~specdec_cli.plotting.verifier_colour`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     bounded = [row for row in report.rows if row.kl_bound is not None and report.kl(row) and report.cell(row, 1)]
-    figure, axes = plt.subplots(1, 2 if bounded else 1, figsize=(12 if bounded else 6.5, 4.8), squeeze=False)
+    drawn, axes = plt.subplots(1, 2 if bounded else 1, figsize=(12 if bounded else 6.5, 5.4), squeeze=False)
+    if content is not None:
+        count = len(report.prompts)
+        what = f"{count} prompt{'s' if count != 1 else ''}, {report.positions} positions"
+        drawn.suptitle(describe_run(content["recipe"], what, [content["environment"]]), fontsize=9)
     _plot_by_k(axes[0][0], report)
     if bounded:
         _plot_kl_tradeoff(axes[0][1], report, bounded)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    drawn.tight_layout()
+    return drawn
 
 
 def _plot_by_k(axis, report: AcceptanceReport) -> None:

@@ -42,12 +42,14 @@ def expected_speedup(alpha: float, draft_length: int, cost_ratio: float) -> floa
     return (1 - alpha ** (draft_length + 1)) / ((1 - alpha) * (draft_length * cost_ratio + 1))
 
 
+STAT_TOTALS = ("new_tokens", "target_forwards", "draft_forwards", "drafted_tokens", "verified_tokens",
+               "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s", "wall_time_s")  # fmt: skip
+"""The counts and times of a sample's ``stats`` that a cell's speed metrics add up."""
+
+
 def speed_summary(stats: list[dict]) -> dict:
     """Pooled speed metrics of one cell's samples (their ``stats`` dicts)."""
-    total = {key: sum(s[key] for s in stats) for key in (
-        "new_tokens", "target_forwards", "draft_forwards", "drafted_tokens", "verified_tokens",
-        "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s", "wall_time_s",
-    )}  # fmt: skip
+    total = {key: sum(s[key] for s in stats) for key in STAT_TOTALS}
     positions = max((len(s["drafted_per_position"]) for s in stats), default=0)
     per_position = []
     for t in range(positions):
@@ -76,6 +78,16 @@ def mean_and_std(values: list[float]) -> dict:
         return {"mean": None, "std": None, "n": 0}
     return {"mean": statistics.fmean(finite), "std": statistics.stdev(finite) if len(finite) > 1 else 0.0,
             "n": len(finite)}  # fmt: skip
+
+
+def spread(values: list[float]) -> dict | None:
+    """Median, quartiles and range of ``values`` (per-example speedups): how far one example's figure
+    strays from the pooled one. None without values."""
+    if not values:
+        return None
+    # statistics.quantiles needs two values; one value is its own median and quartiles.
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {"median": median, "q1": q1, "q3": q3, "min": min(values), "max": max(values), "n": len(values)}
 
 
 def _ratio(numerator: float, denominator: float) -> float:

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+from collections.abc import Sequence
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
-from ..plotting import verifier_colour
+from ..plotting import describe_run, save, verifier_colour
 from .grid import BASELINE
-from .results import BenchResults, CellResult, MeanStd
+from .results import BenchResults, CellResult, ConditionsPart
 
 QUALITY = {"bleu": "BLEU", "chrf": "chrF", "rougeL": "ROUGE-L"}
+SPREAD = "speedup_spread"
+"""The column of the per-example speedups' median [quartiles], next to the pooled speedup."""
 SPEED = [
     ("block_efficiency", "block eff.", "{:.2f}"),
     ("acceptance_rate", "accept", "{:.3f}"),
     ("tokens_per_second", "tok/s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}"),
+    (SPREAD, "per example", "{:.2f}"),
     ("expected_speedup", "expected", "{:.2f}"),
     ("efficiency_vs_expected", "meas/exp", "{:.2f}"),
     ("engine_overhead", "overhead", "{:.3f}"),
@@ -30,12 +36,23 @@ def _columns(results: BenchResults) -> list[tuple[str, str, str]]:
     return SPEED + quality
 
 
-def _cell_text(summary: dict[str, MeanStd], name: str, fmt: str) -> str:
-    value = summary.get(name)
+def _cell_text(cell: CellResult, name: str, fmt: str) -> str:
+    if name == SPREAD:
+        spread = cell.speedup_spread
+        if spread is None:
+            return "—"
+        quartiles = f" [{fmt.format(spread.q1)}–{fmt.format(spread.q3)}]" if spread.n > 1 else ""
+        return fmt.format(spread.median) + quartiles
+    value = cell.summary.get(name)
     if not value or value.mean is None:
         return "—"
     text = fmt.format(value.mean)
     return f"{text} ± {fmt.format(value.std)}" if value.n > 1 else text
+
+
+def _label(cell: CellResult) -> str:
+    """The configuration, marked when it failed or pools samples of different conditions (see :func:`notes`)."""
+    return cell.key + (" (failed)" if cell.failure else "") + (" *" if cell.mixed_conditions else "")
 
 
 def rows(results: BenchResults) -> tuple[list[str], list[list[str]]]:
@@ -43,19 +60,57 @@ def rows(results: BenchResults) -> tuple[list[str], list[list[str]]]:
     header = ["configuration", "samples"] + [label for _, label, _ in columns]
     body = []
     for cell in results.cells:
-        body.append([cell.key, str(cell.samples)] + [_cell_text(cell.summary, n, f) for n, _, f in columns])
+        body.append([_label(cell), str(cell.samples)] + [_cell_text(cell, n, f) for n, _, f in columns])
     return header, body
+
+
+def caption(results: BenchResults) -> str:
+    """What the figures are: mean (± std over seeds), speedup, and the per-example spread."""
+    seeds = max((len(c.per_seed) for c in results.cells), default=0)
+    spread = f"mean ± std over {seeds} seeds" if seeds > 1 else "one seed (no spread over seeds)"
+    return (f"{spread}; speedup: token rate over the target-alone baseline of the same run, prompts and seed; "
+            "per example: median [quartiles] of each example's own speedup")  # fmt: skip
+
+
+def notes(results: BenchResults) -> list[str]:
+    """Lines under the table: failed cells, and the conditions when samples of the run differ in them."""
+    lines = [f"{cell.key}: failed {cell.failure}" for cell in results.cells if cell.failure]
+    if results.mixed_conditions:
+        lines.append(f"* mixed conditions: {describe_parts(results.conditions)}; the speeds of the configurations "
+                     "marked * pool samples run under different ones and do not compare")  # fmt: skip
+    return lines
+
+
+def describe_parts(parts: Sequence[ConditionsPart]) -> str:
+    """'threads 2 (30 samples); threads 1 (18 samples)': each part by the conditions that differ between parts."""
+    known = [part for part in parts if part.conditions is not None]
+    names = sorted({name for part in known for name in part.conditions})
+    differing = [name for name in names if len({json.dumps(p.conditions.get(name)) for p in known}) > 1]
+    return "; ".join(", ".join(f"{name} {part.conditions.get(name)}" for name in differing)
+                     + f" ({part.samples} samples)" for part in known)  # fmt: skip
+
+
+def reference_note(metrics: Sequence[str], references: Sequence[str | None], hint: str) -> str | None:
+    """A note when the task's quality metrics need references that (some) examples lack: they would
+    otherwise be dropped, or computed on fewer examples, without a word. ``hint``: how to give them."""
+    scored = [QUALITY[name] for name in metrics if name in QUALITY]
+    missing = sum(reference is None for reference in references)
+    if not scored or not missing:
+        return None
+    names = " and ".join(scored) + (" are" if len(scored) > 1 else " is")
+    if missing == len(references):
+        return f"no references: {names} not computed; {hint}"
+    others = len(references) - missing
+    return f"{missing} of {len(references)} examples have no reference; {names} computed on the other {others}"
 
 
 def rich_table(results: BenchResults, title: str) -> Table:
     header, body = rows(results)
-    seeds = max((len(c.per_seed) for c in results.cells), default=0)
-    table = Table(title=title, caption=f"mean{' ± std over ' + str(seeds) + ' seeds' if seeds > 1 else ''}; "
-                  "speedup: token rate over the target-alone baseline of the same run, prompts and seed")  # fmt: skip
+    table = Table(title=title, caption=escape("\n".join([caption(results), *notes(results)])))
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
-    for line in body:
-        table.add_row(*line, style="dim" if line[0].startswith("baseline") else None)
+    for cell, line in zip(results.cells, body):
+        table.add_row(*line, style="red" if cell.failure else "dim" if cell.cell.verifier == BASELINE else None)
     return table
 
 
@@ -97,36 +152,48 @@ def markdown(results: BenchResults) -> str:
     lines += ["| " + " | ".join(line) + " |" for line in body]
     signatures = {(QUALITY[m], metrics[f"{m}_signature"]) for c in results.cells for metrics in c.per_seed.values()
                   for m in ("bleu", "chrf") if f"{m}_signature" in metrics}  # fmt: skip
-    notes = [f"\n{label} signature (sacrebleu): `{signature}`" for label, signature in sorted(signatures)]
+    lines += ["", caption(results) + "."] + [f"\n{line}" for line in notes(results)]
+    signature_lines = [f"\n{label} signature (sacrebleu): `{signature}`" for label, signature in sorted(signatures)]
     if (categories := category_rows(results)) is not None:
         header, body = categories
         lines += ["", "Tokens/s per category (speedup over the baseline):", "", "| " + " | ".join(header) + " |",
                   "|" + "---|" * len(header)] + ["| " + " | ".join(line) + " |" for line in body]  # fmt: skip
-    return "\n".join(lines + notes) + "\n"
+    return "\n".join(lines + signature_lines) + "\n"
 
 
 def csv_text(results: BenchResults) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    names = [name for name, _, _ in _columns(results)]
+    names = [name for name, _, _ in _columns(results) if name != SPREAD]
+    spread_fields = ("median", "q1", "q3", "min", "max")
     writer.writerow(["configuration", "verifier", "kl", "num_drafts", "draft_length", "temperature",
-                     "draft_temperatures"] + [f"{n}_{s}" for n in names for s in ("mean", "std")])  # fmt: skip
+                     "draft_temperatures"] + [f"{n}_{s}" for n in names for s in ("mean", "std")]
+                    + [f"speedup_per_example_{field}" for field in spread_fields]
+                    + ["mixed_conditions", "failed"])  # fmt: skip
     for result in results.cells:
         values = []
         for name in names:
             value = result.summary.get(name)
             values += [value.mean, value.std] if value else [None, None]
+        spread = result.speedup_spread
+        values += [getattr(spread, field) if spread else None for field in spread_fields]
         cell = result.cell
         temps = ",".join(map(str, cell.draft_temperatures)) if cell.draft_temperatures else ""
-        writer.writerow([cell.key, cell.verifier, cell.kl, cell.num_drafts, cell.draft_length,
-                         cell.temperature, temps] + values)  # fmt: skip
+        writer.writerow([cell.key, cell.verifier, cell.kl, cell.num_drafts, cell.draft_length, cell.temperature,
+                         temps] + values + [result.mixed_conditions, result.failure or ""])  # fmt: skip
     return buffer.getvalue()
 
 
 def plot(results: BenchResults, path: Path) -> None:
-    """Speedup of every configuration over the target alone (± std over seeds), the baseline at 1 and a
-    line there, so a slower configuration reads as slower; beside it, speedup against quality when the
-    task has a quality metric. Each verifier keeps its colour (:func:`~specdec_cli.plotting.verifier_colour`)."""
+    """Draw :func:`figure` to ``path`` (the suffix picks the format)."""
+    save(figure(results), path)
+
+
+def figure(results: BenchResults):
+    """Speedup of every configuration over the target alone (± std over seeds when there are several),
+    the baseline at 1 and a line there, so a slower configuration reads as slower; beside it, speedup
+    against quality when the task has a quality metric; above, what was run. Each verifier keeps its
+    colour (:func:`~specdec_cli.plotting.verifier_colour`). A ValueError when nothing has samples."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,44 +201,62 @@ def plot(results: BenchResults, path: Path) -> None:
 
     speed = "speedup" if any("speedup" in c.summary for c in results.cells) else "tokens_per_second"
     quality = next((n for n in QUALITY if any(n in c.summary for c in results.cells)), None)
-    cells = [c for c in results.cells if speed in c.summary or c.cell.verifier == BASELINE]
-    figure, axes = plt.subplots(1, 2 if quality else 1, figsize=(13 if quality else 7, 0.45 * len(cells) + 2),
-                                squeeze=False)  # fmt: skip
-    _plot_speed(axes[0][0], cells, speed)
+    cells = [c for c in results.cells if speed in c.summary or (speed == "speedup" and c.cell.verifier == BASELINE)]
+    if not cells:
+        raise ValueError("no configuration has samples to draw")
+    seeds = max(len(c.per_seed) for c in cells)
+    drawn, axes = plt.subplots(1, 2 if quality else 1, figsize=(13 if quality else 8, 0.45 * len(cells) + 3),
+                               squeeze=False)  # fmt: skip
+    drawn.suptitle(_title(results), fontsize=9)
+    _plot_speed(axes[0][0], cells, speed, seeds)
     if quality:
-        _plot_speed_against_quality(axes[0][1], cells, speed, quality)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+        _plot_speed_against_quality(axes[0][1], cells, speed, quality, seeds)
+    drawn.tight_layout()
+    return drawn
+
+
+def _title(results: BenchResults) -> str:
+    """What was run: task, examples and seeds, the token limit, the models, and each part's device and threads."""
+    config = results.config
+    task = config["task"]["name"] + (f" {config['task']['lang_pair']}" if config["task"]["name"] == "wmt" else "")
+    seeds = len(config.get("seeds", [])) or 1
+    what = f"{task}: {config['data']['examples']} examples × {seeds} seed{'s' if seeds > 1 else ''}"
+    known = [part.conditions for part in results.conditions if part.conditions is not None]
+    return describe_run(config["recipe"], what, known)
+
+
+def _spread_label(seeds: int) -> str:
+    return f"± std over {seeds} seeds" if seeds > 1 else "one seed: no spread"
 
 
 def _value(cell: CellResult, name: str) -> tuple[float, float]:
-    """(mean, std) of a summarized metric; the baseline's speedup is 1 by definition."""
+    """(mean, std over seeds) of a summarized metric; the baseline's speedup is 1 by definition."""
     if name == "speedup" and cell.cell.verifier == BASELINE:
         return 1.0, 0.0
     value = cell.summary[name]
     return value.mean, value.std if value.n > 1 else 0.0
 
 
-def _plot_speed(axis, cells: list[CellResult], speed: str) -> None:
-    """A bar per configuration, top to bottom as in the table, with the speedup = 1 line."""
+def _plot_speed(axis, cells: list[CellResult], speed: str, seeds: int) -> None:
+    """A bar per configuration, top to bottom as in the table, with the speedup = 1 line; error bars
+    only over several seeds (one seed has no spread to draw)."""
     positions = list(range(len(cells)))[::-1]
     values = [_value(cell, speed) for cell in cells]
-    axis.barh(positions, [m for m, _ in values], xerr=[s for _, s in values], capsize=3,
+    axis.barh(positions, [m for m, _ in values], xerr=[s for _, s in values] if seeds > 1 else None, capsize=3,
               color=[verifier_colour(cell.cell.verifier) for cell in cells])  # fmt: skip
-    axis.set_yticks(positions, [cell.key for cell in cells], fontsize=8)
+    axis.set_yticks(positions, [_label(cell) for cell in cells], fontsize=8)
     if speed == "speedup":
         axis.axvline(1.0, color="black", linewidth=1, linestyle="--")
         axis.set_xlim(0, max(1.15, max(m + s for m, s in values) * 1.1))
-    axis.set(xlabel=speed.replace("_", " ") + (" over the target alone (± std over seeds)" if speed == "speedup" else ""),
-             title="speed per configuration")  # fmt: skip
+    what = "speedup over the target alone" if speed == "speedup" else "tokens per second"
+    axis.set(xlabel=f"{what} ({_spread_label(seeds)})", title="speed per configuration")
 
 
 _MARKERS = "o^Dv<>Ph*X"
 """Configurations of one verifier share its colour and differ by marker."""
 
 
-def _plot_speed_against_quality(axis, cells: list[CellResult], speed: str, quality: str) -> None:
+def _plot_speed_against_quality(axis, cells: list[CellResult], speed: str, quality: str, seeds: int) -> None:
     seen: dict[str, int] = {}
     for cell in cells:
         if quality not in cell.summary:
@@ -180,10 +265,12 @@ def _plot_speed_against_quality(axis, cells: list[CellResult], speed: str, quali
         seen[verifier] = seen.get(verifier, -1) + 1
         marker = "s" if verifier == BASELINE else _MARKERS[seen[verifier] % len(_MARKERS)]
         (y, y_error), (x, x_error) = _value(cell, speed), _value(cell, quality)
-        axis.errorbar([x], [y], xerr=[x_error], yerr=[y_error], marker=marker, markersize=7, capsize=2,
-                      color=verifier_colour(verifier), label=cell.key)  # fmt: skip
+        errors = {"xerr": [x_error], "yerr": [y_error], "capsize": 2} if seeds > 1 else {}
+        axis.errorbar([x], [y], marker=marker, markersize=7, color=verifier_colour(verifier), label=_label(cell),
+                      **errors)  # fmt: skip
     if speed == "speedup":
         axis.axhline(1.0, color="black", linewidth=1, linestyle="--")
     axis.margins(0.15)
-    axis.set(xlabel=QUALITY[quality], ylabel=speed.replace("_", " "), title="speed against quality")
+    axis.set(xlabel=f"{QUALITY[quality]} ({_spread_label(seeds)})", ylabel=speed.replace("_", " "),
+             title="speed against quality")  # fmt: skip
     axis.legend(fontsize=7, loc="best")

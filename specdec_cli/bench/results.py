@@ -7,12 +7,14 @@ run stops, and ``bench --report`` rebuilds it from any results folder, old ones 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import UsageError
 from ..registry import VerifierRegistry
 from .grid import BASELINE, GridCell
-from .metrics import corpus_quality, expected_speedup, mean_and_std, speed_summary
+from .metrics import STAT_TOTALS, corpus_quality, expected_speedup, mean_and_std, speed_summary, spread
 
 SUMMARIZED = ("block_efficiency", "acceptance_rate", "token_acceptance", "tokens_per_second", "speedup",
               "expected_speedup", "efficiency_vs_expected", "engine_overhead", "bleu", "chrf", "rougeL")  # fmt: skip
@@ -26,6 +28,27 @@ class MeanStd:
     n: int
 
 
+@dataclass(frozen=True)
+class Spread:
+    """Median, quartiles and range of a cell's per-example speedups, pooled over seeds."""
+
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+    n: int
+
+
+@dataclass(frozen=True)
+class ConditionsPart:
+    """Samples of a results folder run under one set of conditions (threads, device, versions)."""
+
+    conditions: dict | None
+    """:func:`~specdec_cli.provenance.run_conditions`; None for samples written before they were kept."""
+    samples: int
+
+
 @dataclass(kw_only=True)
 class CellResult:
     cell: GridCell
@@ -33,6 +56,12 @@ class CellResult:
     """seed → that seed's metrics: speed pooled over its samples, corpus quality, per-category rates."""
     summary: dict[str, MeanStd]
     """metric → mean ± std over seeds, for the metrics of ``SUMMARIZED`` the cell has."""
+    speedup_spread: Spread | None = None
+    """How the per-example speedups spread around the pooled ``speedup`` (None for the baseline)."""
+    mixed_conditions: bool = False
+    """Its samples, or its baseline's, ran under different conditions: its speedup does not compare."""
+    failure: str | None = None
+    """Why the cell stopped in the run that wrote these results (None: it did not fail)."""
 
     @property
     def key(self) -> str:
@@ -44,7 +73,10 @@ class CellResult:
 
     def to_dict(self) -> dict:
         summary = {name: dataclasses.asdict(value) for name, value in self.summary.items()}
-        return {**dataclasses.asdict(self.cell), "key": self.key, "per_seed": self.per_seed, "summary": summary}
+        spread_ = dataclasses.asdict(self.speedup_spread) if self.speedup_spread else None
+        return {**dataclasses.asdict(self.cell), "key": self.key, "per_seed": self.per_seed, "summary": summary,
+                "speedup_spread": spread_, "mixed_conditions": self.mixed_conditions,
+                "failed": self.failure}  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -52,24 +84,36 @@ class BenchResults:
     cells: list[CellResult]
     config: dict
     """The results folder's config.json: recipe, task, data fingerprint, grid, seeds."""
+    conditions: list[ConditionsPart] = dataclasses.field(default_factory=list)
+    """The conditions of every part of the run (one part unless a resume changed them), from the samples."""
     environment: dict | None = None
     """Provenance of the run that wrote it (absent when re-rendered with --report)."""
     interrupted: bool = False
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the run said before it started (skipped cells, data without references, …)."""
+
+    @property
+    def mixed_conditions(self) -> bool:
+        return len([part for part in self.conditions if part.conditions is not None]) > 1
 
     def to_dict(self) -> dict:
-        content = {"cells": [cell.to_dict() for cell in self.cells], "config": self.config}
+        content = {"cells": [cell.to_dict() for cell in self.cells], "config": self.config,
+                   "conditions": [dataclasses.asdict(part) for part in self.conditions],
+                   "mixed_conditions": self.mixed_conditions}  # fmt: skip
         if self.environment is not None:
-            content |= {"environment": self.environment, "interrupted": self.interrupted}
+            content |= {"environment": self.environment, "interrupted": self.interrupted, "notes": self.notes}
         return content
 
 
-def summarize(config: dict, records: list[dict], **provenance: Any) -> BenchResults:
+def summarize(config: dict, records: list[dict], failures: dict[str, str] | None = None,
+              **provenance: Any) -> BenchResults:  # fmt: skip
     """Per-cell metrics from the samples: speed pooled per seed, quality per seed, mean ± std over seeds.
 
-    ``provenance``: ``environment`` and ``interrupted`` of the run, if it just ran.
+    ``failures``: cell key → why it stopped, in the run that just ran; ``provenance``: that run's
+    ``environment``, ``interrupted`` and ``notes``.
     """
     by_cell: dict[str, dict[int, list[dict]]] = {}
-    for record in records:
+    for record in map(_readable, records):
         by_cell.setdefault(record["cell"], {}).setdefault(record["seed"], []).append(record)
     described = VerifierRegistry().describe()  # once: it reads the plugins' description cache
     cells = []
@@ -77,18 +121,60 @@ def summarize(config: dict, records: list[dict], **provenance: Any) -> BenchResu
         cell = GridCell.from_config(spec)
         # A verifier no longer installed (a folder read after its plugin was removed) counts as token-level.
         per_token = cell.verifier == BASELINE or described.get(cell.verifier, {}).get("token_level", True)
-        per_seed = {str(seed): _seed_metrics(cell, samples, by_cell.get(cell.baseline_key, {}).get(seed, []), config,
-                                             per_token)
-                    for seed, samples in sorted(by_cell.get(cell.key, {}).items())}  # fmt: skip
-        summary = {}
-        for name in SUMMARIZED:
-            if cell.verifier == BASELINE and name in ("acceptance_rate", "token_acceptance"):
-                continue  # nothing is drafted
-            values = [metrics[name] for metrics in per_seed.values() if name in metrics]
-            if values:
-                summary[name] = MeanStd(**mean_and_std(values))
-        cells.append(CellResult(cell=cell, per_seed=per_seed, summary=summary))
-    return BenchResults(cells=cells, config=config, **provenance)
+        mine = by_cell.get(cell.key, {})
+        baseline = by_cell.get(cell.baseline_key, {}) if cell.verifier != BASELINE else {}
+        per_seed = {str(seed): _seed_metrics(cell, samples, baseline.get(seed, []), config, per_token)
+                    for seed, samples in sorted(mine.items())}  # fmt: skip
+        speedups = [value for seed, samples in mine.items()
+                    for value in _example_speedups(samples, baseline.get(seed, []))]  # fmt: skip
+        measured = [record for group in (*mine.values(), *baseline.values()) for record in group]
+        cells.append(CellResult(
+            cell=cell, per_seed=per_seed, summary=_summary(cell, per_seed),
+            speedup_spread=Spread(**found) if (found := spread(speedups)) else None,
+            mixed_conditions=len(_conditions_parts(measured)) > 1, failure=(failures or {}).get(cell.key),
+        ))  # fmt: skip
+    return BenchResults(cells=cells, config=config, conditions=_conditions_parts(records, keep_unknown=True),
+                        **provenance)  # fmt: skip
+
+
+def _summary(cell: GridCell, per_seed: dict[str, dict[str, Any]]) -> dict[str, MeanStd]:
+    """Mean ± std over seeds of each metric of ``SUMMARIZED`` the cell has."""
+    summary = {}
+    for name in SUMMARIZED:
+        if cell.verifier == BASELINE and name in ("acceptance_rate", "token_acceptance"):
+            continue  # nothing is drafted
+        values = [metrics[name] for metrics in per_seed.values() if name in metrics]
+        if values:
+            summary[name] = MeanStd(**mean_and_std(values))
+    return summary
+
+
+def _conditions_parts(records: list[dict], keep_unknown: bool = False) -> list[ConditionsPart]:
+    """The distinct conditions of ``records``, in the order they first ran, with their sample counts;
+    samples without conditions (older folders) form a part of their own only if ``keep_unknown``."""
+    counts: dict[str, int] = {}
+    for record in records:
+        if record.get("conditions") is not None or keep_unknown:
+            key = json.dumps(record.get("conditions"), sort_keys=True)
+            counts[key] = counts.get(key, 0) + 1
+    return [ConditionsPart(conditions=json.loads(key), samples=count) for key, count in counts.items()]
+
+
+def _readable(record: dict) -> dict:
+    """``record`` as the summary reads it: its category as text (a dataset may mix numbers and text), or
+    one line naming a record whose statistics are damaged (the folder's reader checks its other fields)."""
+    bad = [name for name in STAT_TOTALS if not _is_number(record["stats"].get(name))]
+    if bad:
+        raise UsageError(
+            f"the sample of cell '{record['cell']}', seed {record['seed']}, example {record['example_id']} has no "
+            f"valid {', '.join(bad)}; delete its line from samples.jsonl (that sample runs again)"
+        )
+    category = record.get("category")
+    return record if category is None or isinstance(category, str) else {**record, "category": json.dumps(category)}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _seed_metrics(cell: GridCell, samples: list[dict], baseline: list[dict], config: dict,
@@ -106,9 +192,8 @@ def _seed_metrics(cell: GridCell, samples: list[dict], baseline: list[dict], con
     if config["task"]["per_category"]:
         metrics["tokens_per_second_by_category"] = _by_category(samples)
         if cell.verifier != BASELINE and baseline:  # like the overall speedup: on the examples both ran
-            shared = {r["example_id"] for r in samples} & {r["example_id"] for r in baseline}
-            mine = _by_category([r for r in samples if r["example_id"] in shared])
-            base = _by_category([r for r in baseline if r["example_id"] in shared])
+            pairs = _pairs(samples, baseline)
+            mine, base = _by_category([a for a, _ in pairs]), _by_category([b for _, b in pairs])
             metrics["speedup_by_category"] = {name: rate / base[name] for name, rate in mine.items() if base.get(name)}
     return metrics
 
@@ -119,10 +204,8 @@ def _add_speedup(metrics: dict, cell: GridCell, samples: list[dict], baseline: l
     The expected speedup assumes each draft token is accepted independently with probability α,
     so it is left out for verifiers that decide a block jointly (``per_token`` False).
     """
-    shared = {r["example_id"] for r in samples} & {r["example_id"] for r in baseline}
-    mine = [r["stats"] for r in samples if r["example_id"] in shared]
-    theirs = [r["stats"] for r in baseline if r["example_id"] in shared]
-    rate, base = speed_summary(mine), speed_summary(theirs)
+    pairs = _pairs(samples, baseline)
+    rate, base = speed_summary([a["stats"] for a, _ in pairs]), speed_summary([b["stats"] for _, b in pairs])
     if not base["tokens_per_second"]:
         return
     metrics["speedup"] = rate["tokens_per_second"] / base["tokens_per_second"]
@@ -132,6 +215,22 @@ def _add_speedup(metrics: dict, cell: GridCell, samples: list[dict], baseline: l
         return
     metrics["expected_speedup"] = expected_speedup(rate["token_acceptance"], cell.draft_length, cost_ratio)
     metrics["efficiency_vs_expected"] = metrics["speedup"] / metrics["expected_speedup"]
+
+
+def _pairs(samples: list[dict], baseline: list[dict]) -> list[tuple[dict, dict]]:
+    """(sample, the baseline's sample of the same example) for the examples both ran, in the samples' order."""
+    theirs = {record["example_id"]: record for record in baseline}
+    return [(record, theirs[record["example_id"]]) for record in samples if record["example_id"] in theirs]
+
+
+def _example_speedups(samples: list[dict], baseline: list[dict]) -> list[float]:
+    """Each shared example's token rate over the baseline's on it (one seed's samples of a cell)."""
+    rates = [(_rate(a["stats"]), _rate(b["stats"])) for a, b in _pairs(samples, baseline)]
+    return [mine / theirs for mine, theirs in rates if mine is not None and theirs]
+
+
+def _rate(stats: dict) -> float | None:
+    return stats["new_tokens"] / stats["wall_time_s"] if stats["wall_time_s"] > 0 else None
 
 
 def _by_category(samples: list[dict]) -> dict[str, float]:

@@ -7,13 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..engine import SpeculativeDecoder, sample_seed
-from ..errors import UsageError
+from ..errors import SpecdecError, UsageError
 from ..model_pool import ModelPool
 from ..recipe import Recipe, validate
 from ..results_store import ResultsStore
 from ..registry import VerifierRegistry
 from .grid import BASELINE, GridCell
 from .tasks import Example, Task
+
 
 @dataclass(kw_only=True)
 class BenchSample:
@@ -30,6 +31,8 @@ class BenchSample:
     token_ids: list[int]
     accepted_mask: list[bool]
     stats: dict
+    conditions: dict
+    """:func:`~specdec_cli.provenance.run_conditions` of the run that made it."""
 
     def to_record(self) -> dict:
         return {**dataclasses.asdict(self), "new_tokens": len(self.token_ids), "wall_time_s": self.stats["wall_time_s"]}
@@ -40,8 +43,9 @@ class BenchRunner:
 
     def __init__(
         self, *, recipe: Recipe, task: Task, examples: list[Example], cells: list[GridCell], seeds: list[int],
-        store: ResultsStore, rank: int = 0, world_size: int = 1, registry: VerifierRegistry | None = None,
-        template: str | None = None, lang_pair: tuple[str, str] = ("en", "fr"), pool: ModelPool | None = None,
+        store: ResultsStore, conditions: dict, rank: int = 0, world_size: int = 1,
+        registry: VerifierRegistry | None = None, template: str | None = None, lang_pair: tuple[str, str] = ("en", "fr"),
+        pool: ModelPool | None = None,
     ):  # fmt: skip
         self.recipe = recipe
         self.examples = examples
@@ -54,6 +58,11 @@ class BenchRunner:
         self.pool = pool if pool is not None else ModelPool()
         target = self.pool.target(recipe.target)
         self.template = template or task.template(target.is_encoder_decoder, lang_pair)
+        self.conditions = conditions
+        """:func:`~specdec_cli.provenance.run_conditions`, kept on every sample (a resume compares them)."""
+        self.failures: dict[str, CellFailure] = {}
+        """cell key → why that cell stopped in this run (its remaining samples are skipped)."""
+        self._on_failure: Callable[[CellFailure], None] | None = None
 
     def decoder(self, cell: GridCell) -> SpeculativeDecoder:
         return SpeculativeDecoder.from_recipe(cell.recipe(self.recipe, self.registry), pool=self.pool,
@@ -63,27 +72,31 @@ class BenchRunner:
         return self.template.replace("{source}", example.source)
 
     def my_examples(self) -> list[tuple[int, Example]]:
-        """(global index, example) for this process: examples are sharded by rank."""
-        return [(i, e) for i, e in enumerate(self.examples) if i % self.world_size == self.rank]
+        return shard(self.examples, self.rank, self.world_size)
 
     def pending(self) -> int:
-        mine = self.my_examples()
-        return sum(
-            not self.store.done((cell.key, seed, example.id))
-            for cell in self.cells for seed in self.seeds for _, example in mine
-        )  # fmt: skip
+        return pending_samples(self.store, self.cells, self.seeds, self.my_examples())
 
-    def run(self, on_tokens: Callable[[str, int], None] | None = None) -> None:
+    def run(self, on_tokens: Callable[[str, int], None] | None = None,
+            on_failure: Callable[[CellFailure], None] | None = None) -> None:  # fmt: skip
         """Every pending (seed, example), each run by every cell in turn: the baseline and the cells
         see the same state of the machine, so slow drift (thermal, other load) cancels in speedups.
-        ``on_tokens(cell key, count)`` follows generation, block by block."""
+        ``on_tokens(cell key, count)`` follows generation, block by block. A cell whose generation
+        fails (a plugin's error, NaN logits) is reported to ``on_failure`` and skipped from then on;
+        the others go on."""
         mine = self.my_examples()
+        self._on_failure = on_failure
         prepared = self._prepare(mine)
+        budget = self.recipe.generation.max_new_tokens
         for seed in self.seeds:
             for index, example in mine:
                 for cell, run in prepared.items():
-                    if not self.store.done((cell.key, seed, example.id)):
+                    if self.store.done((cell.key, seed, example.id)):
+                        continue
+                    if cell.key not in self.failures:
                         self._sample(cell, run, seed, index, example, on_tokens)
+                    elif on_tokens is not None:
+                        on_tokens(cell.key, budget)  # a skipped sample's share of the progress
 
     def _prepare(self, mine: list[tuple[int, Example]]) -> dict[GridCell, _CellRun]:
         """A decoder for every cell with pending samples, each pending prompt encoded once (and so checked
@@ -95,7 +108,11 @@ class BenchRunner:
             if pending:
                 decoder = self.decoder(cell)
                 prompt_ids = {key: decoder.encode_prompt(self.prompt(example)) for key, example in pending.items()}
-                decoder.warm_up(next(iter(prompt_ids.values())))
+                try:
+                    decoder.warm_up(next(iter(prompt_ids.values())))
+                except SpecdecError as error:
+                    self._fail(CellFailure(cell=cell.key, example_id=None, seed=None, reason=str(error)))
+                    continue
                 prepared[cell] = _CellRun(decoder, prompt_ids)
         return prepared
 
@@ -103,14 +120,55 @@ class BenchRunner:
                 on_tokens: Callable[[str, int], None] | None) -> None:  # fmt: skip
         decoder = run.decoder
         progress = None if on_tokens is None else (lambda new, _mask: on_tokens(cell.key, len(new)))
-        tokens, mask, stats = decoder.generate_ids(run.prompt_ids[example.id], sample_seed(seed, index, 0), progress)
+        seed_of_sample = sample_seed(seed, index, 0)
+        try:
+            tokens, mask, stats = decoder.generate_ids(run.prompt_ids[example.id], seed_of_sample, progress)
+        except SpecdecError as error:  # only the generation: a failing write (a full disk) stops the run
+            self._fail(CellFailure(cell=cell.key, example_id=example.id, seed=seed, reason=str(error)))
+            return
         if on_tokens is not None:
             on_tokens(cell.key, decoder.config.generation.max_new_tokens - len(tokens))  # an early EOS's unused budget
         self.store.append(BenchSample(
             cell=cell.key, seed=seed, example_id=example.id, index=index, category=example.category,
             prompt=self.prompt(example), text=decoder.target.tokenizer.decode(tokens, skip_special_tokens=True),
             reference=example.reference, token_ids=tokens, accepted_mask=mask, stats=stats.to_dict(),
+            conditions=self.conditions,
         ).to_record())  # fmt: skip
+
+    def _fail(self, failure: CellFailure) -> None:
+        self.failures[failure.cell] = failure
+        if self._on_failure is not None:
+            self._on_failure(failure)
+
+
+@dataclass(frozen=True)
+class CellFailure:
+    """A cell that stopped: where, and the error's one line."""
+
+    cell: str
+    example_id: str | None
+    """None: it failed on its warm-up, before its first sample."""
+    seed: int | None
+    reason: str
+
+    def summary(self) -> str:
+        """'on example 3 (seed 0): <the error>', as results.json keeps it."""
+        where = "its warm-up" if self.example_id is None else f"example {self.example_id} (seed {self.seed})"
+        return f"on {where}: {self.reason}"
+
+    def line(self) -> str:
+        return f"cell '{self.cell}' failed {self.summary()}; its other samples and every other cell are kept"
+
+
+def shard(examples: list[Example], rank: int, world_size: int) -> list[tuple[int, Example]]:
+    """(global index, example) for process ``rank``: examples are sharded by rank."""
+    return [(i, e) for i, e in enumerate(examples) if i % world_size == rank]
+
+
+def pending_samples(store: ResultsStore, cells: list[GridCell], seeds: list[int],
+                    mine: list[tuple[int, Example]]) -> int:  # fmt: skip
+    """How many (cell, seed, example) of this process the store does not hold yet."""
+    return sum(not store.done((cell.key, seed, example.id)) for cell in cells for seed in seeds for _, example in mine)
 
 
 @dataclass
@@ -139,3 +197,18 @@ def check_cells(cells: list[GridCell], skipped: list[str], base: Recipe, registr
     taken = {key for c in cells if c.verifier != BASELINE for key in registry.params_for(c.verifier, base.verifier.params)}
     return [f"verifier.params.{key} is taken by no verifier of the grid; ignored"
             for key in sorted(set(base.verifier.params) - taken)]
+
+
+def check_conditions(records: list[dict], current: dict, folder: object) -> None:
+    """Refuse to add samples measured under ``current`` conditions to a folder whose samples ran under
+    others (threads, device, versions): their speeds would be pooled as if they compared."""
+    for record in records:
+        stored = record.get("conditions") or current  # samples written before conditions were kept
+        changed = next((name for name in current if stored.get(name) != current[name]), None)
+        if changed is not None:
+            hint = f" (--threads {stored[changed]})" if changed == "threads" else ""
+            raise UsageError(
+                f"'{folder}' holds samples run with {changed} {stored.get(changed)} but this run has "
+                f"{current[changed]}; speeds under other conditions do not compare: run under the same ones{hint}, pass "
+                "--allow-mixed-conditions to mix them (the results flag it), or give a new --output folder"
+            )

@@ -16,7 +16,7 @@ from rich.console import Console
 from ..acceptance import report
 from ..acceptance.results import PROMPT_RECORDS, AcceptanceReport, AcceptanceRequest, PromptAcceptance
 from ..draft_rows import draft_law, round_robin
-from ..errors import UsageError
+from ..errors import SpecdecError, UsageError
 from ..inputs import check_plot_path, subset
 from ..recipe import Recipe
 from ..results_store import ResultsStore
@@ -59,8 +59,10 @@ def acceptance(
     output: common.OutputOption = None,
     plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help=(
         "Draw acceptance against K, and acceptance against KL for verifiers with a KL bound, to this PNG."))] = None,
+    threads: common.ThreadsOption = None,
 ) -> None:
     """Acceptance probability of each verifier per number of drafts, on positions the target generates."""
+    common.apply_threads(threads)
     temperatures = common.parse_list(draft_temperatures, float, "--draft-temperatures")
     options = common.RecipeOptions(
         recipe=recipe, sets=sets or [], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -97,21 +99,29 @@ def _run(recipe: Recipe, request: AcceptanceRequest, texts: list[str], left_out:
     if results.interrupted:
         err.print(f"interrupted: results over {len(results.prompts)} of {len(texts)} prompts")
     content = report.payload(recipe, analysis.request, results, analysis.decoder.device)
+    _show(content, results, as_json)  # first: a full disk or a failing plot never hides the table
     if output is not None:
-        report.write(output, content, results)
-    _show(content, results, as_json, plot)
+        _write_summary(output, content, results)
+    if plot is not None:
+        common.write_plot(lambda: report.plot(plot, results, content), plot)
     if results.interrupted:
         raise typer.Exit(130)
 
 
-def _show(content: dict, results: AcceptanceReport, as_json: bool, plot: Path | None) -> None:
+def _show(content: dict, results: AcceptanceReport, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(content, indent=2) + "\n")
     else:
         # Piped output has no terminal width: give the table room rather than cutting its cells.
         Console(width=None if sys.stdout.isatty() else 160).print(report.table(results))
-    if plot is not None:  # after the table: a failing plot never hides it
-        common.write_plot(lambda: report.plot(plot, results), plot)
+
+
+def _write_summary(output: Path, content: dict, results: AcceptanceReport) -> None:
+    try:
+        report.write(output, content, results)  # each file replaced whole: a failed write leaves the previous one
+    except OSError as error:
+        raise SpecdecError(f"could not write the summary in '{output}' ({error.strerror}); every prompt's values are "
+                           "kept in samples.jsonl: free some space and run the same command again") from None
 
 
 def _evaluate(analysis: "AcceptanceAnalysis", texts: list[str], store: ResultsStore, err: Console) -> AcceptanceReport:

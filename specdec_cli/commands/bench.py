@@ -6,8 +6,9 @@ import dataclasses
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -16,12 +17,22 @@ from ..bench import report
 from ..bench.results import BenchResults, summarize
 from ..bench.grid import Grid
 from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair, turns_note
-from ..errors import UsageError
+from ..errors import SpecdecError, UsageError
 from ..inputs import check_plot_path
 from ..recipe import Recipe
-from ..results_store import ResultsStore, load_saved
+from ..results_store import ResultsStore, load_saved, write_atomically
 from ..registry import VerifierRegistry
 from . import common
+
+if TYPE_CHECKING:
+    from ..bench.runner import BenchRunner
+
+_ReportOption = Annotated[Optional[Path], typer.Option("--report", metavar="FOLDER", help=(
+    "Show the results of a results folder again, without running models."))]
+_PlotOption = Annotated[Optional[Path], typer.Option(metavar="FILE.png", help=(
+    "Draw speedup (or token rate) against quality to this PNG."))]
+_AllowMixedOption = Annotated[bool, typer.Option("--allow-mixed-conditions", metavar="", help=(
+    "Resume an --output folder whose samples ran with other threads, device or versions (the results flag the mix)."))]
 
 
 def bench(
@@ -61,19 +72,18 @@ def bench(
     sets: common.SetOption = None,
     chat: common.ChatOption = None,
     output: common.OutputOption = None,
-    report_dir: Annotated[Optional[Path], typer.Option("--report", metavar="FOLDER", help=(
-        "Show the results of a results folder again, without running models."))] = None,
-    plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help=(
-        "Draw speedup (or token rate) against quality to this PNG."))] = None,
+    report_dir: _ReportOption = None,
+    plot: _PlotOption = None,
     as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print results.json instead of the table.")] = False,
+    threads: common.ThreadsOption = None,
+    allow_mixed_conditions: _AllowMixedOption = False,
 ) -> None:
     """Benchmark speed and quality of speculative configurations against the target alone."""
     check_plot_path(plot)
     common.check_at_least_one(limit, "--limit")
+    common.apply_threads(threads)
     if report_dir is not None:
-        config, records = load_saved(report_dir)
-        _show(summarize(config, records), as_json, plot, "")
-        return
+        return _report(report_dir, as_json, plot)
     base = common.RecipeOptions(recipe=recipe, sets=sets or [], max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p,
                                 seed=seed, device=device, dtype=dtype, chat=chat).resolve()  # fmt: skip
     examples = load_examples(DataSource(
@@ -81,21 +91,50 @@ def bench(
         source_field=source_field, reference_field=reference_field, limit=limit, shuffle=shuffle, seed=shuffle_seed,
     ))  # fmt: skip
     grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures)
+    hint = "name the reference field with --reference-field NAME" if dataset else "give --reference FILE"
     plan = _Plan(base=base, task=get_task(task), lang_pair=lang_pair, template=template, examples=examples, grid=grid,
-                 seeds=common.parse_list(seeds, int, "--seeds") or [base.seed])  # fmt: skip
-    _run(plan, output, as_json, plot)
+                 seeds=_values(seeds, int, "--seeds") or [base.seed], reference_hint=hint)  # fmt: skip
+    _run(plan, _Output(output, as_json, plot, allow_mixed_conditions))
+
+
+def _report(folder: Path, as_json: bool, plot: Path | None) -> None:
+    """Show a results folder again, without running models."""
+    config, records = load_saved(folder)
+    if not records:
+        raise UsageError(f"'{folder}' holds no samples yet (its run stopped before the first); run bench with "
+                         f"--output {folder} to fill it")  # fmt: skip
+    _show(summarize(config, records), _Output(folder, as_json, plot, False), "")
 
 
 def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures) -> Grid:
     """The grid from the comma-list flags (``str | None`` each); an absent flag takes the recipe's value."""
     return Grid(
-        verifiers=tuple(common.parse_list(verifiers, str, "--verifier") or [base.verifier.name]),
-        kl=tuple(common.parse_list(kl, float, "--kl")),
-        num_drafts=tuple(common.parse_list(num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
-        draft_lengths=tuple(common.parse_list(draft_length, int, "--draft-length") or [base.speculation.draft_length]),
-        temperatures=tuple(common.parse_list(temperature, float, "--temperature") or [base.generation.temperature]),
+        verifiers=tuple(_values(verifiers, str, "--verifier") or [base.verifier.name]),
+        kl=tuple(_values(kl, float, "--kl")),
+        num_drafts=tuple(_values(num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
+        draft_lengths=tuple(_values(draft_length, int, "--draft-length") or [base.speculation.draft_length]),
+        temperatures=tuple(_values(temperature, float, "--temperature") or [base.generation.temperature]),
         draft_temperatures=_draft_temperature_sets(draft_temperatures),
     )
+
+
+def _values(text: str | None, kind: type, option: str) -> list:
+    """A comma-list flag's values ([] when it is absent). A list with none is refused, and so is a value
+    given twice: it would run (and show) the same cell, or the same seed's samples, twice."""
+    if text is None:
+        return []
+    values = common.parse_list(text, kind, option)
+    if not values:
+        raise UsageError(f"{option} expects a comma list of {kind.__name__} values, got '{text}'")
+    _refuse_repeats([str(v).strip().lower() if kind is str else v for v in values], option)
+    return values
+
+
+def _refuse_repeats(values: list, option: str) -> None:
+    repeated = [value for index, value in enumerate(values) if value in values[:index]]
+    if repeated:
+        shown = ", ".join(dict.fromkeys(map(str, repeated)))
+        raise UsageError(f"{option} lists {shown} more than once; give each value once")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -109,6 +148,8 @@ class _Plan:
     examples: list
     grid: Grid
     seeds: list[int]
+    reference_hint: str
+    """How to give references for the data's kind (a note says so when the examples have none)."""
     registry: VerifierRegistry = dataclasses.field(default_factory=VerifierRegistry)
 
     def __post_init__(self) -> None:
@@ -117,8 +158,8 @@ class _Plan:
         from ..bench.runner import check_cells  # torch: imported only on the paths that run models
 
         self.notes = check_cells(self.cells, self.skipped, self.base, self.registry)
-        if (note := turns_note(self.examples)) is not None:
-            self.notes.append(note)
+        references = report.reference_note(self.task.metrics, [e.reference for e in self.examples], self.reference_hint)
+        self.notes += [note for note in (turns_note(self.examples), references) if note is not None]
 
     def config(self) -> dict:
         """What defines the run's results (a results folder refuses another)."""
@@ -132,55 +173,99 @@ class _Plan:
         }
 
 
-def _run(plan: _Plan, output: Path | None, as_json: bool, plot: Path | None) -> None:
+@dataclass(frozen=True)
+class _Output:
+    """Where the results go: the results folder (None: nowhere), stdout as JSON or a table, a plot."""
+
+    folder: Path | None
+    as_json: bool
+    plot: Path | None
+    allow_mixed_conditions: bool
+
+
+def _run(plan: _Plan, output: _Output) -> None:
     """Run what the folder does not hold yet, then write and show the results (also when stopped)."""
     rank, world_size = _init_distributed()
     config = plan.config()
-    store = ResultsStore(output, config, rank, world_size)
+    store = ResultsStore(output.folder, config, rank, world_size)
     err = Console(stderr=True)
     if store.dropped_cut_line:
         err.print("note: the last sample line was cut short (a killed run or a full disk); it was dropped and runs again")
     for line in [f"skipped: {reason}" for reason in plan.skipped] + [f"note: {note}" for note in plan.notes]:
-        err.print(line, highlight=False)
-    from ..bench.runner import BenchRunner  # torch and transformers: only a run that loads models imports them
+        err.print(line, highlight=False, soft_wrap=True)
+    from ..bench.runner import BenchRunner, check_conditions, pending_samples, shard  # torch: only a run imports it
     from ..model_pool import ModelPool
-    from ..provenance import provenance
+    from ..models import resolve_device
+    from ..provenance import provenance, run_conditions
 
+    conditions = run_conditions(resolve_device(plan.base.target.device))
+    if not output.allow_mixed_conditions and pending_samples(store, plan.cells, plan.seeds,
+                                                             shard(plan.examples, rank, world_size)):  # fmt: skip
+        check_conditions(list(store.records.values()), conditions, output.folder)
     pool = ModelPool()
     with err.status("Loading models…"):
         runner = BenchRunner(recipe=plan.base, task=plan.task, examples=plan.examples, cells=plan.cells,
                              seeds=plan.seeds, store=store, rank=rank, world_size=world_size, registry=plan.registry,
-                             template=plan.template, lang_pair=plan.languages, pool=pool)  # fmt: skip
-    interrupted = False
-    budget = plan.base.generation.max_new_tokens
-    with common.token_progress(runner.pending() * budget, enabled=rank == 0, label="samples") as progress:
+                             template=plan.template, lang_pair=plan.languages, pool=pool, conditions=conditions)  # fmt: skip
+    interrupted = _generate(runner, plan.base.generation.max_new_tokens, rank == 0, err)
+    store.close()
+    failures = {key: failure.summary() for key, failure in runner.failures.items()}
+    if world_size > 1:
+        failures = _gather(store, rank, failures)
+        if rank != 0:
+            return
+    environment = provenance(pool.target(plan.base.target).device)
+    results = summarize(config, list(store.records.values()), failures, environment=environment,
+                        interrupted=interrupted, notes=[*plan.skipped, *plan.notes])  # fmt: skip
+    _finish(results, output, len(store.records))
+
+
+def _generate(runner: "BenchRunner", budget: int, enabled: bool, err: Console) -> bool:
+    """Every pending sample under a progress bar, a failing cell's line printed as it fails; True if stopped."""
+    with common.token_progress(runner.pending() * budget, enabled=enabled, label="samples") as progress:
         def on_tokens(cell: str, tokens: int) -> None:
             progress.describe(cell)
             progress.advance(tokens)
 
         try:
-            runner.run(on_tokens)
+            runner.run(on_tokens, on_failure=lambda failure: err.print(f"error: {failure.line()}", highlight=False,
+                                                                       soft_wrap=True))  # fmt: skip
         except KeyboardInterrupt:
-            interrupted = True
-    store.close()
-    if world_size > 1:
-        _gather(store, rank)
-        if rank != 0:
-            return
-    device = pool.target(plan.base.target).device
-    results = summarize(config, list(store.records.values()), environment=provenance(device), interrupted=interrupted)
-    if output is not None:
-        (output / "results.json").write_text(json.dumps(results.to_dict(), indent=2) + "\n")
-        (output / "table.md").write_text(report.markdown(results))
-        (output / "table.csv").write_text(report.csv_text(results))
-    note = f"interrupted: {len(store.records)} samples kept; run the same command to resume" if interrupted else ""
-    _show(results, as_json, plot, note)
-    if interrupted:
+            return True
+    return False
+
+
+def _finish(results: BenchResults, output: _Output, kept: int) -> None:
+    """Show the results and write them to the folder; stopped: exit 130, a failed cell: exit 1."""
+    if results.interrupted:
+        where = (f"kept in '{output.folder}'; run the same command to resume" if output.folder is not None else
+                 "done, but nothing was saved (no --output): pass --output FOLDER to be able to resume")  # fmt: skip
+        note = f"interrupted: {kept} samples {where}"
+    else:
+        note = ""
+    _show(results, output, note)
+    if output.folder is not None:
+        _write_summaries(output.folder, results)
+    if results.interrupted:
         raise typer.Exit(130)
+    if any(cell.failure for cell in results.cells):
+        raise typer.Exit(1)  # each failed cell's line came as it failed; a run with one is not a success
 
 
-def _show(results: BenchResults, as_json: bool, plot: Path | None, note: str) -> None:
-    if as_json:
+def _write_summaries(folder: Path, results: BenchResults) -> None:
+    """results.json and the tables, after the table is shown: a full disk costs them, never the table."""
+    summaries = {"results.json": json.dumps(results.to_dict(), indent=2) + "\n", "table.md": report.markdown(results),
+                 "table.csv": report.csv_text(results)}  # fmt: skip
+    for name, text in summaries.items():
+        try:
+            write_atomically(folder / name, text)  # a failed write leaves the previous summary whole
+        except OSError as error:
+            raise SpecdecError(f"could not write '{folder / name}' ({error.strerror}); the samples are kept: free "
+                               f"some space and run `specdec bench --report {folder}` to see them again") from None
+
+
+def _show(results: BenchResults, output: _Output, note: str) -> None:
+    if output.as_json:
         sys.stdout.write(json.dumps(results.to_dict(), indent=2) + "\n")
     else:
         config = results.config
@@ -190,15 +275,21 @@ def _show(results: BenchResults, as_json: bool, plot: Path | None, note: str) ->
         if (categories := report.category_table(results)) is not None:
             console.print(categories)
     if note:
-        Console(stderr=True).print(note)
-    if plot is not None:  # after the table: a failing plot never hides it
-        common.write_plot(lambda: report.plot(results, plot), plot)
+        Console(stderr=True).print(note, highlight=False, soft_wrap=True)
+    if output.plot is not None:  # after the table: a failing plot never hides it
+        common.write_plot(lambda: report.plot(results, output.plot), output.plot)
 
 
 def _draft_temperature_sets(text: str | None) -> tuple:
-    if not text:
+    """'1.0,1.2;1.0' → ((1.0, 1.2), (1.0,)); absent: (None,), the recipe's drafts. A temperature may repeat
+    within a set (two drafts alike), a set may not repeat."""
+    if text is None:
         return (None,)
-    return tuple(tuple(common.parse_list(part, float, "--draft-temperatures")) for part in text.split(";") if part.strip())
+    sets = [tuple(common.parse_list(part, float, "--draft-temperatures")) for part in text.split(";") if part.strip()]
+    if not sets or not all(sets):
+        raise UsageError(f"--draft-temperatures expects sets such as '1.0,1.2;0.7,0.7' (a set per ';'), got '{text}'")
+    _refuse_repeats(sets, "--draft-temperatures")
+    return tuple(sets)
 
 
 def _init_distributed() -> tuple[int, int]:
@@ -223,13 +314,15 @@ def _init_distributed() -> tuple[int, int]:
     return dist.get_rank(), world_size
 
 
-def _gather(store: ResultsStore, rank: int) -> None:
-    """Every process's samples to rank 0, which writes the one samples.jsonl of a single-process run."""
+def _gather(store: ResultsStore, rank: int, failures: dict[str, str]) -> dict[str, str]:
+    """Every process's samples to rank 0, which writes the one samples.jsonl of a single-process run;
+    every process's failed cells (cell key → why) to all."""
     import torch.distributed as dist
 
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, list(store.records.values()))
+    dist.all_gather_object(gathered, (list(store.records.values()), failures))
     if rank == 0:
-        store.merge([record for records in gathered for record in records])
+        store.merge([record for records, _ in gathered for record in records])
     dist.barrier()
     dist.destroy_process_group()
+    return {key: why for _, theirs in gathered for key, why in theirs.items()}
