@@ -57,7 +57,7 @@ def create_verifier(config: DecodingConfig, rows: DraftRows, registry: VerifierR
     if rows.count == 0:
         raise UsageError("no draft to speculate with: add a 'draft:' section to the recipe, or use --autoregressive")
     verifier = registry.create(config.verifier.name, dict(config.verifier.params))
-    reason = type(verifier).reason_to_refuse(rows.count, rows.identical_laws)
+    reason = registry.refusal(config.verifier.name, rows)
     if reason is None:
         return verifier
     if rows.count > (verifier.max_drafts or rows.count):

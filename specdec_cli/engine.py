@@ -19,8 +19,10 @@ so baseline and speculative runs share sampler and stopping. docs/block-loop.md 
 from __future__ import annotations
 
 import hashlib
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,7 @@ import torch
 
 from .decoding import Draft, create_verifier, target_sampling
 from .draft_rows import every_config, recipe_draft_rows
-from .errors import NonFiniteLogitsError, UsageError
+from .errors import NonFiniteLogitsError, SpecdecError, UsageError
 from .inputs import require_text
 from .model_pool import ModelPool
 from .model_session import ModelSession
@@ -37,10 +39,17 @@ from .recipe import AUTOREGRESSIVE, DecodingConfig, Recipe
 from .sampling import SamplingParams, non_finite_message, sample, sampling_law
 from .stats import GenerationResult, SampleStats
 from .timing import RegionTimer
-from .verifiers import BlockDecision, VerifierRegistry
+from .registry import error_line
+from .verifiers import (
+    BlockDecision, VerifierRegistry, decision_problem, decision_value_problem, departs_from_drafts,
+)  # fmt: skip
 
 BlockCallback = Callable[[int, int, list[int], list[bool]], None]
 """on_block(prompt_index, sample_index, new_token_ids, accepted_mask) after each committed block."""
+
+
+class PromptTypeError(UsageError, TypeError):
+    """Prompts that are not text (a TypeError too, as Python callers expect)."""
 
 
 @dataclass
@@ -158,13 +167,17 @@ class SpeculativeDecoder:
         return ids
 
     def generate(
-        self, prompts: Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None, **changes: Any
-    ) -> list[GenerationResult]:
-        """``num_samples`` independent samples for each prompt, in order (prompt-major).
+        self, prompts: str | Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None,
+        **changes: Any,
+    ) -> list[GenerationResult]:  # fmt: skip
+        """``num_samples`` independent samples for each prompt (one string is one prompt), in order (prompt-major).
 
         Keyword ``changes`` to the decoding config apply to this call only (``verifier="block"``,
         ``draft_length=8``, ``temperature=0.3``, ...); the models stay loaded.
         """
+        prompts = _prompt_list(prompts)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise UsageError(f"num_samples must be a whole number >= 1, got {num_samples!r}")
         if changes:
             return self.with_config(**changes).generate(prompts, num_samples, on_block)
         encoded = [self.encode_prompt(p) for p in prompts]  # all checked before any model runs
@@ -190,12 +203,19 @@ class SpeculativeDecoder:
         self, prompt_ids: list[int], seed: int, on_block: Callable[[list[int], list[bool]], None] | None = None
     ) -> tuple[list[int], list[bool], SampleStats]:
         """Generate after ``prompt_ids`` → (new token ids, accepted mask, stats)."""
+        stats = SampleStats(prompt_tokens=len(prompt_ids))
+        with self._memory_guard(stats):
+            return self._generate_ids(prompt_ids, seed, on_block, stats)
+
+    def _generate_ids(
+        self, prompt_ids: list[int], seed: int, on_block: Callable[[list[int], list[bool]], None] | None,
+        stats: SampleStats,
+    ) -> tuple[list[int], list[bool], SampleStats]:  # fmt: skip
         generator = torch.Generator(device=self.device).manual_seed(seed)
         for session in self._sessions():
             session.start(prompt_ids)
         committed = self.target.decoder_start_ids if self.target.is_encoder_decoder else list(prompt_ids)
         start = len(committed)
-        stats = SampleStats(prompt_tokens=len(prompt_ids))
         timer = RegionTimer(self.device)
         mask: list[bool] = []
         max_new = self.config.generation.max_new_tokens
@@ -223,6 +243,24 @@ class SpeculativeDecoder:
         stats.new_tokens = len(committed) - start
         return committed[start:], mask, stats
 
+    @contextmanager
+    def _memory_guard(self, stats: SampleStats) -> Iterator[None]:
+        """An allocation this machine cannot make (a long prompt to an encoder without a position limit,
+        many long draft rows) becomes one line naming what to lower, instead of the allocator's traceback."""
+        try:
+            yield
+        except (RuntimeError, MemoryError) as error:
+            if not _is_allocation_error(error):
+                raise
+            drafts = f"--num-drafts ({self.config.speculation.num_drafts}) or --draft-length ({self.draft_length})"
+            if not stats.blocks:  # the prompt's encoding or prefill, with the first block's draft rows
+                advice = f"reading the prompt; shorten the prompt ({stats.prompt_tokens} tokens)"
+                advice += f", or lower {drafts}" if self.draft_groups else ""
+            else:
+                advice = f"while generating; lower --max-new-tokens ({self.config.generation.max_new_tokens})"
+                advice += f", {drafts}" if self.draft_groups else ""
+            raise SpecdecError(f"out of memory{_requested_memory(error)} {advice}") from error
+
     def _sessions(self) -> list[ModelSession]:
         return [self.target_session] + [g.session for g in self.draft_groups]
 
@@ -239,32 +277,40 @@ class SpeculativeDecoder:
             stats.target_forwards += 1
         with timer.region("verify"):
             if draft_length:
-                decision = self.verifier.verify_block(target_probs, draft_probs, draft_tokens, generator)
+                decision = self._decide(target_probs, draft_probs, draft_tokens, generator)
+                departs = departs_from_drafts(decision, draft_tokens)  # []
             else:
                 decision = _target_token(target_probs, generator)
+                departs = torch.zeros_like(target_finite)  # []: the engine drew the token itself
             count = self._count_to_eos(decision)  # []
             matches = [_longest_match(group_tokens, decision.tokens, count)
                        for group_tokens in self._group_slices(draft_tokens)]  # fmt: skip
+            flags = [decision.num_accepted, decision.row, count, target_finite.long(), departs.long()]
             packed = torch.cat([
-                decision.tokens, torch.stack([decision.num_accepted, decision.row, count, target_finite.long()]),
-                drafts_finite.long(), *(torch.stack(match) for match in matches),
+                decision.tokens, torch.stack(flags), drafts_finite.long(), *(torch.stack(match) for match in matches),
             ])  # fmt: skip
             values = packed.tolist()  # the one device read of the block
             block = self._commit(values, len(decision.tokens), committed)
         return block
 
     def _commit(self, values: list[int], block_size: int, committed: list[int]) -> "_Committed":
-        """Unpack the block's read, stop on non-finite logits, and crop every cache to what was committed."""
+        """Unpack the block's read, stop on non-finite logits or a decision no verifier may make, and crop
+        every cache to what was committed."""
         tokens = values[:block_size]
-        num_accepted, row, count, target_finite = values[block_size : block_size + 4]
+        num_accepted, row, count, target_finite, departs = values[block_size : block_size + 5]
         groups = len(self.draft_groups)
-        drafts_finite = values[block_size + 4 : block_size + 4 + groups]
-        matches = values[block_size + 4 + groups :]
+        drafts_finite = values[block_size + 5 : block_size + 5 + groups]
+        matches = values[block_size + 5 + groups :]
         if not target_finite:
             raise NonFiniteLogitsError(non_finite_message("target"))
         for group, finite in zip(self.draft_groups, drafts_finite):
             if not finite:
                 raise NonFiniteLogitsError(non_finite_message(f"draft {group.name}"))
+        if block_size > 1:  # a verifier decided (a block without draft tokens is the engine's own draw)
+            problem = decision_value_problem(tokens, num_accepted, row, bool(departs), self.num_draft_rows,
+                                             self.vocab_size)  # fmt: skip
+            if problem is not None:
+                raise self.registry.fault(self.verifier.name, problem)
         # Rows cache the committed prefix then their own drafts; the last committed token stays uncached.
         reusable = len(committed) + min(num_accepted, count - 1)
         self.target_session.keep(row, min(self.target_session.cached_length, reusable))
@@ -273,6 +319,28 @@ class SpeculativeDecoder:
             group.session.keep(group_row, min(group.session.cached_length, len(committed) + min(agreeing, count - 1)))
         new_tokens = tokens[:count]
         return _Committed(new_tokens, min(num_accepted, count), any(t in self.eos_ids for t in new_tokens))
+
+    def _decide(
+        self, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+        generator: torch.Generator,
+    ) -> BlockDecision:  # fmt: skip
+        """The verifier's decision, its types, shapes and devices checked on the host (no device read).
+
+        A plugin's exception is its fault, named in one line with the original chained for ``--debug``;
+        running out of memory is not, and reaches :meth:`_memory_guard`.
+        """
+        try:
+            decision = self.verifier.verify_block(target_probs, draft_probs, draft_tokens, generator)
+        except SpecdecError:
+            raise
+        except Exception as error:
+            if _is_allocation_error(error):
+                raise
+            raise self.registry.fault(self.verifier.name, f"raised {error_line(error)}") from error
+        problem = decision_problem(decision, draft_tokens.shape[1] + 1, target_probs.device)
+        if problem is not None:
+            raise self.registry.fault(self.verifier.name, problem)
+        return decision.as_long()
 
     def _count_to_eos(self, decision: BlockDecision) -> torch.Tensor:
         """How many tokens to commit ``[]``: through the first EOS, if one comes before the block's end."""
@@ -350,6 +418,35 @@ def _target_token(target_probs: torch.Tensor, generator: torch.Generator) -> Blo
     token = sample(target_probs[0, 0], generator).view(1)  # [1]
     zero = torch.zeros((), dtype=torch.long, device=token.device)
     return BlockDecision(token, zero, zero)
+
+
+def _prompt_list(prompts: object) -> list[str]:
+    """``prompts`` as a list of strings: one string is one prompt (iterating it would give its characters)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
+        raise PromptTypeError(f"prompts must be a string or a list of strings, not {type(prompts).__name__}")
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise PromptTypeError(f"prompt {index} is {type(prompt).__name__}, not text; pass strings (decode bytes first)")
+    return list(prompts)
+
+
+def _is_allocation_error(error: BaseException) -> bool:
+    """Whether ``error`` is an allocator refusing memory (CUDA, the CPU's, MPS, or Python's own)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and any(s in message for s in ("can't allocate memory", "out of memory"))
+
+
+def _requested_memory(error: BaseException) -> str:
+    """`` (N GiB requested)`` from an allocator's message, or nothing when it does not say."""
+    found = re.search(r"[Tt]ried to allocate ([\d.]+) ?(bytes|[KMGT]i?B)", str(error))
+    if found is None:
+        return ""
+    amount, unit = found.groups()
+    return f" ({int(amount) / 2**30:.2f} GiB requested)" if unit == "bytes" else f" ({amount} {unit} requested)"
 
 
 def _longest_match(group_tokens: torch.Tensor, block_tokens: torch.Tensor, count: torch.Tensor):

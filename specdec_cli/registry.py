@@ -1,9 +1,14 @@
-"""Finding verifier plugins: the entry-point group ``specdec.verifiers``, read through stevedore.
+"""Finding verifier plugins: the entry-point group ``specdec.verifiers``.
 
 This module imports neither torch nor any plugin until a verifier class is asked for, so listing
 the installed verifiers (``specdec verifiers``) and reading a results folder (``bench --report``)
 start at once: :meth:`VerifierRegistry.describe` keeps what it learned from the plugin classes in a
-cache, keyed by the installed entry points and the modification times of their modules.
+cache, keyed by the installed entry points and the files of their modules.
+
+Plugins are third-party code, and a broken one must not take the command down with it: whatever a
+module raises on import (``sys.exit`` included), a class that breaks the contract, or two packages
+claiming one name becomes a load failure that ``specdec verifiers`` lists and that using the name
+reports in one line. The classes stay loadable by stevedore (``stevedore.driver.DriverManager``).
 """
 
 from __future__ import annotations
@@ -13,20 +18,31 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
-import os
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stevedore import extension
-
-from .errors import UsageError
+from .errors import SpecdecError, UsageError
 from .inputs import cache_dir, write_cache_file
 
 if TYPE_CHECKING:
+    from .draft_rows import DraftRows
     from .verifiers import BlockVerifier
 
 ENTRY_POINT_GROUP = "specdec.verifiers"
+BUILT_IN_DISTRIBUTION = "specdec-cli"
+SETTLE_NS = 2 * 10**9
+"""A file modified this recently may be edited again within its filesystem's time resolution (two seconds
+on FAT) without its modification time changing, so descriptions read from it are not cached."""
+
+DESCRIPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "lossless": (bool,), "max_drafts": (int, type(None)), "identical_drafts": (bool,), "token_level": (bool,),
+    "kl_bound_parameter": (str, type(None)), "parameters": (dict,), "package": (str,), "note": (str, type(None)),
+}  # fmt: skip
+"""What :meth:`VerifierRegistry.describe` gives for a verifier that loads; a cache entry of another shape is rebuilt."""
 
 
 class VerifierParameterError(UsageError, TypeError):
@@ -35,6 +51,10 @@ class VerifierParameterError(UsageError, TypeError):
 
 class VerifierParameterValueError(VerifierParameterError, ValueError):
     """A verifier's own ValueError about a parameter's value, as one line (still a ValueError)."""
+
+
+class VerifierFault(SpecdecError):
+    """A verifier that broke its contract at run time (an exception, or a decision it cannot have made): exit 1."""
 
 
 def parameter_defaults(cls: type) -> dict[str, Any]:
@@ -47,81 +67,166 @@ def parameter_defaults(cls: type) -> dict[str, Any]:
     }
 
 
-class VerifierRegistry:
-    """The one way verifiers are found: entry points of the group ``specdec.verifiers``, through stevedore.
+def error_line(error: BaseException) -> str:
+    """``Type: first line of the message``: what a user is shown of an error that is not theirs."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
-    Names are case-insensitive. :meth:`load_class` is the one place a plugin class is loaded;
-    tests and embedders override it. A plugin that fails to import is kept with its error, so
-    ``specdec verifiers`` can show it and using it names the failure.
+
+@dataclass(frozen=True)
+class PluginEntry:
+    """One entry point of the group, as the distribution that declares it lists it."""
+
+    name: str
+    value: str
+    """``module:attribute``"""
+    distribution: str
+    version: str
+
+    @property
+    def package(self) -> str:
+        return f"{self.distribution} {self.version}"
+
+    @property
+    def built_in(self) -> bool:
+        return self.distribution.lower().replace("_", "-").replace(".", "-") == BUILT_IN_DISTRIBUTION
+
+
+class VerifierRegistry:
+    """The one way verifiers are found: entry points of the group ``specdec.verifiers``.
+
+    Names are case-insensitive. :meth:`entry_points` lists what is installed and :meth:`load_class` is
+    the one place a plugin class is loaded; tests and embedders override them. A name declared by the
+    built-in distribution is always the built-in; a plugin that fails to load (or whose name is taken)
+    is kept with its error, so ``specdec verifiers`` can show it and using it names the failure.
     """
 
     group = ENTRY_POINT_GROUP
 
     def __init__(self) -> None:
-        self._manager: extension.ExtensionManager | None = None
+        self._claims: _Claims | None = None
+        self._classes: dict[str, type[BlockVerifier]] = {}
         self._failures: dict[str, str] = {}
+        self._notes: dict[str, str] = {}
         self._descriptions: dict[str, dict[str, Any]] | None = None
 
-    def _extensions(self) -> extension.ExtensionManager:
-        if self._manager is None:
-            def failed(_manager, entry_point, error) -> None:
-                self._failures[entry_point.name] = f"{type(error).__name__}: {error}"
+    def entry_points(self) -> list[PluginEntry]:
+        """Every installed entry point of the group, with the distribution that declares it."""
+        packages: dict[int, tuple[str, str]] = {}  # a distribution's metadata is parsed once: it is slow
+        entries = []
+        for entry_point in importlib.metadata.entry_points(group=self.group):
+            dist = entry_point.dist
+            if id(dist) not in packages:
+                packages[id(dist)] = _distribution(dist)
+            entries.append(PluginEntry(entry_point.name, entry_point.value, *packages[id(dist)]))
+        return entries
 
-            self._manager = extension.ExtensionManager(
-                self.group, invoke_on_load=False, on_load_failure_callback=failed
-            )
-        return self._manager
+    def _resolved(self) -> _Claims:
+        if self._claims is None:
+            self._claims = _resolve(self.entry_points())
+        return self._claims
 
     def names(self) -> list[str]:
-        """The installed verifiers that load."""
-        return sorted(set(self._extensions().names()))
+        """The installed verifiers that load (loading each once)."""
+        return sorted(name for name in self._resolved().winners if self._loads(name))
+
+    def _loads(self, name: str) -> bool:
+        try:
+            self.load_class(name)
+        except UsageError:
+            return False
+        return True
 
     def failures(self) -> dict[str, str]:
-        """name → error, for installed plugins that failed to load."""
-        self._extensions()
-        return dict(self._failures)
+        """name → why it cannot be used, for installed plugins that failed to load or lost their name;
+        a plugin shadowed by a built-in is listed as ``name (package version)``."""
+        self.names()
+        return {**self._resolved().failures, **self._failures}
 
     def load_class(self, name: str) -> type[BlockVerifier]:
-        if name in self.failures():
-            raise UsageError(f"verifier '{name}' is installed but failed to load: {self._failures[name]}")
-        return self._extensions()[name].plugin
+        """The class of installed verifier ``name`` (its entry-point name, lower case), loaded once."""
+        if name not in self._classes:
+            claims = self._resolved()
+            if name not in claims.winners:
+                reason = claims.failures.get(name)
+                if reason is None:
+                    raise UsageError(self._unknown(name))
+                raise UsageError(f"verifier '{name}' cannot be used: {reason}")
+            if name not in self._failures:
+                self._load(name, claims.winners[name])
+            if name in self._failures:
+                raise UsageError(f"verifier '{name}' is installed but failed to load: {self._failures[name]}")
+        return self._classes[name]
+
+    def _load(self, name: str, entry: PluginEntry) -> None:
+        """Import ``entry`` and check its class against the contract, recording a failure instead of raising."""
+        loaded, problem = _import(entry)
+        problem = problem or _contract_problem(loaded)
+        if problem is not None:
+            self._failures[name] = problem
+            return
+        declared = getattr(loaded, "name", None)
+        if str(declared).lower() != name:
+            # Every message (the base class's included) and every table must use the name users type.
+            self._notes[name] = f"its class calls itself {declared!r}; the entry-point name {name!r} is the one used"
+            loaded = type(loaded.__name__, (loaded,), {"name": name, "__module__": loaded.__module__,
+                                                       "__qualname__": loaded.__qualname__})  # fmt: skip
+        self._classes[name] = loaded
 
     def package(self, name: str) -> str:
-        """'distribution version' that provides verifier ``name`` (stevedore does not keep it)."""
-        for dist in importlib.metadata.distributions():
-            if any(ep.group == self.group and ep.name == name for ep in dist.entry_points):
-                return f"{dist.metadata['Name']} {dist.version}"
-        return self._extensions()[name].entry_point.value
+        """'distribution version' that provides verifier ``name`` (or the module of a class registered otherwise)."""
+        entry = self._resolved().winners.get(name)
+        return entry.package if entry is not None else f"module {self.load_class(name).__module__}"
+
+    def fault(self, name: str, what: str) -> VerifierFault:
+        """The error for verifier ``name`` doing ``what`` ("returned None instead of a BlockDecision") at run time."""
+        return VerifierFault(f"verifier '{name}' {what}; the plugin is at fault ({self.package(name)}): "
+                             "report it to its author")  # fmt: skip
+
+    def refusal(self, name: str, rows: DraftRows) -> str | None:
+        """Why verifier ``name`` cannot take these draft rows (None if it can): its class's
+        ``reason_to_refuse``, where a plugin's own exception becomes one line naming the plugin."""
+        cls = self.verifier_class(name)
+        try:
+            return cls.reason_to_refuse(rows.count, rows.identical_laws)
+        except SpecdecError:
+            raise
+        except Exception as error:
+            raise self.fault(self.canonical(name), f"raised {error_line(error)} in reason_to_refuse") from error
 
     def describe(self) -> dict[str, dict[str, Any]]:
-        """name → what core and the CLI read from each installed verifier's class (lossless, max_drafts,
-        identical_drafts, token_level, kl_bound_parameter, parameters, package), without importing the
-        plugins when the cache is current; a plugin that fails to load has only its ``error``."""
+        """name → what core and the CLI read from each installed verifier's class (the keys of
+        :data:`DESCRIPTION_TYPES`), without importing the plugins when the cache is current; a plugin
+        that fails to load has only its ``error``."""
         if self._descriptions is None:
-            path = cache_dir() / f"verifiers-{_entry_points_key(self.group)}.json"
-            try:
-                self._descriptions = json.loads(path.read_text())
-            except (OSError, ValueError):
+            # A registry whose loading a test or an embedder overrides describes other classes: its own key.
+            stamp = _files_stamp(self.entry_points(), f"{type(self).__module__}.{type(self).__qualname__}")
+            path = cache_dir() / f"verifiers-{stamp.key}.json"
+            self._descriptions = _read_descriptions(path)
+            if self._descriptions is None:
                 self._descriptions = {name: self._description(name) for name in self.names()}
                 self._descriptions |= {name: {"error": error} for name, error in self.failures().items()}
-                write_cache_file(path, json.dumps(self._descriptions))
+                if stamp.settled:
+                    write_cache_file(path, json.dumps(self._descriptions))
         return self._descriptions
 
     def _description(self, name: str) -> dict[str, Any]:
         cls = self.load_class(name)
         parameters = {key: value if _plain(value) else repr(value) for key, value in parameter_defaults(cls).items()}
-        return {"lossless": bool(getattr(cls, "lossless", False)), "max_drafts": getattr(cls, "max_drafts", None),
-                "identical_drafts": cls.identical_drafts, "token_level": cls.token_level,
-                "kl_bound_parameter": cls.kl_bound_parameter, "parameters": parameters,
-                "package": self.package(name)}  # fmt: skip
+        return {"lossless": cls.lossless, "max_drafts": cls.max_drafts, "identical_drafts": cls.identical_drafts,
+                "token_level": cls.token_level, "kl_bound_parameter": cls.kl_bound_parameter,
+                "parameters": parameters, "package": self.package(name), "note": self._notes.get(name)}  # fmt: skip
 
     def canonical(self, name: str) -> str:
         """The installed verifier's entry-point name for ``name`` (case-insensitive), or a UsageError."""
         key = name.strip().lower()
         if key not in self.names() and key not in self.failures():
-            installed = ", ".join(self.names()) or "none"
-            raise UsageError(f"unknown verifier '{name}'; installed verifiers: {installed} (see `specdec verifiers`)")
+            raise UsageError(self._unknown(name))
         return key
+
+    def _unknown(self, name: str) -> str:
+        installed = ", ".join(self.names()) or "none"
+        return f"unknown verifier '{name}'; installed verifiers: {installed} (see `specdec verifiers`)"
 
     def verifier_class(self, name: str) -> type[BlockVerifier]:
         """The class of the installed verifier ``name`` (case-insensitive)."""
@@ -151,12 +256,13 @@ class VerifierRegistry:
 
     def create(self, name: str, params: dict[str, Any] | None = None) -> BlockVerifier:
         """An instance of ``name``; a plugin's own ValueError or TypeError about its parameters becomes
-        one line for the user (VerifierParameterError), naming the verifier."""
+        one line for the user (VerifierParameterError), naming the verifier; any other exception from
+        its constructor is the plugin's fault (VerifierFault, the original chained for ``--debug``)."""
         key = self.canonical(name)
         cls = self.load_class(key)
         try:
             return cls(**(params or {}))
-        except VerifierParameterError:
+        except SpecdecError:
             raise
         except (ValueError, TypeError) as error:
             reason = str(error).removeprefix(f"{key}: ")
@@ -165,22 +271,141 @@ class VerifierRegistry:
                 f"verifier '{key}': {reason} (given {params or {}}; fix verifier.params in the recipe, "
                 "or --set verifier.params.NAME=VALUE)"
             ) from error
+        except Exception as error:
+            raise self.fault(key, f"failed to start: {error_line(error)}") from error
 
 
-def _entry_points_key(group: str) -> str:
-    """A hash of the group's entry points and their modules' modification times: a plugin installed,
-    removed or edited gives another key, so a stale description is never read."""
-    parts: list[Any] = [sys.version]
-    for entry_point in extension.ExtensionManager.make_test_instance([], namespace=group).list_entry_points():
-        module = entry_point.value.split(":")[0]
+@dataclass(frozen=True)
+class _Claims:
+    """Who gets each name: the entry point that provides it, and why the others cannot be used."""
+
+    winners: dict[str, PluginEntry]
+    failures: dict[str, str]
+
+
+def _resolve(entries: list[PluginEntry]) -> _Claims:
+    """The built-in distribution keeps its names; a name two third-party packages declare is nobody's.
+    One class declared twice (a project installed under an old name as well) is no conflict."""
+    by_name: dict[str, list[PluginEntry]] = {}
+    for entry in sorted(entries, key=lambda e: not e.built_in):
+        claimants = by_name.setdefault(entry.name.lower(), [])
+        if all(other.value != entry.value for other in claimants):
+            claimants.append(entry)
+    winners: dict[str, PluginEntry] = {}
+    failures: dict[str, str] = {}
+    for name, (first, *others) in by_name.items():
+        if first.built_in:
+            winners[name] = first
+            for other in others:
+                failures[f"{name} ({other.package})"] = (
+                    f"'{other.name}' from {other.package} conflicts with the built-in verifier of "
+                    f"{first.distribution}; rename its entry point")  # fmt: skip
+        elif others:
+            packages = " and ".join(f"{e.package} ({e.value})" for e in (first, *others))
+            failures[name] = f"{packages} both declare it; uninstall one of them, or have one rename its entry point"
+        else:
+            winners[name] = first
+    return _Claims(winners, failures)
+
+
+def _distribution(dist: importlib.metadata.Distribution | None) -> tuple[str, str]:
+    """(name, version) of the distribution that declares an entry point."""
+    if dist is None:
+        return "unknown", "?"
+    metadata = dist.metadata
+    return metadata["Name"], metadata["Version"]
+
+
+def _import(entry: PluginEntry) -> tuple[Any, str | None]:
+    """(what ``entry`` names, None), or (None, why it cannot be had): whatever a plugin's module raises on
+    import, even ``sys.exit`` (a BaseException, which stevedore lets through), must not end the command."""
+    try:
+        return importlib.metadata.EntryPoint(entry.name, entry.value, ENTRY_POINT_GROUP).load(), None
+    except KeyboardInterrupt:
+        raise
+    except SystemExit as error:
+        return None, f"it called sys.exit({'' if error.code is None else repr(error.code)}) on import"
+    except BaseException as error:  # noqa: B036 (see the docstring)
+        return None, error_line(error)
+
+
+def _contract_problem(loaded: Any) -> str | None:
+    """What makes ``loaded`` unusable as a verifier class, in the words of its author's fix, or None."""
+    from .verifiers import BlockVerifier  # imports torch, which loading any plugin did already
+
+    if not (isinstance(loaded, type) and issubclass(loaded, BlockVerifier)):
+        kind = "a class" if isinstance(loaded, type) else f"a {type(loaded).__name__}"
+        return f"it names {kind}, not a BlockVerifier subclass (specdec_cli.verifiers)"
+    if inspect.isabstract(loaded):
+        return f"its class leaves abstract methods unimplemented: {', '.join(sorted(loaded.__abstractmethods__))}"
+    for flag in ("lossless", "identical_drafts", "token_level"):
+        if not isinstance(getattr(loaded, flag, None), bool):
+            return f"its class does not set {flag} to True or False"
+    if not hasattr(loaded, "max_drafts"):
+        return "its class does not set max_drafts (drafts per position it takes: an int >= 1, or None for any)"
+    drafts = loaded.max_drafts
+    if drafts is not None and (isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1):
+        return f"its class sets max_drafts = {drafts!r}; set an int >= 1, or None for any number of drafts"
+    bound = loaded.kl_bound_parameter
+    if bound is not None and bound not in parameter_defaults(loaded):
+        return f"its kl_bound_parameter {bound!r} is not one of its parameters ({', '.join(parameter_defaults(loaded))})"
+    return None
+
+
+@dataclass(frozen=True)
+class _Stamp:
+    key: str
+    """A hash of the entry points and of every file their classes can come from."""
+    settled: bool
+    """No file was modified within :data:`SETTLE_NS`: a later edit will change its modification time."""
+
+
+def _files_stamp(entries: list[PluginEntry], registry: str) -> _Stamp:
+    """The cache key of the descriptions: a plugin installed, removed, upgraded or edited (any file of
+    its top-level package, where its class may live in a submodule) gives another key. This module and
+    the verifier contract count too, since they decide what a description holds."""
+    tops = sorted({entry.value.split(":")[0].split(".")[0] for entry in entries})
+    files = [Path(__file__), Path(__file__).with_name("verifiers.py"), *(f for top in tops for f in _module_files(top))]
+    stats = []
+    for file in files:
         try:
-            spec = importlib.util.find_spec(module)
-            origin = spec.origin if spec is not None else None
-            stamp = os.stat(origin).st_mtime_ns if origin else None
-        except (ImportError, OSError, ValueError):
-            stamp = None
-        parts.append([entry_point.name, entry_point.value, stamp])
-    return hashlib.sha256(json.dumps(sorted(parts, key=str)).encode()).hexdigest()[:16]
+            status = file.stat()
+        except OSError:
+            continue
+        stats.append((str(file), status.st_size, status.st_mtime_ns))
+    described = [sys.version, registry, sorted((e.name, e.value, e.package) for e in entries), stats]
+    key = hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+    newest = max((mtime for *_, mtime in stats), default=0)
+    return _Stamp(key, newest < time.time_ns() - SETTLE_NS)
+
+
+def _module_files(top: str) -> list[Path]:
+    """The source files of top-level module or package ``top``, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return []
+    if spec is None:
+        return []
+    if spec.submodule_search_locations:
+        return sorted(file for folder in spec.submodule_search_locations for file in Path(folder).rglob("*.py"))
+    return [Path(spec.origin)] if spec.has_location and spec.origin else []
+
+
+def _read_descriptions(path: Path) -> dict[str, dict[str, Any]] | None:
+    """The cached descriptions, or None when the file is missing, unreadable or of another shape."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and all(map(_described, data.values())) else None
+
+
+def _described(info: Any) -> bool:
+    if isinstance(info, dict) and set(info) == {"error"}:
+        return isinstance(info["error"], str)
+    return (isinstance(info, dict) and set(info) == set(DESCRIPTION_TYPES)
+            and all(isinstance(info[key], types) for key, types in DESCRIPTION_TYPES.items()))  # fmt: skip
 
 
 def _plain(value: Any) -> bool:

@@ -25,15 +25,16 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .registry import VerifierParameterError, VerifierParameterValueError, VerifierRegistry, parameter_defaults
+from .registry import (
+    VerifierFault, VerifierParameterError, VerifierParameterValueError, VerifierRegistry, parameter_defaults,
+)  # fmt: skip
 from .sampling import sample
 
 __all__ = [  # the registry's names stay importable from here, where plugin authors look
-    "BlockDecision", "BlockVerifier", "Verifier", "VerifierParameterError", "VerifierParameterValueError",
-    "VerifierRegistry", "load_verifier", "parameter_defaults", "first_rejection", "shared_prefix_length",
-    "walk_alive_rows",
+    "BlockDecision", "BlockVerifier", "Verifier", "VerifierFault", "VerifierParameterError",
+    "VerifierParameterValueError", "VerifierRegistry", "load_verifier", "parameter_defaults", "first_rejection",
+    "shared_prefix_length", "walk_alive_rows", "decision_problem", "departs_from_drafts", "decision_value_problem",
 ]  # fmt: skip
-
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,73 @@ class BlockDecision:
     """[] int64 in 0..L: accepted draft tokens, which equal ``draft_tokens[row, :num_accepted]``."""
     row: torch.Tensor
     """[] int64: the draft row the committed tokens follow (its KV caches are kept)."""
+
+    def as_long(self) -> "BlockDecision":
+        """The same decision in int64 (itself when it is already, as every built-in's is)."""
+        if self.tokens.dtype == self.num_accepted.dtype == self.row.dtype == torch.long:
+            return self
+        return BlockDecision(self.tokens.long(), self.num_accepted.long(), self.row.long())
+
+
+def decision_problem(decision: object, block_size: int, device: torch.device) -> str | None:
+    """What makes ``decision`` (a verifier's return value) unusable, judged on the host without reading
+    a value from the device: its type, and each field's type, shape, dtype and device; or None.
+
+    ``block_size``: L + 1 tokens; ``device``: the block's. Completes "verifier 'x' ..." in an error.
+    """
+    if not isinstance(decision, BlockDecision):
+        return f"returned {_kind(decision)} instead of a BlockDecision"
+    for field, shape in (("tokens", [block_size]), ("num_accepted", []), ("row", [])):
+        value = getattr(decision, field)
+        if not isinstance(value, torch.Tensor):
+            return f"returned {field} as {type(value).__name__}, not as a tensor"
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            return f"returned {field} of dtype {value.dtype}, not of an integer dtype"
+        if list(value.shape) != shape:
+            return (f"returned {field} of shape {list(value.shape)}, not {shape} (for a block of {block_size - 1} "
+                    "draft tokens)")  # fmt: skip
+        if value.device != device:
+            return f"returned {field} on {value.device}, not on the block's device {device}"
+    return None
+
+
+def departs_from_drafts(decision: BlockDecision, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """``[]`` bool, on the device: the decision's accepted tokens are not its row's draft tokens
+    (``tokens[:num_accepted] != draft_tokens[row, :num_accepted]``), which no verifier may commit.
+
+    draft_tokens ``[K, L]``. The row is clamped so that indexing cannot fail on the device: a row out
+    of range is reported by :func:`decision_value_problem` from the values read anyway.
+    """
+    num_rows, draft_length = draft_tokens.shape
+    drafted = draft_tokens.index_select(0, decision.row.clamp(0, num_rows - 1).view(1))[0]  # [L]
+    positions = torch.arange(draft_length, device=draft_tokens.device)  # [L]
+    return ((decision.tokens[:draft_length] != drafted) & (positions < decision.num_accepted)).any()
+
+
+def decision_value_problem(
+    tokens: list[int], num_accepted: int, row: int, departs: bool, num_rows: int, vocab_size: int
+) -> str | None:
+    """What is wrong with a decision's values, once the block's one read has brought them to the host, or None.
+
+    tokens: all L + 1 of them; departs: :func:`departs_from_drafts`'s flag. Only committed tokens
+    (the first num_accepted + 1) must be in the vocabulary: the rest are filler.
+    """
+    draft_length = len(tokens) - 1
+    if not 0 <= num_accepted <= draft_length:
+        return f"returned num_accepted {num_accepted} for a block of {draft_length} draft tokens (0 to {draft_length})"
+    if not 0 <= row < num_rows:
+        return f"returned row {row} for a block of {num_rows} draft row(s) (0 to {num_rows - 1})"
+    outside = [token for token in tokens[: num_accepted + 1] if not 0 <= token < vocab_size]
+    if outside:
+        return f"returned token {outside[0]}, outside the vocabulary of {vocab_size} ids (0 to {vocab_size - 1})"
+    if departs:
+        return (f"returned num_accepted {num_accepted} with tokens {tokens[:num_accepted]}, which are not row "
+                f"{row}'s first {num_accepted} draft tokens")  # fmt: skip
+    return None
+
+
+def _kind(value: object) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 class BlockVerifier(ABC):

@@ -27,6 +27,7 @@ from ..model_session import next_token_logits
 from ..recipe import Recipe
 from ..sampling import probs_from_logits
 from ..theory import MAX_TWO_DRAFT_SUPPORT, optimal_acceptance, optimal_acceptance_two_drafts, two_draft_support
+from ..registry import error_line
 from ..verifiers import BlockVerifier, VerifierRegistry
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, PromptAcceptance
 
@@ -158,26 +159,36 @@ class AcceptanceAnalysis:
         result = PromptAcceptance(prompt=prompt, prompt_index=index, positions=len(tokens))
         for num_drafts in self.request.num_drafts:
             drafts = configs[:, [k % len(self.drafts) for k in range(num_drafts)]]  # [T, K, V]
-            identical = self.draft_rows(num_drafts).identical_laws
-            optimum, reason = _optimum(target, drafts, identical)
+            rows = self.draft_rows(num_drafts)
+            optimum, reason = _optimum(target, drafts, rows.identical_laws)
             result.record(AcceptanceRow(OPTIMUM), num_drafts, optimum, reason)
             for row, verifier in self.verifiers.items():
-                values, reason = _acceptance(verifier, target, drafts, identical)
-                result.record(row, num_drafts, values, reason)
-                if values is not None and row.label not in result.kl:
-                    divergence = verifier.output_kl(target, drafts)  # [T] or None
-                    if divergence is not None:
-                        result.kl[row.label] = divergence.double().tolist()
+                self._evaluate_row(result, row, verifier, target, drafts, rows)
         return result
 
+    def _evaluate_row(self, result: PromptAcceptance, row: AcceptanceRow, verifier: BlockVerifier,
+                      target: torch.Tensor, drafts: torch.Tensor, rows: DraftRows) -> None:  # fmt: skip
+        """One row's acceptance (and KL) for target ``[T, V]`` and drafts ``[T, K, V]``; a plugin's own
+        exception becomes one line naming it."""
+        try:
+            values, reason = _acceptance(verifier, target, drafts, self.registry.refusal(row.verifier, rows))
+            result.record(row, rows.count, values, reason)
+            if values is not None and row.label not in result.kl:
+                divergence = verifier.output_kl(target, drafts)  # [T] or None
+                if divergence is not None:
+                    result.kl[row.label] = divergence.double().tolist()
+        except SpecdecError:
+            raise
+        except Exception as error:
+            raise self.registry.fault(row.verifier, f"raised {error_line(error)} in acceptance") from error
 
-def _acceptance(verifier: BlockVerifier, target: torch.Tensor, drafts: torch.Tensor, identical: bool):
+
+def _acceptance(verifier: BlockVerifier, target: torch.Tensor, drafts: torch.Tensor, refusal: str | None):
     """(acceptance at each position, or None and why) for target ``[T, V]`` and drafts ``[T, K, V]``."""
     if not verifier.token_level:
         return None, f"{verifier.name} decides whole blocks: a per-token acceptance is not defined (compare it with bench)"
-    reason = type(verifier).reason_to_refuse(drafts.shape[1], identical)
-    if reason is not None:
-        return None, reason
+    if refusal is not None:
+        return None, refusal
     try:
         return verifier.acceptance_probability(target, drafts).double().tolist(), ""  # [T]
     except SpecdecError as error:

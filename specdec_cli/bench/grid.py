@@ -95,7 +95,7 @@ class Grid:
                 cell = GridCell(verifier=name, kl=kl, num_drafts=k, draft_length=length, temperature=temperature,
                                 draft_temperatures=draft_temps)  # fmt: skip
                 rows = recipe_draft_rows(cell.recipe(base, registry))
-                reason = verifier_class.reason_to_refuse(rows.count, rows.identical_laws)
+                reason = registry.refusal(name, rows)
                 if reason is not None:
                     skipped.append(reason)
                     continue

@@ -158,7 +158,7 @@ def _applicable(names: list[str], num_drafts: tuple[int, ...], draft_laws: list[
     rows = [round_robin(draft_laws or [None], k) for k in num_drafts]
     for name in [registry.canonical(n) for n in names] or registry.names():
         cls = registry.verifier_class(name)
-        reasons = [cls.reason_to_refuse(row.count, row.identical_laws) for row in rows]
+        reasons = [registry.refusal(name, row) for row in rows]
         if not cls.token_level:
             left_out.append(f"{name} (decides whole blocks, so it has no per-token acceptance; compare it with bench)")
         elif all(reasons):

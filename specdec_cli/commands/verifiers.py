@@ -18,7 +18,7 @@ def verifiers(
     """List installed verifiers: name, lossless, max drafts, parameters, KL bound, package; and load failures."""
     described = VerifierRegistry().describe()
     rows = [{"name": name, **{key: info[key] for key in ("lossless", "max_drafts", "parameters", "kl_bound_parameter",
-                                                          "package")}}
+                                                          "package", "note")}}
             for name, info in sorted(described.items()) if "error" not in info]  # fmt: skip
     failures = {name: info["error"] for name, info in described.items() if "error" in info}
     if as_json:
@@ -35,5 +35,8 @@ def verifiers(
         table.add_row(row["name"], "yes" if row["lossless"] else "no", max_drafts, params, row["package"])
     console = Console()
     console.print(table)
+    for row in rows:
+        if row["note"]:
+            console.print(f"[yellow]note[/] {row['name']}: {row['note']}", highlight=False)
     for name, error in sorted(failures.items()):
         console.print(f"[red]failed to load[/] {name}: {error}", highlight=False)
