@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from contextlib import suppress
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -23,10 +22,9 @@ from pathlib import Path
 import torch
 
 from .engine import SpeculativeDecoder
-from .inputs import cache_dir
+from .inputs import cache_dir, write_cache_file
 from .provenance import cpu_model
 from .recipe import AUTOREGRESSIVE
-from .results_store import write_atomically
 from .stats import SampleStats
 
 _CALIBRATION_TOKENS = 8
@@ -67,9 +65,7 @@ def draft_cost(decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: 
     cost = _measure(decoder, prompt_ids, machine)
     if not _plausible(cost, decoder):
         return None
-    with suppress(OSError):  # a cache that cannot be written (read-only, full) only costs measuring again
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, json.dumps(asdict(cost)))
+    write_cache_file(path, json.dumps(asdict(cost)))  # one that cannot be written only costs measuring again
     return cost
 
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from .errors import UsageError
+
+BYTE_ORDER_MARK = "\ufeff"
+"""What Windows editors put before UTF-8 text; left in, it would be the first prompt's first character."""
 
 
 def read_text(path: Path, what: str, stdin: TextIO | None = None) -> str:
@@ -16,20 +21,60 @@ def read_text(path: Path, what: str, stdin: TextIO | None = None) -> str:
     if stdin is not None and str(path) == "-":
         return read_stdin(stdin)
     try:
-        return Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
+    except IsADirectoryError:
+        raise UsageError(f"{what} '{path}' is a folder; give a text file") from None
     except OSError as error:
-        raise UsageError(f"cannot read {what} '{path}': {error.strerror}") from None
+        raise UsageError(f"cannot read {what} '{path}': {error.strerror}; give a readable text file") from None
     except UnicodeDecodeError:
         raise UsageError(f"{what} '{path}' is not UTF-8 text (a binary file?); give a text file") from None
+    return _plain_text(text, f"{what} '{path}'")
 
 
 def read_stdin(stdin: TextIO) -> str:
     try:
         text = stdin.read()
         text.encode("utf-8")  # a C/POSIX locale decodes bytes that are not UTF-8 as lone surrogates
-        return text
     except (UnicodeDecodeError, UnicodeEncodeError):
         raise UsageError("standard input is not UTF-8 text; pipe text, or give --prompt-file") from None
+    return _plain_text(text, "standard input")
+
+
+def _plain_text(text: str, where: str) -> str:
+    """``text`` without a leading byte-order mark; NUL characters mean UTF-16 text or binary data, where
+    every other byte of ASCII text would reach the model as NUL."""
+    if "\x00" in text:
+        raise UsageError(f"{where} holds NUL bytes (UTF-16 text or a binary file?); save it as UTF-8 text")
+    return text.removeprefix(BYTE_ORDER_MARK)
+
+
+def has_suffix(path: Path | str, suffix: str) -> bool:
+    """Whether ``path`` ends in ``suffix`` (".jsonl"), in any case: some tools write FILE.JSONL."""
+    return Path(path).suffix.lower() == suffix
+
+
+_JSON_KINDS = {str: "a string", int: "a number", float: "a number", bool: "true or false", list: "a list",
+               type(None): "null"}  # fmt: skip
+
+
+def json_object_lines(text: str, path: Path, example_field: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-empty line of a JSON-lines file; a line that is not a JSON
+    object is one UsageError naming the line (``example_field`` shows what an object looks like)."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UsageError(
+                f"{path} line {number} is not JSON ({error.msg}); each line must be one JSON object"
+            ) from None
+        if not isinstance(record, dict):
+            raise UsageError(
+                f"{path} line {number} is {_JSON_KINDS[type(record)]}, not a JSON object; each line must be one "
+                f'object such as {{"{example_field}": "..."}}'
+            )
+        yield number, record
 
 
 def text_value(value: Any, where: str, name: str) -> str:
@@ -38,7 +83,19 @@ def text_value(value: Any, where: str, name: str) -> str:
     first = value[0] if isinstance(value, list) and value else value
     if not isinstance(first, str):
         raise UsageError(f"{where}: '{name}' must be text or a list of texts, got {value!r}")
+    if not first.strip():  # a model given nothing to continue
+        raise UsageError(f"{where}: '{name}' is empty; give some text or delete the line")
     return first
+
+
+def optional_string(record: dict[str, Any], name: str, where: str) -> str | None:
+    """``record[name]`` when it is a JSON string, None when absent or null; anything else (a number
+    reference, a numeric category) is refused, since text and numbers would be mixed later."""
+    value = record.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    fix = f'write it in quotes ("{value}")' if isinstance(value, (int, float)) else "give one string"
+    raise UsageError(f"{where}: '{name}' must be a JSON string, got {value!r}; {fix} on every line")
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
@@ -62,6 +119,8 @@ def check_plot_path(path: Path | None) -> None:
         return
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise UsageError(f"--plot '{path}': name a {', '.join(PLOT_SUFFIXES)} file (the suffix picks the format)")
+    if path.is_dir():
+        raise UsageError(f"--plot '{path}' is a folder; name a file in it, e.g. '{path / 'plot.png'}'")
     folder = path.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise UsageError(f"--plot '{path}': its folder '{folder}' does not exist or is not writable")
@@ -76,8 +135,11 @@ def subset(items: list, limit: int | None, shuffle: bool, seed: int) -> list:
 
 
 def cache_dir() -> Path:
-    """Where converted weights and measurements are cached: ``$SPECDEC_CACHE``, default ``~/.cache/specdec``."""
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    """Where converted weights and measurements are cached: ``$SPECDEC_CACHE``, default ``~/.cache/specdec``
+    (also when it is set but empty)."""
+    # An empty value (SPECDEC_CACHE= in a script) means "not set", not the working directory.
+    configured = os.environ.get("SPECDEC_CACHE", "").strip()
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "specdec"
 
 
 def require_text(prompt: str) -> None:
@@ -87,8 +149,10 @@ def require_text(prompt: str) -> None:
 
 def write_cache_file(path: Path, text: str) -> None:
     """Write a cache entry; a failure (read-only home, full disk) only costs recomputing it next time."""
+    from .results_store import write_atomically  # results_store imports this module
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        write_atomically(path, text)  # whole or not at all: a concurrent reader never sees half an entry
     except OSError:
         pass

@@ -13,7 +13,9 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from .errors import ModelLoadError, UsageError
+from .errors import ModelLoadError, SpecdecError, UsageError
 from .inputs import cache_dir, check_writable_folder
 from .recipe import ModelConfig
 
@@ -112,11 +114,38 @@ def locate_model_source(spec: ModelConfig) -> tuple[str, str | None]:
             )
         model = str(Path(list(found.submodule_search_locations)[0]) / file_name)
     path = Path(model).expanduser()
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file '{path}' not found; check the path in the recipe's model: key")
         return str(path.parent), path.name
-    return (str(path) if path.exists() else model), spec.gguf_file
+    if spec.gguf_file is None:
+        return (str(path) if path.exists() else model), None
+    gguf_path = _gguf_file_path(model, path, spec.gguf_file, spec.revision)
+    return str(gguf_path.parent), gguf_path.name
+
+
+def _gguf_file_path(model: str, folder: Path, gguf_file: str, revision: str | None) -> Path:
+    """The recipe's ``gguf_file``: in the local folder ``model`` names, else in that hub repository."""
+    looks_local = folder.is_absolute() or model.startswith((".", "~"))
+    if not folder.is_dir() and not looks_local:
+        return _hub_file(model, gguf_file, revision)
+    gguf_path = folder / gguf_file
+    if not gguf_path.is_file():
+        raise ModelLoadError(
+            f"gguf_file '{gguf_file}' not found in '{folder}' (the recipe's model: folder); check the file name "
+            "and the folder, or give the .gguf file's own path as model:"
+        )
+    return gguf_path
+
+
+def _hub_file(repository: str, file_name: str, revision: str | None) -> Path:
+    """The local copy of a file of a hub repository (downloaded once, then from the hub's cache)."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repository, file_name, revision=revision))
+    except Exception as error:  # network and hub failures come in many types
+        raise _not_found(f"{repository}/{file_name}", error) from None
 
 
 def load_model(spec: ModelConfig, role: str = "target") -> LoadedModel:
@@ -260,40 +289,95 @@ def _share_tensors(source: torch.nn.Module, twin: torch.nn.Module) -> None:
                 setattr(module, attribute, getattr(original, attribute))
 
 
+_STAGING_PREFIX = ".converting-"
+STALE_STAGING_AFTER_S = 24 * 3600
+"""Age after which any staging folder is stale: a conversion writes files into it within minutes."""
+
+
 def _cached_gguf_conversion(folder: str, gguf_file: str, common: dict[str, Any]) -> str:
     """A directory with the GGUF's weights dequantised to safetensors, converting on first use."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_path = Path(folder) / gguf_file
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+    remove_stale_staging(target.parent)
     if (target / "config.json").is_file():
         return str(target)
     check_writable_folder(target.parent, "the cache folder (SPECDEC_CACHE)")  # before a minute of conversion
+    model, tokenizer = _dequantised(folder, gguf_file, common)
+    _save_atomically(model, tokenizer, target)
+    return str(target)
+
+
+def _dequantised(folder: str, gguf_file: str, common: dict[str, Any]) -> tuple[Any, Any]:
+    """The GGUF's model, with float weights, and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, **common)
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, **common)
     except ImportError as error:
-        raise ModelLoadError(f"loading '{gguf_path}' needs the gguf package: pip install gguf ({error})") from None
+        raise ModelLoadError(
+            f"loading '{Path(folder) / gguf_file}' needs the gguf package: pip install gguf ({error})"
+        ) from None
     # The weights are plain floats once dequantised; transformers only refuses to save them
     # because the model still carries the GGUF quantiser marker.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    return model, tokenizer
+
+
+def _save_atomically(model: Any, tokenizer: Any, target: Path) -> None:
+    """Save into a staging folder named after this process, then rename it to ``target``: a run never
+    sees half a conversion, and a staging folder left by a killed run is recognised as stale later."""
+    owner = f"{os.getpid()}-{socket.gethostname()}-"
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=_STAGING_PREFIX + owner))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         staging.rename(target)
-    except OSError:
+    except BaseException as error:  # Ctrl-C and SIGTERM too: half a gigabyte must not stay behind
         shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").is_file():
+        if not isinstance(error, OSError):
             raise
-    return str(target)
+        if not (target / "config.json").is_file():  # else another run renamed its conversion first
+            raise SpecdecError(
+                f"could not save the converted model in the cache folder '{target.parent}' ({error.strerror or error}); "
+                "free some space or set SPECDEC_CACHE to another folder"
+            ) from None
+
+
+def remove_stale_staging(folder: Path) -> None:
+    """Remove the staging folders of conversions that were killed while saving (SIGKILL, a crash)."""
+    for staging in folder.glob(f"{_STAGING_PREFIX}*"):
+        if staging.is_dir() and _is_stale(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _is_stale(staging: Path) -> bool:
+    """Stale: its process (named as pid-host-… by :func:`_save_atomically`) is gone from this host, or it
+    has not changed for STALE_STAGING_AFTER_S (another host's, or an older version's without an owner)."""
+    pid, _, rest = staging.name.removeprefix(_STAGING_PREFIX).partition("-")
+    on_this_host = pid.isdigit() and int(pid) > 0 and rest.rpartition("-")[0] == socket.gethostname()
+    if on_this_host and not _process_alive(int(pid)):
+        return True
+    try:
+        return time.time() - staging.stat().st_mtime > STALE_STAGING_AFTER_S
+    except OSError:  # removed meanwhile by another run
+        return False
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _not_found(model: str, error: Exception) -> ModelLoadError:

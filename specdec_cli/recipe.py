@@ -1,6 +1,6 @@
 """Recipes: YAML files that name everything a run needs, read into frozen dataclasses.
 
-Reading goes ``yaml.safe_load`` → overrides (``--set a.b=c`` and the CLI's named flags)
+Reading goes YAML's safe loader → overrides (``--set a.b=c`` and the CLI's named flags)
 → :func:`build_recipe`, which checks every key and type against the dataclasses below
 and reports problems with their field path (``speculation.draft_length: must be >= 1``)
 and a did-you-mean for unknown keys.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.resources
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -159,7 +161,7 @@ def sampling_problems(owner: str, temperature: float | None, top_k: int | None, 
                       ) -> list[tuple[str, str]]:  # fmt: skip
     """(path, what is wrong) for ``owner``'s sampling settings out of range (None: not set, fine)."""
     checks = [
-        (temperature is None or temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"),
+        (temperature is None or 0 <= temperature < math.inf, "temperature", "must be >= 0 and finite (0 = greedy)"),
         (top_k is None or top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
         (top_p is None or 0 < top_p <= 1, "top_p", "must be in (0, 1]"),
     ]
@@ -167,6 +169,20 @@ def sampling_problems(owner: str, temperature: float | None, top_k: int | None, 
 
 
 # --------------------------------------------------------------------------- reading
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader, also reading 1e-3 and 5E+2 as numbers: YAML 1.1, which PyYAML follows, wants a
+    dot in a float, so ``temperature: 1e-3`` would be the text '1e-3' and refused as "not a number"."""
+
+
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_RecipeLoader)
 
 
 def shipped_recipe_names() -> list[str]:
@@ -196,17 +212,64 @@ def read_recipe_file(recipe: str | Path | None) -> dict[str, Any]:
             raise RecipeError(f"recipe file '{recipe}' is not UTF-8 text; a recipe is a YAML file") from None
         source = str(recipe)
     try:
-        data = yaml.safe_load(text)
+        data = _parse_yaml(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise RecipeError(f"YAML syntax error in {source}{where}: {problem}") from None
+    except RecursionError:
+        raise _too_deep(source) from None
+    check_expanded_size(data, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise RecipeError(f"{source} must be a YAML mapping of keys (target:, draft:, ...), not a {type(data).__name__}")
     return data
+
+
+MAX_RECIPE_VALUES = 10_000
+"""Most values a recipe (or one --set value) may hold once its YAML aliases are expanded: a recipe
+is a few dozen settings, while nested aliases (the "billion laughs" pattern) expand exponentially and
+would hang every later step that walks the recipe."""
+
+
+def check_expanded_size(value: Any, source: str) -> None:
+    """Refuse ``value`` if it holds more than MAX_RECIPE_VALUES values with its aliases expanded, or
+    contains itself; counted with each shared node's size memoised, so the check itself stays fast."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def expanded(node: Any) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_nodes:
+            raise RecipeError(
+                f"{source} contains itself through a YAML alias (*name inside &name); write the values out"
+            )
+        open_nodes.add(id(node))
+        size = 1
+        for child in node.values() if isinstance(node, dict) else node:
+            size += expanded(child)
+            if size > MAX_RECIPE_VALUES:
+                raise RecipeError(
+                    f"{source} expands to more than {MAX_RECIPE_VALUES} values through its YAML aliases "
+                    "(&name/*name); write the settings out instead of nesting aliases"
+                )
+        open_nodes.discard(id(node))
+        sizes[id(node)] = size
+        return size
+
+    try:
+        expanded(value)
+    except RecursionError:
+        raise _too_deep(source) from None
+
+
+def _too_deep(source: str) -> RecipeError:
+    return RecipeError(f"{source} is nested too deeply to be a recipe setting; a recipe is a few levels of keys")
 
 
 def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
@@ -219,9 +282,12 @@ def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, A
         if not sep or not path.strip():
             raise RecipeError(f"--set expects key.path=value, got '{assignment}' (e.g. --set generation.top_k=50)")
         try:
-            value = yaml.safe_load(raw_value) if raw_value.strip() else None
+            value = _parse_yaml(raw_value) if raw_value.strip() else None
         except yaml.YAMLError:
             value = raw_value
+        except RecursionError:
+            raise _too_deep(f"--set {path.strip()}") from None
+        check_expanded_size(value, f"--set {path.strip()}")
         set_path(data, path.strip(), value)
     return data
 

@@ -20,10 +20,15 @@ _BELOW_ONE = 1.0 - 2.0**-52
 """Largest factor that keeps u · total strictly below total in float64 (so no zero-mass tail is drawn)."""
 
 
+_SMALLEST_TEMPERATURE = 2.0**-149
+"""The smallest positive float32. A temperature below it rounds to 0 in the float32 division (0/0 at the
+largest logit), so it is sampled as greedy, the law's limit as the temperature goes to 0."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
-    """0 = greedy: the law is one-hot on the argmax."""
+    """0 = greedy: the law is one-hot on the argmax (as is any temperature below the smallest float32)."""
     top_k: int = 0
     """0 = off."""
     top_p: float = 1.0
@@ -35,14 +40,19 @@ def sampling_law(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Te
     ``finite`` is False for a row whose logits hold NaN or +inf, or nothing but -inf; such a
     row's probabilities are meaningless (NaN). Checking one entry per row is enough: softmax
     spreads NaN over the whole row in every one of these cases.
+
+    Any temperature the model's logits allow works: the logits are shifted so their largest is 0
+    before dividing, so a tiny temperature sends the others to -inf (probability 0) instead of
+    overflowing the largest to +inf, which would make every row NaN and blame the model.
     """
     logits = logits.float()  # [..., V]
-    if params.temperature == 0:
+    if params.temperature < _SMALLEST_TEMPERATURE:
         best, index = logits.max(-1, keepdim=True)  # [..., 1] each
         probs = torch.zeros_like(logits).scatter_(-1, index, 1.0)  # [..., V]
         return probs, torch.isfinite(best.squeeze(-1))
     if params.temperature != 1:
-        logits = logits / params.temperature  # [..., V]
+        # softmax is unchanged by the shift; a row with NaN, +inf or only -inf still comes out NaN.
+        logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature  # [..., V]
     if 0 < params.top_k < logits.shape[-1]:
         kth_largest = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -75,8 +85,10 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p``, renormalised."""
     sorted_probs, order = probs.sort(-1, descending=True)  # [..., V], [..., V]
     mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [..., V]: mass of strictly more likely tokens
-    # Keep a token while the mass before it is below top_p; the most likely token is always kept.
+    # Keep a token while the mass before it is below top_p; the most likely token is always kept, also
+    # when top_p is so small that float32 rounds it to 0.
     keep_sorted = mass_before < top_p  # [..., V]
+    keep_sorted[..., 0] = True
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # [..., V]
     kept = probs * keep  # [..., V]
     return kept / kept.sum(-1, keepdim=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecdecError, UsageError
-from ..inputs import read_text, subset, text_value
+from ..inputs import json_object_lines, optional_string, read_text, subset, text_value
 
 LANGUAGES = {"en": "English", "fr": "French", "de": "German", "cs": "Czech", "ru": "Russian", "hi": "Hindi"}
 
@@ -171,28 +171,39 @@ def _aligned_files(spec: DataSource) -> list[Example]:
 
 
 def _jsonl(path: Path, task: Task, spec: DataSource) -> list[Example]:
+    """The examples of a JSON-lines dataset, every field the run uses checked here, before the first sample."""
     source_field = spec.source_field or task.source_field
     reference_field = spec.reference_field or task.reference_field
-    examples = []
-    for number, line in enumerate(_read_lines(path, "--dataset file"), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UsageError(f"{path} line {number} is not JSON ({error.msg})") from None
-        if source_field not in record:
-            raise UsageError(
-                f"{path} line {number} has no '{source_field}' field; name the input field with --source-field"
-            )
-        source = text_value(record[source_field], f"{path} line {number}", source_field)
-        if task.name == "dolly" and record.get("context"):
-            source = f"{source}\n\n{record['context']}"
-        reference = record.get(reference_field) if reference_field else None
-        identifier = str(record.get("question_id", record.get("id", number - 1)))
-        turns = len(record[source_field]) if isinstance(record[source_field], list) else 1
-        examples.append(Example(identifier, source, reference, record.get("category"), turns))
-    return examples
+    text = read_text(path, "--dataset file")
+    return [
+        _dataset_example(record, number, f"{path} line {number}", task, (source_field, reference_field))
+        for number, record in json_object_lines(text, path, source_field)
+    ]
+
+
+def _dataset_example(record: dict, number: int, where: str, task: Task, fields: tuple[str, str | None]) -> Example:
+    source_field, reference_field = fields
+    if source_field not in record:
+        raise UsageError(f"{where} has no '{source_field}' field; name the input field with --source-field")
+    source = text_value(record[source_field], where, source_field)
+    context = optional_string(record, "context", where) if task.name == "dolly" else None
+    if context:
+        source = f"{source}\n\n{context}"
+    reference = optional_string(record, reference_field, where) if reference_field else None
+    turns = len(record[source_field]) if isinstance(record[source_field], list) else 1
+    return Example(_example_id(record, number, where), source, reference, optional_string(record, "category", where),
+                   turns)  # fmt: skip
+
+
+def _example_id(record: dict, number: int, where: str) -> str:
+    """The record's ``question_id`` (Spec-Bench) or ``id``, as text; the line's index when it has neither."""
+    name = next((key for key in ("question_id", "id") if record.get(key) is not None), None)
+    if name is None:
+        return str(number - 1)
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise UsageError(f"{where}: '{name}' must be a string or an integer, got {value!r}; results are kept per id")
+    return str(value)
 
 
 def _online(task: Task, spec: DataSource) -> list[Example]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from rich.progress import (
 )
 
 from ..errors import SpecdecError, UsageError
-from ..inputs import read_stdin, read_text, text_value
+from ..inputs import has_suffix, json_object_lines, read_stdin, read_text, text_value
 from ..recipe import AUTOREGRESSIVE, Recipe, apply_overrides, build_recipe, read_recipe_file, set_path
 from ..registry import VerifierRegistry
 
@@ -186,33 +185,45 @@ PROMPT_FIELDS = ("prompt", "text", "instruction", "question", "turns")
 def read_prompts(prompt: str | None, prompt_file: Path | None, stdin: Any, field: str | None = None) -> list[str]:
     """Prompts from the argument, a file or piped stdin.
 
-    A text file holds one prompt per non-empty line ('-' = stdin); a ``.jsonl`` file one JSON
-    object per line, its prompt in ``field`` or the first of PROMPT_FIELDS it has (a list, as
+    A text file holds one prompt per non-empty line ('-' = stdin); a ``.jsonl`` file (any case) one
+    JSON object per line, its prompt in ``field`` or the first of PROMPT_FIELDS it has (a list, as
     Spec-Bench's ``turns``, gives its first item).
     """
     if prompt is not None and prompt_file is not None:
         raise UsageError("give a prompt argument or --prompt-file, not both")
+    _check_field_applies(field, prompt_file)
     if prompt is not None:
         return [prompt]
     if prompt_file is not None:
-        text = read_text(prompt_file, "--prompt-file", stdin)
-        lines = [line for line in text.splitlines() if line.strip()]
-        prompts = _jsonl_prompts(lines, prompt_file, field) if str(prompt_file).endswith(".jsonl") else lines
-        if not prompts:
-            raise UsageError(f"--prompt-file '{prompt_file}' has no prompts (one prompt per non-empty line)")
-        return prompts
+        return _file_prompts(prompt_file, stdin, field)
     if stdin is not None and not stdin.isatty():
         return [read_stdin(stdin)]
     raise UsageError('give a prompt: specdec generate "Your prompt", --prompt-file FILE, or pipe text to stdin')
 
 
-def _jsonl_prompts(lines: list[str], path: Path, field: str | None) -> list[str]:
+def _file_prompts(prompt_file: Path, stdin: Any, field: str | None) -> list[str]:
+    if has_suffix(prompt_file, ".json"):  # read line by line, a JSON array's lines would become prompts
+        raise UsageError(f"--prompt-file '{prompt_file}' is a .json file; give JSON lines (.jsonl: one object per "
+                         "line) or plain text (one prompt per line)")  # fmt: skip
+    text = read_text(prompt_file, "--prompt-file", stdin)
+    if has_suffix(prompt_file, ".jsonl"):
+        prompts = _jsonl_prompts(text, prompt_file, field)
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UsageError(f"--prompt-file '{prompt_file}' has no prompts (one prompt per non-empty line)")
+    return prompts
+
+
+def _check_field_applies(field: str | None, prompt_file: Path | None) -> None:
+    """--field with prompts that are not JSON would be ignored without a word."""
+    if field is not None and not (prompt_file is not None and has_suffix(prompt_file, ".jsonl")):
+        raise UsageError("--field names the prompt field of a .jsonl --prompt-file; drop it, or give a .jsonl file")
+
+
+def _jsonl_prompts(text: str, path: Path, field: str | None) -> list[str]:
     prompts = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UsageError(f"{path} line {number} is not JSON ({error.msg}); a .jsonl file has one object per line")
+    for number, record in json_object_lines(text, path, field or PROMPT_FIELDS[0]):
         names = [field] if field else [name for name in PROMPT_FIELDS if name in record]
         if not names or names[0] not in record:
             wanted = f"'{field}'" if field else "one of " + ", ".join(PROMPT_FIELDS)

@@ -83,8 +83,6 @@ def generate(
     resolved = options.resolve()
     if not comparing and resolved.verifier.name.strip().lower() == AUTOREGRESSIVE:
         _check_nothing_to_draft(kl, num_drafts, draft_length)
-    if field is not None and not str(prompt_file or "").lower().endswith(".jsonl"):
-        raise UsageError("--field names the prompt field of a .jsonl --prompt-file; drop it, or give a .jsonl file")
     prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
     for text in prompts:  # checked before the models load, which can take a while
         require_text(text)
