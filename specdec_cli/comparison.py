@@ -91,17 +91,22 @@ class Comparison:
         for row in self.rows:
             row.decoder.warm_up(encoded[row.label][0])
         progress = None if on_tokens is None else (lambda tokens, _mask: on_tokens(len(tokens)))
-        for prompt_index, sample_index in itertools.product(range(len(prompts)), range(num_samples)):
-            results = []
+        try:
+            for prompt_index, sample_index in itertools.product(range(len(prompts)), range(num_samples)):
+                results = []
+                for row in self.rows:
+                    ids = encoded[row.label][prompt_index]
+                    results.append(_sample(row.decoder, prompts[prompt_index], prompt_index, sample_index, ids, progress))
+                    if on_tokens is not None:
+                        on_tokens(row.decoder.config.generation.max_new_tokens - len(results[-1].token_ids))  # stopped early
+                for row, result in zip(self.rows, results):
+                    row.results.append(result)
+                self._update_speedups()
+                yield results
+        finally:  # a stop between two appends must not leave one configuration a round ahead
             for row in self.rows:
-                ids = encoded[row.label][prompt_index]
-                results.append(_sample(row.decoder, prompts[prompt_index], prompt_index, sample_index, ids, progress))
-                if on_tokens is not None:
-                    on_tokens(row.decoder.config.generation.max_new_tokens - len(results[-1].token_ids))  # stopped early
-            for row, result in zip(self.rows, results):
-                row.results.append(result)
+                del row.results[min(len(r.results) for r in self.rows):]
             self._update_speedups()
-            yield results
 
     def _update_speedups(self) -> None:
         baseline = next((row for row in self.rows if not row.speculative), None)

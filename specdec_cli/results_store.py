@@ -37,7 +37,7 @@ _WRITERS = {"bench": frozenset({"cells", "seeds"}), "acceptance": frozenset({"re
 # What bench --report reads of a bench config.json (a type, [shape of each item], {key: shape}).
 _NUMBER = (int, float)
 _BENCH_CONFIG = {
-    "recipe": dict,
+    "recipe": {"target": dict, "generation": {"max_new_tokens": int}},  # what the reports and plots read
     "task": {"name": str, "metrics": [str], "per_category": bool},
     "data": {"examples": int},
     "cells": [{"verifier": str, "kl": (*_NUMBER, type(None)), "num_drafts": int, "draft_length": int,
@@ -56,6 +56,8 @@ class RecordKind:
     may_change: tuple[str, ...] = ()
     shape: dict[str, Any] = field(default_factory=dict)
     """JSON types of some fields (see :func:`_fits`): a record whose fields have others is refused."""
+    optional: dict[str, Any] = field(default_factory=dict)
+    """JSON types of fields a record may lack (older folders did not write them)."""
 
 
 def sample_key(record: dict) -> tuple[str, int, str]:
@@ -64,7 +66,8 @@ def sample_key(record: dict) -> tuple[str, int, str]:
 
 _SAMPLE_SHAPE = {"cell": str, "seed": int, "example_id": str, "index": int, "stats": dict, "text": str,
                  "reference": (str, type(None))}
-BENCH_SAMPLES = RecordKind(sample_key, frozenset(_SAMPLE_SHAPE), ("cells",), _SAMPLE_SHAPE)
+BENCH_SAMPLES = RecordKind(sample_key, frozenset(_SAMPLE_SHAPE), ("cells",), _SAMPLE_SHAPE,
+                           optional={"conditions": (dict, type(None))})  # fmt: skip
 
 
 class ResultsStore:
@@ -271,6 +274,8 @@ def _read_jsonl(path: Path, kind: RecordKind) -> list[dict]:
 def _is_record(record: Any, kind: RecordKind) -> bool:
     """Whether a JSON line is a record of ``kind``: its fields, of their types, and a key that can key."""
     if not isinstance(record, dict) or not kind.fields <= record.keys() or not _fits(record, kind.shape):
+        return False
+    if not _fits(record, {name: shape for name, shape in kind.optional.items() if name in record}):
         return False
     try:
         hash(kind.key(record))

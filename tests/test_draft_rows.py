@@ -6,13 +6,15 @@ them to the same answers, and run the bench command a new user tried on a two-dr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from specdec_cli.bench.grid import Grid
+from specdec_cli.bench.grid import Grid, GridCell
 from specdec_cli.draft_rows import DraftRows, draft_law, recipe_draft_rows, round_robin
 from specdec_cli.engine import SpeculativeDecoder
+from specdec_cli.errors import UsageError
 from specdec_cli.recipe import build_recipe
 from specdec_cli.registry import VerifierRegistry
 from tests.conftest import tiny_recipe
@@ -49,10 +51,13 @@ def test_round_robin_rows_are_identical_only_while_one_law_is_used():
 
 
 def test_a_draft_law_ignores_nothing_but_where_the_sampling_settings_come_from(tiny_models):
-    recipe = _recipe(tiny_models, temperatures=(1.0, 1.5))
-    first, second = (draft_law(d, recipe.generation) for d in recipe.drafts)
-    assert first != second
-    assert draft_law(recipe.drafts[0], recipe.generation) == first
+    """A setting written out equal to the target's is the same law as one left out; any other differs."""
+    recipe = _recipe(tiny_models, temperatures=(1.0, None))  # the target samples at T = 1
+    written, left_out = (draft_law(d, recipe.generation) for d in recipe.drafts)
+    assert written == left_out
+    other_top_k = dataclasses.replace(recipe.drafts[1], top_k=5)
+    other_dtype = dataclasses.replace(recipe.drafts[1], dtype="bfloat16")
+    assert draft_law(other_top_k, recipe.generation) != left_out != draft_law(other_dtype, recipe.generation)
 
 
 @pytest.mark.parametrize("temperatures", [(1.0, 1.5), (1.0, 1.0)])
@@ -66,11 +71,13 @@ def test_engine_and_grid_agree_with_the_rule(tiny_models, temperatures, num_draf
     cells, _ = grid.cells(registry, recipe)
     kept = {c.verifier for c in cells[1:]}
     for name in grid.verifiers:
-        cell_recipe = next((c.recipe(recipe, registry) for c in cells if c.verifier == name), None)
-        if cell_recipe is None:
-            continue
-        decoder = SpeculativeDecoder.from_recipe(cell_recipe, registry=registry)
-        assert decoder.verifier.name == name
+        cell = GridCell(verifier=name, kl=None, num_drafts=num_drafts, draft_length=2, temperature=1.0,
+                        draft_temperatures=None)  # fmt: skip
+        if name in kept:
+            assert SpeculativeDecoder.from_recipe(cell.recipe(recipe, registry), registry=registry).verifier.name == name
+        else:
+            with pytest.raises(UsageError):
+                SpeculativeDecoder.from_recipe(cell.recipe(recipe, registry), registry=registry)
     assert ("spectr" in kept) == (temperatures[0] == temperatures[1])
     assert "specinfer" in kept and "speculative" not in kept  # two configs: at least two rows
 

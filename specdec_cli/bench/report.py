@@ -218,7 +218,7 @@ def figure(results: BenchResults):
 def _title(results: BenchResults) -> str:
     """What was run: task, examples and seeds, the token limit, the models, and each part's device and threads."""
     config = results.config
-    task = config["task"]["name"] + (f" {config['task']['lang_pair']}" if config["task"]["name"] == "wmt" else "")
+    task = config["task"]["name"] + (f" {config['task'].get('lang_pair', '')}" if config["task"]["name"] == "wmt" else "")
     seeds = len(config.get("seeds", [])) or 1
     what = f"{task}: {config['data']['examples']} examples × {seeds} seed{'s' if seeds > 1 else ''}"
     known = [part.conditions for part in results.conditions if part.conditions is not None]

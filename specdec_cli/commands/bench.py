@@ -246,6 +246,7 @@ def _finish(results: BenchResults, output: _Output, kept: int) -> None:
     _show(results, output, note)
     if output.folder is not None:
         _write_summaries(output.folder, results)
+    _plot(results, output)  # last: a failing plot never costs the table or the summaries
     if results.interrupted:
         raise typer.Exit(130)
     if any(cell.failure for cell in results.cells):
@@ -276,8 +277,18 @@ def _show(results: BenchResults, output: _Output, note: str) -> None:
             console.print(categories)
     if note:
         Console(stderr=True).print(note, highlight=False, soft_wrap=True)
-    if output.plot is not None:  # after the table: a failing plot never hides it
+
+
+def _plot(results: BenchResults, output: _Output) -> None:
+    """The plot, if asked for; a stopped run's plot that fails is a note, so the stop keeps its exit code 130."""
+    if output.plot is None:
+        return
+    try:
         common.write_plot(lambda: report.plot(results, output.plot), output.plot)
+    except SpecdecError as error:
+        if not results.interrupted:
+            raise
+        Console(stderr=True).print(f"note: {error}", highlight=False, soft_wrap=True)
 
 
 def _draft_temperature_sets(text: str | None) -> tuple:
