@@ -8,12 +8,11 @@ its generation time, excluding model loading and the warm-up.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .engine import BlockCallback, SpeculativeDecoder, sample_seed
+from .engine import SpeculativeDecoder
 from .stats import GenerationResult
 
 TokenCallback = Callable[[int], None]
@@ -96,7 +95,7 @@ class Comparison:
                 results = []
                 for row in self.rows:
                     ids = encoded[row.label][prompt_index]
-                    results.append(_sample(row.decoder, prompts[prompt_index], prompt_index, sample_index, ids, progress))
+                    results.append(row.decoder.sample(prompts[prompt_index], prompt_index, sample_index, ids, progress))
                     if on_tokens is not None:
                         on_tokens(row.decoder.config.generation.max_new_tokens - len(results[-1].token_ids))  # stopped early
                 for row, result in zip(self.rows, results):
@@ -113,21 +112,3 @@ class Comparison:
         if baseline is not None and baseline.tokens_per_second:
             for row in self.rows:
                 row.speedup = row.tokens_per_second / baseline.tokens_per_second
-
-
-def samples(decoder: SpeculativeDecoder, prompts: Sequence[str], num_samples: int = 1,
-            on_block: BlockCallback | None = None) -> Iterator[GenerationResult]:  # fmt: skip
-    """Each sample of each prompt (prompt-major), yielded as it finishes: the seeds and tokens of
-    :meth:`SpeculativeDecoder.generate`, so a caller that is stopped keeps the samples it was given."""
-    encoded = [decoder.encode_prompt(p) for p in prompts]  # all checked before any model runs
-    for prompt_index, sample_index in itertools.product(range(len(prompts)), range(num_samples)):
-        callback = None if on_block is None else functools.partial(on_block, prompt_index, sample_index)
-        yield _sample(decoder, prompts[prompt_index], prompt_index, sample_index, encoded[prompt_index], callback)
-
-
-def _sample(decoder: SpeculativeDecoder, prompt: str, prompt_index: int, sample_index: int, ids: list[int],
-            on_block: Callable[[list[int], list[bool]], None] | None) -> GenerationResult:  # fmt: skip
-    seed = sample_seed(decoder.config.seed, prompt_index, sample_index)
-    tokens, mask, stats = decoder.generate_ids(ids, seed, on_block)
-    text = decoder.target.tokenizer.decode(tokens, skip_special_tokens=True)
-    return GenerationResult(prompt, prompt_index, sample_index, tokens, text, stats, mask)

@@ -18,7 +18,9 @@ so baseline and speculative runs share sampler and stopping. docs/block-loop.md 
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -175,23 +177,33 @@ class SpeculativeDecoder:
         Keyword ``changes`` to the decoding config apply to this call only (``verifier="block"``,
         ``draft_length=8``, ``temperature=0.3``, ...); the models stay loaded.
         """
+        if changes:
+            return self.with_config(**changes).generate(prompts, num_samples, on_block)
+        return list(self.samples(prompts, num_samples, on_block))
+
+    def samples(
+        self, prompts: str | Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None
+    ) -> Iterator[GenerationResult]:
+        """What :meth:`generate` returns, yielded as each sample finishes (a caller that is stopped keeps
+        the samples it was given). Every prompt is checked before any model runs."""
         prompts = _prompt_list(prompts)
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise UsageError(f"num_samples must be a whole number >= 1, got {num_samples!r}")
-        if changes:
-            return self.with_config(**changes).generate(prompts, num_samples, on_block)
-        encoded = [self.encode_prompt(p) for p in prompts]  # all checked before any model runs
-        results = []
-        for prompt_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
-            for sample_index in range(num_samples):
-                seed = sample_seed(self.config.seed, prompt_index, sample_index)
-                callback = None
-                if on_block is not None:
-                    callback = lambda new, mask, p=prompt_index, s=sample_index: on_block(p, s, new, mask)  # noqa: E731
-                tokens, mask, stats = self.generate_ids(ids, seed, callback)
-                text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
-                results.append(GenerationResult(prompt, prompt_index, sample_index, tokens, text, stats, mask))
-        return results
+        encoded = [self.encode_prompt(p) for p in prompts]
+        for prompt_index, sample_index in itertools.product(range(len(prompts)), range(num_samples)):
+            callback = None if on_block is None else functools.partial(on_block, prompt_index, sample_index)
+            yield self.sample(prompts[prompt_index], prompt_index, sample_index, encoded[prompt_index], callback)
+
+    def sample(
+        self, prompt: str, prompt_index: int, sample_index: int, prompt_ids: list[int],
+        on_block: Callable[[list[int], list[bool]], None] | None = None,
+    ) -> GenerationResult:  # fmt: skip
+        """One sample of one prompt, with the seed of (run seed, prompt index, sample index), so it does not
+        depend on which samples ran before it."""
+        seed = sample_seed(self.config.seed, prompt_index, sample_index)
+        tokens, mask, stats = self.generate_ids(prompt_ids, seed, on_block)
+        text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
+        return GenerationResult(prompt, prompt_index, sample_index, tokens, text, stats, mask)
 
     def warm_up(self, prompt_ids: list[int], max_new_tokens: int = 8) -> None:
         """One short untimed generation, so the first timed sample does not pay one-time costs

@@ -103,7 +103,9 @@ def _report(folder: Path, as_json: bool, plot: Path | None) -> None:
     if not records:
         raise UsageError(f"'{folder}' holds no samples yet (its run stopped before the first); run bench with "
                          f"--output {folder} to fill it")  # fmt: skip
-    _show(summarize(config, records), _Output(folder, as_json, plot, False), "")
+    results, output = summarize(config, records), _Output(folder, as_json, plot, False)
+    _show(results, output, "")
+    _plot(results, output)
 
 
 def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures) -> Grid:

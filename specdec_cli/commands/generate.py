@@ -143,7 +143,6 @@ class _StdoutConsole(Console):
 def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: bool, recalibrate: bool) -> None:
     """One configuration: the text streams as blocks are committed, then a table of its statistics."""
     from ..calibration import note_for
-    from ..comparison import samples
     from ..engine import SpeculativeDecoder
 
     err = Console(stderr=True)
@@ -167,7 +166,7 @@ def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: boo
             results.append(result)
             progress.advance(budget - len(result.token_ids))  # the budget an early end of text left unused
 
-        interrupted = _until_interrupted(samples(decoder, prompts, num_samples, on_block), finished)
+        interrupted = _until_interrupted(decoder.samples(prompts, num_samples, on_block), finished)
     if stream is not None:
         stream.finish()
     if interrupted:
