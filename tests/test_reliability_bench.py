@@ -395,10 +395,10 @@ def test_acceptance_threads_is_checked_first(run, recipe_path):
     _one_error_line(err, "--threads must be at least 1, got -1")
 
 
-def test_a_plot_that_cannot_be_written_comes_after_the_table(run, finished, odd):
+def test_a_plot_path_that_is_a_folder_is_refused_first(run, finished, odd):
     code, stdout, err = run(["bench", "--report", odd["xsum"], "--plot", f"{odd['dir']}/folder.png"])
-    assert code == 1 and "speculative" in stdout
-    _one_error_line(err, "could not write the plot")
+    assert code == 2 and not stdout
+    _one_error_line(err, "is a folder; name a file in it")
 
 
 # --------------------------------------------------------------------------- plots say what was run
