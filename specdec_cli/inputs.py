@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import tempfile
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -149,10 +151,25 @@ def require_text(prompt: str) -> None:
 
 def write_cache_file(path: Path, text: str) -> None:
     """Write a cache entry; a failure (read-only home, full disk) only costs recomputing it next time."""
-    from .results_store import write_atomically  # results_store imports this module
-
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, text)  # whole or not at all: a concurrent reader never sees half an entry
     except OSError:
         pass
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step: written to a temporary file beside it, forced to the
+    disk, then renamed over it. A failure (a full disk, a kill) leaves the previous file as it was;
+    an ``OSError`` is the caller's to report."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temporary, "x", encoding="utf-8") as handle:  # "x": never another writer's file
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())  # the data is on the disk before the name points at it
+        os.replace(temporary, path)
+    except BaseException:
+        with suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise

@@ -8,7 +8,7 @@ bench (cell, seed, example), an acceptance prompt) as soon as it is made, flushe
 leaves a valid folder and a re-run skips what is done. Processes of a distributed run write
 ``samples.rank<R>.jsonl`` and rank 0 merges them at the end. The summaries (``results.json``,
 ``acceptance.json``, tables) are derived from the records and rewritten whenever a run stops.
-Every file that is rewritten rather than appended to is replaced at once (:func:`write_atomically`):
+Every file that is rewritten rather than appended to is replaced at once (:func:`~specdec_cli.inputs.write_atomically`):
 a full disk or a kill while writing leaves its previous version.
 """
 
@@ -18,7 +18,6 @@ import errno
 import fcntl
 import json
 import os
-import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecdecError, UsageError
-from .inputs import check_writable_folder
+from .inputs import check_writable_folder, write_atomically
 
 SAMPLES = "samples.jsonl"
 CONFIG = "config.json"
@@ -161,23 +160,6 @@ class ResultsStore:
         finally:
             self._handle.close()
             self._lock.close()  # releases the lock
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one step: written to a temporary file beside it, forced to the
-    disk, then renamed over it. A failure (a full disk, a kill) leaves the previous file as it was;
-    an ``OSError`` is the caller's to report."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(temporary, "x", encoding="utf-8") as handle:  # "x": never another writer's file
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())  # the data is on the disk before the name points at it
-        os.replace(temporary, path)
-    except BaseException:
-        with suppress(OSError):
-            temporary.unlink(missing_ok=True)
-        raise
 
 
 def load_saved(folder: Path) -> tuple[dict, list[dict]]:

@@ -199,7 +199,7 @@ def full_disk_for(monkeypatch):
 
 
 def test_a_full_disk_while_replacing_a_file_leaves_the_old_one(tmp_path, full_disk_for):
-    from specdec_cli.results_store import write_atomically
+    from specdec_cli.inputs import write_atomically
 
     path = tmp_path / "results.json"
     path.write_text('{"old": true}\n')

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from ..plotting import describe_run, save, verifier_colour
+from ..inputs import write_atomically
 from ..recipe import Recipe
-from ..results_store import write_atomically
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, Estimate
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ from ..bench.results import BenchResults, summarize
 from ..bench.grid import Grid
 from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair, turns_note
 from ..errors import SpecdecError, UsageError
-from ..inputs import check_plot_path
+from ..inputs import check_plot_path, write_atomically
 from ..recipe import Recipe
-from ..results_store import ResultsStore, load_saved, write_atomically
+from ..results_store import ResultsStore, load_saved
 from ..registry import VerifierRegistry
 from . import common
 
