@@ -1,31 +1,37 @@
 """Time one block's verification for every verifier, next to one target forward of the default model.
 
 One verification = what the engine does per block: ``verify_block`` on the target's laws at the
-K × (L+1) positions, the K × L draft laws and tokens, then the one read of the decision. Laws are
-random and peaked like a language model's, the drafts close to the target (long accepted
-prefixes); is-lp needs a bounded draft support, so its laws are cut to their 50 most likely
-tokens (as top-k 50 sampling would).
+K × (L+1) positions, the K × L draft laws and tokens and the block's keyed draws, then the one read
+of the decision. Laws are random and peaked like a language model's, the drafts close to the target
+(long accepted prefixes); is-lp needs a bounded draft support, so its laws are cut to their 50 most
+likely tokens (as top-k 50 sampling would). Beside the time, the aten operations one
+``verify_block`` dispatches on the same laws and the host reads among them
+(:mod:`specdec_cli.device_path`): on a GPU at batch 1 the operations are the cost.
 
 The reference forward is the default recipe's target (SmolLM2-135M) unless ``--target`` names a real
 shape built with random weights (``model_shapes.py``): on a GPU, Llama-3.1-8B is the target a
 deployment would verify for.
 
-    python benchmarks/verifier_speed.py > benchmarks/results/verifier_speed_cpu.md
+    python benchmarks/verifier_speed.py --repeats 9 --threads 1 > benchmarks/results/verifier_speed_cpu.md
     python benchmarks/verifier_speed.py --device cuda --target llama-3.1-8b > benchmarks/results/verifier_speed_cuda.md
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
 
-from specdec_cli import SpeculativeDecoder, load_recipe, load_verifier
+from specdec_cli import BlockDecision, BlockVerifier, SpeculativeDecoder, load_recipe, load_verifier
+from specdec_cli.device_path import BlockCount, count_block
+from specdec_cli.randomness import Draws, Randomness
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_shapes import SHAPES, random_model  # noqa: E402
@@ -70,19 +76,66 @@ def block_laws(vocab, num_drafts, draft_length, device, top_k):
     return target.to(device), draft.to(device), tokens.to(device)
 
 
-def time_verification(name, params, vocab, num_drafts, draft_length, device, repeats) -> float:
-    target, drafts, tokens = block_laws(vocab, num_drafts, draft_length, device, 50 if name == "is-lp" else 0)
-    sampler = torch.Generator(device=device).manual_seed(1)
+def block_randomness(verifier: BlockVerifier, device: str) -> Randomness:
+    """The block's keyed draws, as the engine passes them; a seeded generator to a plugin that wants one."""
+    if type(verifier).keyed_randomness:
+        return Draws.create(key=1, block_start=0, device=device)
+    return torch.Generator(device=device).manual_seed(1)
+
+
+def verifier_laws(name: str, vocab: int, num_drafts: int, draft_length: int, device: str):
+    """The laws every measurement of ``name`` uses (see the module docstring)."""
+    return block_laws(vocab, num_drafts, draft_length, device, 50 if name == "is-lp" else 0)
+
+
+def median_seconds(prepare: Callable[[], Callable[[], BlockDecision]], device: str, repeats: int) -> float:
+    """Median over ``repeats`` runs, after one warm-up run, of one block's verification and the engine's
+    read of its decision; ``prepare()`` (not timed) gives each run's verification call."""
     times = []
     for repeat in range(repeats + 1):
-        verifier = load_verifier(name, params)  # a fresh one: nothing cached from the same laws a repeat ago
+        verify = prepare()
         synchronize(device)
         start = time.perf_counter()
-        decision = verifier.verify_block(target, drafts, tokens, sampler)
+        decision = verify()
         torch.cat([decision.tokens, decision.num_accepted.view(1), decision.row.view(1)]).tolist()  # the engine's read
-        if repeat:  # the first run warms up
+        if repeat:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def time_verification(name, params, laws, device, repeats) -> float:
+    def fresh_verifier() -> Callable[[], BlockDecision]:  # nothing cached from the same laws a run ago
+        verifier = load_verifier(name, params)
+        randomness = block_randomness(verifier, device)
+        return lambda: verifier.verify_block(*laws, randomness)
+
+    return median_seconds(fresh_verifier, device, repeats)
+
+
+def count_verification(name, params, laws, device) -> BlockCount:
+    """Operations and host reads of one ``verify_block`` on ``laws`` (the engine's read of the decision excluded)."""
+    verifier = load_verifier(name, params)
+    return count_block(verifier, *laws, block_randomness(verifier, device))
+
+
+def benchmark_arguments(description: str, repeats: int) -> argparse.ArgumentParser:
+    """The options every verifier benchmark takes (this one and compile_speed.py)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--verifiers", default=",".join(VERIFIERS), help="comma list")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=0, help="torch's CPU threads (0: its default)")
+    return parser
+
+
+def start_report(args: argparse.Namespace, versions: str, conditions: str) -> None:
+    """Set torch's CPU threads, then print the command and the machine with the load the timings start
+    under: on a shared CPU both change every figure, and one thread is often the steadier."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"device: {device_name(args.device)}, load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}"
+          f"{versions}; date {time.strftime('%Y-%m-%d')}; {conditions}\n")
 
 
 def load_target(target: str, device: str):
@@ -112,19 +165,14 @@ def time_target_forward(model, num_drafts: int, draft_length: int, repeats: int)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = benchmark_arguments(__doc__.splitlines()[0], repeats=5)
     parser.add_argument("--vocab", default="32000,50257,128256")
-    parser.add_argument("--verifiers", default=",".join(VERIFIERS), help="comma list")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--target", default="default", choices=["default", *SHAPES],
                         help="the model whose forward the verification is compared with")
     args = parser.parse_args()
-    print(f"command: python {' '.join(sys.argv)}")
-    print(f"device: {device_name(args.device)}; torch {torch.__version__}, transformers {transformers.__version__}; "
-          f"date {time.strftime('%Y-%m-%d')}; median of {args.repeats}\n")
-    print("| verifier | V | K | L | verification ms | ÷ target forward |")
-    print("|---|---|---|---|---|---|")
+    start_report(args, f", transformers {transformers.__version__}", f"median of {args.repeats}")
+    print("| verifier | V | K | L | ops per block | host reads | verification ms | ÷ target forward |")
+    print("|---|---|---|---|---|---|---|---|")
     model = load_target(args.target, args.device)
     forwards = {}
     for vocab in [int(v) for v in args.vocab.split(",")]:
@@ -136,10 +184,11 @@ def main() -> None:
                 for name in args.verifiers.split(","):
                     if num_drafts > (load_verifier(name, VERIFIERS[name]).max_drafts or num_drafts):
                         continue
-                    seconds = time_verification(name, VERIFIERS[name], vocab, num_drafts, draft_length, args.device,
-                                                args.repeats)
-                    print(f"| {name} | {vocab} | {num_drafts} | {draft_length} | {1000 * seconds:.2f} | "
-                          f"{seconds / forwards[key]:.3f} |", flush=True)
+                    laws = verifier_laws(name, vocab, num_drafts, draft_length, args.device)
+                    count = count_verification(name, VERIFIERS[name], laws, args.device)
+                    seconds = time_verification(name, VERIFIERS[name], laws, args.device, args.repeats)
+                    print(f"| {name} | {vocab} | {num_drafts} | {draft_length} | {count.ops} | {count.reads} | "
+                          f"{1000 * seconds:.2f} | {seconds / forwards[key]:.3f} |", flush=True)
     print(f"\ntarget forward ({args.target}, {next(model.parameters()).dtype}, K rows × L+1 tokens after a "
           "64-token prefix):\n")
     for (num_drafts, draft_length), seconds in sorted(forwards.items()):

@@ -87,8 +87,8 @@ def _timed_runs(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> list[Samp
     """Statistics of :data:`_REPEATS` short generations after an untimed one (lazy initialisation is
     not the steady cost)."""
     probe = decoder.with_config(max_new_tokens=_CALIBRATION_TOKENS)
-    probe.generate_ids(prompt_ids, seed=-1)
-    return [probe.generate_ids(prompt_ids, seed=-2 - repeat)[2] for repeat in range(_REPEATS)]
+    probe.generate_ids(prompt_ids, key=-1)
+    return [probe.generate_ids(prompt_ids, key=-2 - repeat)[2] for repeat in range(_REPEATS)]
 
 
 def _read_cached(path: Path) -> DraftCost | None:

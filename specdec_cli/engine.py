@@ -19,7 +19,6 @@ so baseline and speculative runs share sampler and stopping. docs/block-loop.md 
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import re
 import time
@@ -38,7 +37,8 @@ from .model_pool import ModelPool
 from .model_session import ModelSession
 from .models import LoadedModel, shared_vocab_size
 from .recipe import AUTOREGRESSIVE, DecodingConfig, Recipe
-from .sampling import SamplingParams, non_finite_message, sample, sampling_law
+from .randomness import Draws, Randomness, Stream, block_generator, sample_key
+from .sampling import SamplingParams, non_finite_message, sample, sample_with, sampling_law
 from .stats import GenerationResult, SampleStats
 from .timing import RegionTimer
 from .registry import error_line
@@ -96,10 +96,20 @@ class SpeculativeDecoder:
         self.draft_groups = self._draft_groups() if config.speculative else []
         rows = every_config([draft.law(config) for draft in self.drafts], config.speculation.num_drafts)
         self.verifier = create_verifier(config, rows, self.registry)
+        self._verify_block, self._sampling_law = self._compiled() if config.speculation.compile else (
+            getattr(self.verifier, "verify_block", None), sampling_law)  # fmt: skip
         self.draft_length = config.speculation.draft_length if self.draft_groups else 0
         self.eos_ids = target.eos_ids
         self.eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=target.device)  # [eos ids]
         self.device = target.device
+
+    def _compiled(self) -> tuple[Callable, Callable]:
+        """The verify step and the sampling law through ``torch.compile``: each traces into one graph (keyed
+        randomness, no reads: :func:`~specdec_cli.decoding.create_verifier` refused a verifier without keyed
+        randomness); on a GPU, mode ``reduce-overhead`` also captures them in CUDA graphs."""
+        mode = "reduce-overhead" if self.target.device.type == "cuda" else None
+        verify_block = None if self.verifier is None else torch.compile(self.verifier.verify_block, mode=mode)
+        return verify_block, torch.compile(sampling_law, mode=mode)
 
     def _draft_groups(self) -> list[_DraftGroup]:
         """Drafts that share a model share one session and one batched forward per position."""
@@ -198,32 +208,33 @@ class SpeculativeDecoder:
         self, prompt: str, prompt_index: int, sample_index: int, prompt_ids: list[int],
         on_block: Callable[[list[int], list[bool]], None] | None = None,
     ) -> GenerationResult:  # fmt: skip
-        """One sample of one prompt, with the seed of (run seed, prompt index, sample index), so it does not
-        depend on which samples ran before it."""
-        seed = sample_seed(self.config.seed, prompt_index, sample_index)
-        tokens, mask, stats = self.generate_ids(prompt_ids, seed, on_block)
+        """One sample of one prompt, with the key of (run seed, prompt index, sample index): its draws do not
+        depend on which samples ran before it or beside it."""
+        key = sample_key(self.config.seed, prompt_index, sample_index)
+        tokens, mask, stats = self.generate_ids(prompt_ids, key, on_block)
         text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
         return GenerationResult(prompt, prompt_index, sample_index, tokens, text, stats, mask)
 
     def warm_up(self, prompt_ids: list[int], max_new_tokens: int = 8) -> None:
         """One short untimed generation, so the first timed sample does not pay one-time costs
         (lazy initialisation, the allocator's first blocks, kernel selection)."""
-        self.with_config(max_new_tokens=max_new_tokens).generate_ids(prompt_ids, seed=-1)
+        self.with_config(max_new_tokens=max_new_tokens).generate_ids(prompt_ids, key=-1)
 
     @torch.inference_mode()
     def generate_ids(
-        self, prompt_ids: list[int], seed: int, on_block: Callable[[list[int], list[bool]], None] | None = None
+        self, prompt_ids: list[int], key: int, on_block: Callable[[list[int], list[bool]], None] | None = None
     ) -> tuple[list[int], list[bool], SampleStats]:
-        """Generate after ``prompt_ids`` → (new token ids, accepted mask, stats)."""
+        """Generate after ``prompt_ids`` with the randomness of ``key`` (:func:`~specdec_cli.randomness.sample_key`)
+        → (new token ids, accepted mask, stats)."""
         stats = SampleStats(prompt_tokens=len(prompt_ids))
         with self._memory_guard(stats):
-            return self._generate_ids(prompt_ids, seed, on_block, stats)
+            return self._generate_ids(prompt_ids, key, on_block, stats)
 
     def _generate_ids(
-        self, prompt_ids: list[int], seed: int, on_block: Callable[[list[int], list[bool]], None] | None,
+        self, prompt_ids: list[int], key: int, on_block: Callable[[list[int], list[bool]], None] | None,
         stats: SampleStats,
     ) -> tuple[list[int], list[bool], SampleStats]:  # fmt: skip
-        generator = torch.Generator(device=self.device).manual_seed(seed)
+        draws = Draws.create(key, 0, self.device)  # its block start is moved on the device, block by block
         for session in self._sessions():
             session.start(prompt_ids)
         committed = self.target.decoder_start_ids if self.target.is_encoder_decoder else list(prompt_ids)
@@ -236,7 +247,10 @@ class SpeculativeDecoder:
             remaining = max_new - (len(committed) - start)
             # Never overshoot: a block commits at most L + 1 tokens.
             draft_length = min(self.draft_length, remaining - 1)
-            block = self._block(committed, draft_length, generator, stats, timer)
+            block_start = len(committed) - start
+            draws.block_start.fill_(block_start)
+            block = self._block(committed, draft_length, (draws, self._verifier_randomness(draws, key, block_start)),
+                                stats, timer)  # fmt: skip
             new_tokens = block.tokens
             accepted = [i < block.num_accepted for i in range(len(new_tokens))]
             # The verifier decided every committed position but a bonus token (which follows all L accepted).
@@ -276,23 +290,33 @@ class SpeculativeDecoder:
     def _sessions(self) -> list[ModelSession]:
         return [self.target_session] + [g.session for g in self.draft_groups]
 
+    def _verifier_randomness(self, draws: Draws, key: int, block_start: int) -> Randomness:
+        """The block's keyed draws, or for a plugin that draws from a stateful generator one seeded from the
+        sample's key and the block's start, both known on the host."""
+        keyed = self.verifier is None or self.verifier.keyed_randomness  # None: the target alone, the engine's own draws
+        return draws if keyed else block_generator(key, block_start, self.device)
+
     def _block(
-        self, committed: list[int], draft_length: int, generator: torch.Generator, stats: SampleStats,
+        self, committed: list[int], draft_length: int, randomness: tuple[Draws, Randomness], stats: SampleStats,
         timer: RegionTimer,
     ) -> "_Committed":  # fmt: skip
-        """One draft → score → verify round, and the block's one read of device values."""
+        """One draft → score → verify round, and the block's one read of device values.
+
+        ``randomness``: the block's keyed draws (for the engine's own) and what the verifier draws from.
+        """
+        draws, verifier_randomness = randomness
         with timer.region("draft"):
-            draft_tokens, draft_probs, drafts_finite = self._draft(committed, draft_length, generator, stats, timer)
+            draft_tokens, draft_probs, drafts_finite = self._draft(committed, draft_length, draws, stats, timer)
             # draft_tokens [K, L], draft_probs [K, L, vocab], drafts_finite [groups]; K = 1, L = 0 without drafts
         with timer.region("target"):
             target_probs, target_finite = self._score(committed, draft_tokens, timer)  # [K, L+1, vocab], []
             stats.target_forwards += 1
         with timer.region("verify"):
             if draft_length:
-                decision = self._decide(target_probs, draft_probs, draft_tokens, generator)
+                decision = self._decide(target_probs, draft_probs, draft_tokens, verifier_randomness)
                 departs = departs_from_drafts(decision, draft_tokens)  # []
             else:
-                decision = _target_token(target_probs, generator)
+                decision = _target_token(target_probs, draws)
                 departs = torch.zeros_like(target_finite)  # []: the engine drew the token itself
             count = self._count_to_eos(decision)  # []
             matches = [_longest_match(group_tokens, decision.tokens, count)
@@ -334,7 +358,7 @@ class SpeculativeDecoder:
 
     def _decide(
         self, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
-        generator: torch.Generator,
+        randomness: Randomness,
     ) -> BlockDecision:  # fmt: skip
         """The verifier's decision, its types, shapes and devices checked on the host (no device read).
 
@@ -342,7 +366,7 @@ class SpeculativeDecoder:
         running out of memory is not, and reaches :meth:`_memory_guard`.
         """
         try:
-            decision = self.verifier.verify_block(target_probs, draft_probs, draft_tokens, generator)
+            decision = self._verify_block(target_probs, draft_probs, draft_tokens, randomness)
         except SpecdecError:
             raise
         except Exception as error:
@@ -379,19 +403,21 @@ class SpeculativeDecoder:
         session.fan_out(rows)
         pending = session.pending(committed)  # [K, pending]
         logits = session.forward(torch.cat([pending, draft_tokens], dim=1), draft_length + 1, timer)
-        probs, finite = sampling_law(logits, self.target_params)  # [K, L+1, vocab], [K, L+1]
+        probs, finite = self._sampling_law(logits, self.target_params)  # [K, L+1, vocab], [K, L+1]
         return probs, finite.all()
 
     def _draft(
-        self, committed: list[int], draft_length: int, generator: torch.Generator, stats: SampleStats,
-        timer: RegionTimer,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        self, committed: list[int], draft_length: int, draws: Draws, stats: SampleStats, timer: RegionTimer
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft tokens ``[K, L]``, the laws they were sampled from ``[K, L, vocab]``, finite flags ``[groups]``."""
         if not draft_length:
             empty = torch.empty(1, 0, dtype=torch.long, device=self.device)  # [1, 0]
             flags = torch.ones(len(self.draft_groups), dtype=torch.bool, device=self.device)  # [groups]
             return empty, torch.empty(1, 0, self.vocab_size, device=self.device), flags
         tokens, laws, finite = [], [], []
+        # Row k's token at offset t is (stream DRAFT, t, lane k) whatever group it belongs to: one table per block.
+        uniforms = draws.uniforms(Stream.DRAFT, draft_length, self.num_draft_rows)  # [L, K]
+        first_row = 0
         for group in self.draft_groups:
             rows = len(group.row_params)
             session = group.session
@@ -405,11 +431,12 @@ class SpeculativeDecoder:
                 logits = session.forward(step_input, 1, timer)[:, -1].to(self.device)  # [K_j, vocab]
                 stats.draft_forwards += 1
                 for params, same in rows_by_params:
-                    law, row_finite = sampling_law(logits[same], params)  # [rows, vocab], [rows]
+                    law, row_finite = self._sampling_law(logits[same], params)  # [rows, vocab], [rows]
                     group_laws[same, t] = law
                     group_finite &= row_finite.all()
-                group_tokens[:, t] = sample(group_laws[:, t], generator)
+                group_tokens[:, t] = sample_with(group_laws[:, t], uniforms[t, first_row : first_row + rows])
                 step_input = group_tokens[:, t : t + 1].to(session.device)  # [K_j, 1]
+            first_row += rows
             tokens.append(group_tokens)
             laws.append(group_laws)
             finite.append(group_finite)
@@ -425,9 +452,9 @@ class _Committed:
     eos: bool
 
 
-def _target_token(target_probs: torch.Tensor, generator: torch.Generator) -> BlockDecision:
-    """No draft tokens: the block is one token drawn from q (target_probs ``[1, 1, V]``)."""
-    token = sample(target_probs[0, 0], generator).view(1)  # [1]
+def _target_token(target_probs: torch.Tensor, draws: Draws) -> BlockDecision:
+    """No draft tokens: the block is one token drawn from q (target_probs ``[1, 1, V]``), stream TARGET."""
+    token = sample(target_probs[0, 0], draws, Stream.TARGET).view(1)  # [1]
     zero = torch.zeros((), dtype=torch.long, device=token.device)
     return BlockDecision(token, zero, zero)
 
@@ -495,12 +522,6 @@ def _check_context(prompt: int, max_new_tokens: int, draft_length: int, context:
             f"(and {draft_length} draft tokens); lower --max-new-tokens or --draft-length"
             + ("" if encoder_decoder else ", or shorten the prompt")
         )
-
-
-def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """A per-sample seed, so a sample does not depend on which samples ran before it."""
-    digest = hashlib.sha256(f"{seed}:{prompt_index}:{sample_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -69,6 +69,9 @@ class SpeculationConfig:
     """K: independent draft sequences sampled from each draft config per block."""
     kv_cache: bool = True
     """False recomputes every forward from the whole sequence (a reference for testing cache rollback)."""
+    compile: bool = False
+    """Run the verify step and the sampling laws through ``torch.compile`` (CUDA graphs on a GPU): worth it
+    where launches dominate; the first blocks pay the compilation."""
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,14 @@ from typing import Any
 
 from .errors import SpecdecError, UsageError
 from .inputs import check_writable_folder, write_atomically
+from .randomness import SCHEME
 
 SAMPLES = "samples.jsonl"
 CONFIG = "config.json"
 LOCK = ".lock"
+RANDOMNESS = "randomness"
+"""The config key that names the randomness scheme the samples were drawn under (absent: the stateful
+generator of specdec before keyed randomness)."""
 
 # The keys that tell which command wrote a config.json (see commands/bench.py and commands/acceptance.py).
 _WRITERS = {"bench": frozenset({"cells", "seeds"}), "acceptance": frozenset({"request", "prompts"})}
@@ -75,7 +79,7 @@ class ResultsStore:
     def __init__(self, folder: Path | None, config: dict[str, Any], rank: int = 0, world_size: int = 1,
                  kind: RecordKind = BENCH_SAMPLES):  # fmt: skip
         self.folder = folder
-        self.config = config
+        self.config = {**config, RANDOMNESS: SCHEME}
         self.rank = rank
         self.world_size = world_size
         self.kind = kind
@@ -189,6 +193,13 @@ def _check_same_run(folder: Path, saved: dict, current: dict, kind: RecordKind) 
     if writer is not None and writer != _writer(current):
         raise UsageError(f"'{folder}' holds {writer} results (written by specdec {writer}); give specdec "
                          f"{_writer(current)} another --output folder")  # fmt: skip
+    if saved.get(RANDOMNESS) != current.get(RANDOMNESS):
+        # Resumed samples would be drawn differently from the saved ones: the run would not be one run.
+        raise UsageError(
+            f"'{folder}' was written by another version of specdec, which drew its samples under the randomness "
+            f"scheme '{saved.get(RANDOMNESS, 'torch-generator')}', not '{current.get(RANDOMNESS)}'; give a new "
+            "--output folder (this one stays as it is)"
+        )
     # A grid of other cells over the same recipe, data and seeds reuses every sample it shares
     # (the baseline's above all); anything else would mix runs that do not compare.
     changed = sorted(k for k in set(saved) | set(current)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import NonFiniteLogitsError
+from .randomness import Randomness, Stream, uniforms_from
 
 _BELOW_ONE = 1.0 - 2.0**-52
 """Largest factor that keeps u · total strictly below total in float64 (so no zero-mass tail is drawn)."""
@@ -94,17 +95,28 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    probs: torch.Tensor, randomness: Randomness = None, stream: Stream = Stream.RESIDUAL, offset: torch.Tensor | int = 0
+) -> torch.Tensor:
     """One token id per row of ``probs`` ``[..., V]`` (any non-negative weights) → ``[...]`` int64.
 
-    Inverse-CDF sampling in float64: one uniform per row and a cumulative sum, on the tensor's
-    device, with no host synchronisation (``torch.multinomial`` validates its input on the host
-    and draws V exponentials per row, which costs more than the rest of a block's verification).
-    The threshold stays strictly below the total mass, so a token of zero weight is never drawn.
+    The uniforms come from ``randomness`` (:func:`~specdec_cli.randomness.uniforms_from`): keyed by
+    ``stream`` with row i at position ``offset + i``, or a generator's next draws.
+    """
+    uniform = uniforms_from(randomness, stream, tuple(probs.shape[:-1]), probs.device, offset)  # [...]
+    return sample_with(probs, uniform)
+
+
+def sample_with(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token at ``uniform`` ``[...]`` (float64 in ]0, 1[) of each row of ``probs`` ``[..., V]`` → ``[...]`` int64.
+
+    Inverse-CDF sampling in float64: a cumulative sum and a search, on the tensor's device, with no
+    host synchronisation (``torch.multinomial`` validates its input on the host and draws V
+    exponentials per row, which costs more than the rest of a block's verification). The threshold
+    stays strictly below the total mass, so a token of zero weight is never drawn.
     """
     cumulative = probs.cumsum(-1, dtype=torch.float64)  # [..., V]
     total = cumulative[..., -1:]  # [..., 1]
-    uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64)  # [..., 1]
-    threshold = torch.minimum(uniform * total, total * _BELOW_ONE)  # [..., 1]
+    threshold = torch.minimum(uniform.unsqueeze(-1) * total, total * _BELOW_ONE)  # [..., 1]
     index = torch.searchsorted(cumulative, threshold, right=True)  # [..., 1]: first token whose CDF passes it
     return index.clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # a NaN row gives some valid id; its flag says why

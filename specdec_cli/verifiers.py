@@ -18,7 +18,8 @@ constructor's keyword arguments are its parameters.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,13 +29,38 @@ import torch
 from .registry import (
     VerifierFault, VerifierParameterError, VerifierParameterValueError, VerifierRegistry, parameter_defaults,
 )  # fmt: skip
-from .sampling import sample
+from .randomness import Randomness, Stream, at, uniforms_from
+from .sampling import sample, sample_with
 
 __all__ = [  # the registry's names stay importable from here, where plugin authors look
     "BlockDecision", "BlockVerifier", "Verifier", "VerifierFault", "VerifierParameterError",
     "VerifierParameterValueError", "VerifierRegistry", "load_verifier", "parameter_defaults", "first_rejection",
     "shared_prefix_length", "walk_alive_rows", "decision_problem", "departs_from_drafts", "decision_value_problem",
+    "device_path", "reads_are_free", "prefix_agreement", "problem_members", "decide_problems", "commit_following",
+    "walk_reading",
 ]  # fmt: skip
+
+
+_forced_device_path = 0
+
+
+@contextmanager
+def device_path() -> Iterator[None]:
+    """Within it, every verifier takes the path it takes on a GPU also on the CPU: no host read, a fixed
+    number of operations (for tests that count them, benchmarks, and ``torch.compile``)."""
+    global _forced_device_path
+    _forced_device_path += 1
+    try:
+        yield
+    finally:
+        _forced_device_path -= 1
+
+
+def reads_are_free(tensor: torch.Tensor) -> bool:
+    """Whether a verifier may read ``tensor``'s values on the host: on the CPU a read costs nothing and a
+    path that reads (to skip work it does not need) can be faster; on a GPU every read stalls the queue.
+    Never inside :func:`device_path` or while torch.compile traces."""
+    return tensor.device.type == "cpu" and not _forced_device_path and not torch.compiler.is_compiling()
 
 
 @dataclass(frozen=True)
@@ -136,6 +162,11 @@ class BlockVerifier(ABC):
     identical_drafts: ClassVar[bool] = False
     """True for schemes defined only for K samples of one draft law (SpecTr)."""
     token_level: ClassVar[bool] = False
+    keyed_randomness: ClassVar[bool] = False
+    """True when :meth:`verify_block` draws only through the :class:`~specdec_cli.randomness.Draws` it is
+    handed (every built-in does): the engine then passes the block's keyed draws. False (the default, for
+    plugins written against a stateful generator): it passes a ``torch.Generator`` seeded from the sample
+    and the block, so such a plugin's draws too do not depend on what ran before."""
     kl_bound_parameter: ClassVar[str | None] = None
     """The constructor parameter that bounds KL(q ‖ output law) in nats, for a lossy scheme that has one:
     ``--kl`` sets it, and ``bench`` and ``acceptance`` sweep it (one configuration per bound)."""
@@ -173,14 +204,15 @@ class BlockVerifier(ABC):
         target_probs: torch.Tensor,
         draft_probs: torch.Tensor,
         draft_tokens: torch.Tensor,
-        generator: torch.Generator | None = None,
+        randomness: Randomness = None,
     ) -> BlockDecision:
         """Decide one block on the tensors' device, without reading values back to the host.
 
         target_probs ``[K, L+1, V]``: q after each prefix of each draft row (position L is the
         bonus position); draft_probs ``[K, L, V]``: the laws the draft tokens were drawn from;
         draft_tokens ``[K, L]``. Rows share the committed prefix, so ``target_probs[k, 0]`` is
-        the same for every k. L ≥ 1.
+        the same for every k. L ≥ 1. ``randomness``: the block's keyed
+        :class:`~specdec_cli.randomness.Draws` when ``keyed_randomness`` is set, else a generator.
         """
 
     def block_law(
@@ -235,13 +267,14 @@ class Verifier(BlockVerifier):
         target_probs: torch.Tensor,
         draft_probs: torch.Tensor,
         draft_tokens: torch.Tensor,
-        generator: torch.Generator | None = None,
+        randomness: Randomness = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A sample from :meth:`conditional` → (token ``[...]``, accepted ``[...]``).
 
-        ``accepted`` says whether the token equals one of the candidates.
+        ``accepted`` says whether the token equals one of the candidates. Keyed draws put row i of the
+        leading dimensions at offset i (a block's positions).
         """
-        token = sample(self.conditional(target_probs, draft_probs, draft_tokens), generator)  # [...]
+        token = sample(self.conditional(target_probs, draft_probs, draft_tokens), randomness)  # [...]
         accepted = (draft_tokens == token.unsqueeze(-1)).any(-1)  # [...]
         return token, accepted
 
@@ -251,7 +284,7 @@ class Verifier(BlockVerifier):
         draft_probs: torch.Tensor,
         draft_tokens: torch.Tensor,
         alive: torch.Tensor,
-        generator: torch.Generator | None = None,
+        randomness: Randomness = None,
     ) -> torch.Tensor:
         """:meth:`select` among the candidates with ``alive`` set, in their order → token ``[]``.
 
@@ -262,10 +295,10 @@ class Verifier(BlockVerifier):
         """
         num_drafts = draft_tokens.shape[0]
         if num_drafts == 1:
-            return self.select(target_probs, draft_probs, draft_tokens, generator)[0]
+            return self.select(target_probs, draft_probs, draft_tokens, randomness)[0]
         order = torch.argsort((~alive).to(torch.uint8), stable=True)  # [K]: alive rows first, in order
         outputs = [
-            self.select(target_probs, draft_probs[order[:k]], draft_tokens[order[:k]], generator)[0]
+            self.select(target_probs, draft_probs[order[:k]], draft_tokens[order[:k]], randomness)[0]
             for k in range(1, num_drafts + 1)
         ]
         count = alive.sum().clamp(min=1)  # []
@@ -280,23 +313,24 @@ class Verifier(BlockVerifier):
         a problem per position can solve them here in one batched call; the default does nothing.
         """
 
-    def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None) -> BlockDecision:
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None) -> BlockDecision:
         if draft_tokens.shape[0] == 1:
             tokens, accepted = self.select(
-                target_probs[0, :-1], draft_probs.transpose(0, 1), draft_tokens.transpose(0, 1), generator
+                target_probs[0, :-1], draft_probs.transpose(0, 1), draft_tokens.transpose(0, 1), randomness
             )  # [L] each; inputs [L, V], [L, 1, V], [L, 1]
-            return first_rejection(accepted, tokens, target_probs[0, -1], generator)
-        return self._walk(target_probs, draft_probs, draft_tokens, generator)
+            return first_rejection(accepted, tokens, target_probs[0, -1], randomness)
+        return self._walk(target_probs, draft_probs, draft_tokens, randomness)
 
-    def _walk(self, target_probs, draft_probs, draft_tokens, generator) -> BlockDecision:
+    def _walk(self, target_probs, draft_probs, draft_tokens, randomness) -> BlockDecision:
         """The multi-draft walk over positions with an alive mask, all on the device."""
         draft_length = draft_tokens.shape[1]
         self.prepare(target_probs[0, :draft_length], draft_probs.transpose(0, 1))  # [L, V], [L, K, V]
 
         def choose(t: int, alive: torch.Tensor, leader: torch.Tensor) -> torch.Tensor:
-            return self.select_alive(target_probs[leader, t], draft_probs[:, t], draft_tokens[:, t], alive, generator)
+            target = target_probs[:, t].index_select(0, leader.view(1)).squeeze(0)  # [V]: q of the alive rows
+            return self.select_alive(target, draft_probs[:, t], draft_tokens[:, t], alive, at(randomness, t))
 
-        return walk_alive_rows(choose, target_probs, draft_tokens, generator)
+        return walk_alive_rows(choose, target_probs, draft_tokens, randomness)
 
     def block_law(self, target_probs, draft_probs, draft_tokens):
         """The walk's exact law, by recursion over the alive sets (host loops: for tests only)."""
@@ -325,7 +359,7 @@ def walk_alive_rows(
     choose: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
     target_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator | None,
+    randomness: Randomness,
 ) -> BlockDecision:
     """The multi-draft block decision, on the device: follow the rows that match every output so far.
 
@@ -349,9 +383,123 @@ def walk_alive_rows(
         ended = ended | ~survivors.any()
         alive = torch.where(ended, alive, survivors)  # the last non-empty set: the rows followed
     row = alive.to(torch.uint8).argmax()  # []
-    outputs.append(sample(target_probs[row, draft_length], generator))  # bonus, kept if no position ended
+    bonus_law = target_probs[:, draft_length].index_select(0, row.view(1))  # [1, V]
+    outputs.append(sample(bonus_law, randomness, Stream.BONUS, draft_length).squeeze(0))  # kept if no position ended
     tokens = torch.stack(outputs)  # [L+1]: position num_accepted holds the correction or the bonus
     return BlockDecision(tokens, num_accepted, row)
+
+
+def prefix_agreement(draft_tokens: torch.Tensor) -> torch.Tensor:
+    """``[K, K, L+1]`` bool: entry (i, j, t) says rows i and j of draft_tokens ``[K, L]`` drew the same tokens
+    before position t (so they are alive together at t, or dead together)."""
+    same = (draft_tokens[:, None, :] == draft_tokens[None, :, :]).long()  # [K, K, L]
+    empty_prefix = torch.ones_like(same[..., :1])  # [K, K, 1]
+    return torch.cat([empty_prefix, same.cumprod(-1)], -1).bool()  # [K, K, L+1]
+
+
+def problem_members(agreement: torch.Tensor) -> torch.Tensor:
+    """``[K, L, K]`` bool: the candidates of problem (k, t), the rows j ≥ k that agree with row k before t.
+
+    agreement ``[K, K, L+1]`` (:func:`prefix_agreement`). When k is the first row alive at t, these are
+    exactly the walk's alive rows there; the other problems are solved too, and never used.
+    """
+    num_rows = agreement.shape[0]
+    rows = torch.arange(num_rows, device=agreement.device)  # [K]
+    later = (rows[None, :] >= rows[:, None]).unsqueeze(-1)  # [K(k), K(j), 1]
+    return (agreement[..., :-1] & later).transpose(1, 2)  # [K(k), L, K(j)]
+
+
+def decide_problems(
+    accepts: torch.Tensor,
+    residuals: torch.Tensor,
+    agreement: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    randomness: Randomness,
+) -> BlockDecision:
+    """The multi-draft walk when every problem (k, t) of :func:`problem_members` is solved at once: a fixed
+    number of small operations and no read, for any data.
+
+    accepts ``[K, L, K]``: candidate j's acceptance probability in problem (k, t), given the candidates
+    before it were rejected (0 for a non-member); residuals ``[K, L, V]``: what the output is drawn from
+    (any non-negative weights) when all are rejected. Candidate j at offset t is tested with the uniform
+    (stream ACCEPT, t, lane j); the walk starts at problem (0, 0) and, after accepting candidate j at t,
+    goes on with the first row that agrees with j through t. target_probs ``[K, L+1, V]``, draft_tokens ``[K, L]``.
+    """
+    num_rows, draft_length = draft_tokens.shape
+    uniforms = uniforms_from(randomness, Stream.ACCEPT, (draft_length, num_rows), draft_tokens.device, lanes_last=True)
+    taken = uniforms < accepts.double()  # [K, L, K]
+    accepted = taken.any(-1).flatten()  # [K L]: problem (k, t) at k L + t
+    first = taken.to(torch.uint8).argmax(-1)  # [K, L]: the accepted candidate
+    output = draft_tokens.gather(0, first).flatten()  # [K L]: its token
+    # The first row that agrees with the accepted candidate through t leads the rows alive at t + 1.
+    through = agreement[:, :, 1:].transpose(1, 2)  # [K(i), L, K(j)]: rows i, j agree through t
+    following = through.gather(0, first.unsqueeze(-1).expand_as(through)).to(torch.uint8).argmax(-1).flatten()  # [K L]
+    leader = torch.zeros((), dtype=torch.long, device=draft_tokens.device)  # []
+    going = torch.ones((), dtype=torch.bool, device=draft_tokens.device)  # []: every position so far accepted
+    num_accepted = torch.zeros_like(leader)  # []
+    path = []
+    for t in range(draft_length):
+        problem = (leader * draft_length + t).view(1)  # [1]
+        going = going & accepted.gather(0, problem).squeeze(0)
+        num_accepted = num_accepted + going.long()
+        leader = torch.where(going, following.gather(0, problem).squeeze(0), leader)
+        path.append(problem)
+    path = torch.cat(path)  # [L]: the problem solved at each position
+    ended_at = path.gather(0, num_accepted.clamp(max=draft_length - 1).view(1))  # [1]
+    residual = residuals.flatten(0, 1).index_select(0, ended_at).squeeze(0)  # [V]
+    bonus_law = target_probs[:, draft_length].index_select(0, leader.view(1)).squeeze(0)  # [V]
+    return commit_following(num_accepted, output.gather(0, path), residual, bonus_law, randomness, leader)
+
+
+def walk_reading(
+    decide: Callable[[int, list[int], list[list[int]], list[list[float]]], tuple[int | None, torch.Tensor | None]],
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    randomness: Randomness,
+) -> BlockDecision:
+    """The multi-draft walk with host reads, for the CPU, where a read is free: position by position, and
+    only as far as the block goes.
+
+    ``decide(t, alive, tokens, uniforms)`` gets the alive rows (host ints, first = the leader), every
+    row's tokens ``[K][L]`` and the ACCEPT uniforms ``[L][K]`` (candidate j at offset t: ``uniforms[t][j]``,
+    as :func:`decide_problems` uses them) and returns (the accepted row, None) or (None, the residual
+    ``[V]`` the block ends with). target_probs ``[K, L+1, V]``, draft_tokens ``[K, L]``.
+    """
+    num_rows, draft_length = draft_tokens.shape
+    tokens = draft_tokens.tolist()  # [K][L]
+    uniforms = uniforms_from(randomness, Stream.ACCEPT, (draft_length, num_rows), draft_tokens.device,
+                             lanes_last=True).tolist()  # fmt: skip
+    alive, num_accepted, law = list(range(num_rows)), 0, None
+    while law is None and num_accepted < draft_length:
+        accepted, law = decide(num_accepted, alive, tokens, uniforms)
+        if accepted is not None:
+            alive = [i for i in alive if tokens[i][num_accepted] == tokens[accepted][num_accepted]]
+            num_accepted += 1
+    row = torch.tensor(alive[0], device=draft_tokens.device)  # []
+    law = target_probs[alive[0], draft_length] if law is None else law  # [V]: the bonus law when all were accepted
+    return commit_following(torch.tensor(num_accepted, device=row.device), draft_tokens[alive[0]], law, law,
+                            randomness, row)  # fmt: skip
+
+
+def commit_following(
+    num_accepted: torch.Tensor,
+    tokens: torch.Tensor,
+    residual: torch.Tensor,
+    bonus_law: torch.Tensor,
+    randomness: Randomness,
+    row: torch.Tensor,
+) -> BlockDecision:
+    """The decision once ``num_accepted`` ``[]`` of the L ``tokens`` ``[L]`` are kept: the next token is drawn
+    from ``residual`` ``[V]`` after a rejection (stream RESIDUAL at offset n) or from ``bonus_law`` ``[V]``
+    when all L were accepted (stream BONUS at offset L), in one keyed evaluation and one draw."""
+    draft_length = tokens.shape[0]
+    rejected = num_accepted < draft_length  # []
+    law = torch.where(rejected, residual, bonus_law)  # [V]
+    stream = torch.where(rejected, int(Stream.RESIDUAL), int(Stream.BONUS))  # []
+    token = sample_with(law, uniforms_from(randomness, stream, (), law.device, num_accepted)).view(1)  # [1]
+    committed = torch.cat([tokens, token]).scatter(0, num_accepted.view(1), token)  # [L+1]
+    return BlockDecision(committed, num_accepted, row)
 
 
 def shared_prefix_length(draft_tokens: np.ndarray) -> int:
@@ -366,7 +514,7 @@ def shared_prefix_length(draft_tokens: np.ndarray) -> int:
 
 
 def first_rejection(
-    accepted: torch.Tensor, tokens: torch.Tensor, bonus_law: torch.Tensor, generator: torch.Generator | None
+    accepted: torch.Tensor, tokens: torch.Tensor, bonus_law: torch.Tensor, randomness: Randomness
 ) -> BlockDecision:
     """The single-draft block decision from per-position outcomes, on the device.
 
@@ -375,7 +523,7 @@ def first_rejection(
     prefix and the token at its first rejection, or a bonus token drawn from ``bonus_law``.
     """
     num_accepted = accepted.long().cumprod(0).sum()  # []
-    bonus = sample(bonus_law, generator).view(1)  # [1]; only kept when every position was accepted
+    bonus = sample(bonus_law.unsqueeze(0), randomness, Stream.BONUS, len(tokens))  # [1]; kept when all L were accepted
     committed = torch.cat([tokens, bonus])  # [L+1]
     return BlockDecision(committed, num_accepted, torch.zeros_like(num_accepted))
 

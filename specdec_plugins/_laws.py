@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 import torch
 
+from specdec_cli.randomness import Randomness, Stream, uniforms_from
 from specdec_cli.sampling import sample
-from specdec_cli.verifiers import BlockDecision
+from specdec_cli.verifiers import BlockDecision, commit_following
 
 TINY = torch.finfo(torch.float64).tiny
 
@@ -46,20 +47,23 @@ def first_accepted(
     accepts: torch.Tensor,
     draft_tokens: torch.Tensor,
     residual: torch.Tensor,
-    generator: torch.Generator | None,
+    randomness: Randomness,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate k is accepted when ``uniforms[..., k] < accepts[..., k]``; the first accepted one is
-    the output, otherwise a draw from ``residual`` ``[..., V]`` → (token ``[...]``, accepted ``[...]``).
+    the output, otherwise a draw from ``residual`` ``[..., V]`` (stream RESIDUAL, row i at offset i)
+    → (token ``[...]``, accepted ``[...]``). Uniforms are float64, so the test is made in float64.
     """
-    taken = uniforms < accepts  # [..., K]
+    taken = uniforms < accepts.double()  # [..., K]
     first = taken.long().argmax(-1, keepdim=True)  # [..., 1]
     accepted = taken.any(-1)  # [...]
-    token = torch.where(accepted, draft_tokens.gather(-1, first).squeeze(-1), sample(residual, generator))
+    token = torch.where(accepted, draft_tokens.gather(-1, first).squeeze(-1), sample(residual, randomness))
     return token, accepted
 
 
-def uniforms_like(accepts: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    return torch.rand(accepts.shape, generator=generator, device=accepts.device, dtype=accepts.dtype)
+def uniforms_like(accepts: torch.Tensor, randomness: Randomness, stream: Stream = Stream.ACCEPT) -> torch.Tensor:
+    """float64 uniforms shaped like the candidates' acceptance ``accepts`` ``[..., K]``: keyed draws put the
+    leading dimensions at positions 0, 1, ... (flattened) and the K candidates in lanes."""
+    return uniforms_from(randomness, stream, tuple(accepts.shape), accepts.device, lanes_last=True)
 
 
 def row_at(laws: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -72,19 +76,20 @@ def single_draft_block(
     residual_at: Callable[[torch.Tensor], torch.Tensor],
     target_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator | None,
+    randomness: Randomness,
 ) -> BlockDecision:
     """A single-draft token-level block decided at once (gpt-fast's and vLLM's rejection sampler).
 
-    accept ``[L]``: each draft token's acceptance probability; one uniform per position, the
-    first rejection by a cumulative product, and one draw: from ``residual_at(n)`` ``[V]`` at the
-    first rejected position n, or the bonus token (see :func:`commit_after`). draft_tokens ``[L]``.
+    accept ``[L]``: each draft token's acceptance probability; one uniform per position (stream
+    ACCEPT), the first rejection by a cumulative product, and one draw: from ``residual_at(n)``
+    ``[V]`` at the first rejected position n, or the bonus token (see :func:`commit_after`).
+    draft_tokens ``[L]``.
     """
     draft_length = draft_tokens.shape[0]
-    accepted = uniforms_like(accept, generator) < accept  # [L]
+    accepted = uniforms_like(accept.unsqueeze(-1), randomness).squeeze(-1) < accept.double()  # [L]
     num_accepted = accepted.long().cumprod(0).sum()  # []
     rejected_at = num_accepted.clamp(max=draft_length - 1)  # []: a valid row even when none was rejected
-    return commit_after(num_accepted, residual_at(rejected_at), target_probs, draft_tokens, generator)
+    return commit_after(num_accepted, residual_at(rejected_at), target_probs, draft_tokens, randomness)
 
 
 def commit_after(
@@ -92,15 +97,10 @@ def commit_after(
     residual: torch.Tensor,
     target_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator | None,
+    randomness: Randomness,
 ) -> BlockDecision:
-    """The single-draft decision once ``num_accepted`` ``[]`` draft tokens are kept.
-
-    The next token is drawn from ``residual`` ``[V]`` (weights, after a rejection) or, when all
-    L were accepted, from q after the whole block (target_probs ``[L+1, V]``: the bonus token),
-    and placed after the accepted prefix of draft_tokens ``[L]``.
-    """
-    law = torch.where(num_accepted < draft_tokens.shape[0], residual, row_at(target_probs, num_accepted))  # [V]
-    token = sample(law, generator).view(1)  # [1]
-    tokens = torch.cat([draft_tokens, token]).scatter(0, num_accepted.view(1), token)  # [L+1]
-    return BlockDecision(tokens, num_accepted, torch.zeros_like(num_accepted))
+    """The single-draft decision once ``num_accepted`` ``[]`` draft tokens are kept: the next token from
+    ``residual`` ``[V]`` after a rejection, or the bonus token from q after the whole block (target_probs
+    ``[L+1, V]``), placed after the accepted prefix of draft_tokens ``[L]`` (see :func:`commit_following`)."""
+    bonus_law = target_probs[-1]  # [V]
+    return commit_following(num_accepted, draft_tokens, residual, bonus_law, randomness, torch.zeros_like(num_accepted))

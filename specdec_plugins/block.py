@@ -28,24 +28,25 @@ import torch
 
 from specdec_cli.verifiers import BlockVerifier
 
-from ._laws import TINY, commit_after, normalized_or, row_at
+from ._laws import TINY, commit_after, normalized_or, row_at, uniforms_like
 
 
 class BlockVerification(BlockVerifier):
     name = "block"
     lossless = True
     max_drafts = 1
+    keyed_randomness = True
 
-    def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
         q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
         draft_length = x.shape[0]
         weights, stop = _weights_and_stops(q, p, x)  # [L+1], [L+1]
-        eta = torch.rand(draft_length, generator=generator, device=x.device, dtype=stop.dtype)  # [L]: η_1..η_L
+        eta = uniforms_like(stop[1:, None], randomness).squeeze(-1)  # [L] float64: η_1..η_L, stream ACCEPT at offsets 0..L-1
         positions = torch.arange(1, draft_length + 1, device=x.device)  # [L]
         accepted = (positions * (eta < stop[1:]).long()).max()  # []: τ, the last t with η_t < h_t, else 0
         stopped_at = accepted.clamp(max=draft_length - 1)  # []: a valid residual row even when τ = L
         residual = _excess(row_at(weights, stopped_at), row_at(q, stopped_at), row_at(p, stopped_at))  # [V]
-        return commit_after(accepted, residual, q, x, generator)
+        return commit_after(accepted, residual, q, x, randomness)
 
     def block_law(self, target_probs, draft_probs, draft_tokens):
         """P(τ = t) = h_t Π_{j > t} (1 - h_j) with h_0 = 1, times the law of the token that follows."""

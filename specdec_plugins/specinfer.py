@@ -18,15 +18,21 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.verifiers import Verifier
+from specdec_cli.verifiers import (
+    Verifier, decide_problems, prefix_agreement, problem_members, reads_are_free, walk_reading,
+)  # fmt: skip
 
-from ._laws import first_accepted, normalized_excess, one_hot_mass, ratio_acceptance, uniforms_like
+from ._laws import TINY, first_accepted, normalized_excess, one_hot_mass, ratio_acceptance, uniforms_like
+from .speculative import SpeculativeSampling
+
+_ONE_DRAFT = SpeculativeSampling()  # built once: torch.compile cannot trace a verifier's construction
 
 
 class SpecInfer(Verifier):
     name = "specinfer"
     lossless = True
     max_drafts = None
+    keyed_randomness = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
         accepts, residual = _accepts_and_residual(target_probs, draft_probs, draft_tokens)  # [..., K], [..., V]
@@ -38,13 +44,22 @@ class SpecInfer(Verifier):
             reach = reach * (1 - accept)
         return law + reach * residual
 
-    def select(self, target_probs, draft_probs, draft_tokens, generator=None):
+    def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
         accepts, residual = _accepts_and_residual(target_probs, draft_probs, draft_tokens)
-        return first_accepted(uniforms_like(accepts, generator), accepts, draft_tokens, residual, generator)
+        return first_accepted(uniforms_like(accepts, randomness), accepts, draft_tokens, residual, randomness)
 
-    def select_alive(self, target_probs, draft_probs, draft_tokens, alive, generator=None):
-        accepts, residual = _accepts_and_residual(target_probs, draft_probs, draft_tokens, alive)  # [K], [V]
-        return first_accepted(uniforms_like(accepts, generator), accepts, draft_tokens, residual, generator)[0]
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        """Every (leader, position) problem solved at once on a device; on the CPU, where reads are free, the
+        walk tests one candidate at a time and updates the residual only after a rejection. Both test
+        candidate j at offset t with the uniform (ACCEPT, t, j) and draw the residual or bonus token alike.
+        With one draft the rule is speculative sampling, whose block is decided in fewer operations."""
+        if draft_tokens.shape[0] == 1:
+            return _ONE_DRAFT.verify_block(target_probs, draft_probs, draft_tokens, randomness)
+        if reads_are_free(target_probs):
+            return walk_reading(_step_reading(target_probs, draft_probs), target_probs, draft_tokens, randomness)
+        agreement = prefix_agreement(draft_tokens)  # [K, K, L+1]
+        accepts, residuals = _problem_chains(target_probs, draft_probs, draft_tokens, problem_members(agreement))
+        return decide_problems(accepts, residuals, agreement, target_probs, draft_tokens, randomness)
 
     def acceptance_probability(self, target_probs, draft_probs):
         all_rejected = torch.ones_like(target_probs[..., 0])  # [...]
@@ -56,20 +71,49 @@ class SpecInfer(Verifier):
         return 1 - all_rejected
 
 
-def _accepts_and_residual(target_probs, draft_probs, draft_tokens, alive=None):
-    """Each candidate's acceptance min(1, cur_{k-1}(x_k)/p_k(x_k)) ``[..., K]`` (0 where not alive) and
-    the final residual ``[..., V]``; alive ``[..., K]`` bool, default all.
-    """
+def _accepts_and_residual(target_probs, draft_probs, draft_tokens):
+    """Each candidate's acceptance min(1, cur_{k-1}(x_k)/p_k(x_k)) ``[..., K]`` and the final residual ``[..., V]``."""
     current = target_probs  # [..., V]
     accepts = []
     for k in range(draft_tokens.shape[-1]):
         proposal = draft_probs[..., k, :]  # [..., V]
-        accept = ratio_acceptance(current, proposal, draft_tokens[..., k : k + 1])  # [..., 1]
-        following = normalized_excess(current, proposal)  # [..., V]
-        if alive is not None:
-            live = alive[..., k : k + 1]  # [..., 1]
-            accept = torch.where(live, accept, torch.zeros_like(accept))
-            following = torch.where(live, following, current)
-        accepts.append(accept)
-        current = following
+        accepts.append(ratio_acceptance(current, proposal, draft_tokens[..., k : k + 1]))  # [..., 1]
+        current = normalized_excess(current, proposal)
     return torch.cat(accepts, -1), current
+
+
+def _problem_chains(target_probs, draft_probs, draft_tokens, members):
+    """SpecInfer's chain for every problem (k, t) → (accepts ``[K, L, K]``, unnormalised residuals ``[K, L, V]``).
+
+    With R = cur · Σ R kept unnormalised, min(1, cur(x_j)/p_j(x_j)) = min(1, R(x_j) / (Σ R · p_j(x_j))) and
+    the next R is (R - Σ R · p_j)+; a candidate that is not a member leaves R as it is. members ``[K, L, K]``.
+    """
+    num_rows, draft_length = draft_tokens.shape
+    residual = target_probs[:, :draft_length]  # [K, L, V]: problem (k, t) starts from row k's q_t
+    drafted = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [K, L]: p_j(x_j) at t
+    accepts = []
+    for j in range(num_rows):
+        member = members[..., j : j + 1].to(residual.dtype)  # [K, L, 1]
+        mass = residual.sum(-1, keepdim=True)  # [K, L, 1]
+        at_token = residual.gather(-1, draft_tokens[j].view(1, draft_length, 1).expand(num_rows, -1, -1))  # [K, L, 1]
+        scale = mass * drafted[j].view(1, draft_length, 1)  # [K, L, 1]
+        accepts.append((at_token / scale.clamp_min(TINY)).clamp(max=1.0) * member)
+        residual = torch.addcmul(residual, mass * member, draft_probs[j], value=-1).clamp_min(0)  # [K, L, V]
+    return torch.cat(accepts, -1), residual
+
+
+def _step_reading(target_probs, draft_probs):
+    """SpecInfer at one position with host reads (the CPU path, for :func:`walk_reading`): candidate by
+    candidate, stopping at the first acceptance, so a position whose first candidate is accepted costs
+    two lookups and a sum, not a pass over V per candidate."""
+
+    def decide(t: int, alive: list[int], tokens: list[list[int]], uniforms: list[list[float]]):
+        residual = target_probs[alive[0], t]  # [V]
+        for j in alive:
+            mass, token = float(residual.sum()), tokens[j][t]
+            if uniforms[t][j] < min(1.0, float(residual[token]) / max(mass * float(draft_probs[j, t, token]), TINY)):
+                return j, None
+            residual = torch.sub(residual, draft_probs[j, t], alpha=mass).clamp_min_(0)  # [V]
+        return None, residual
+
+    return decide

@@ -33,6 +33,7 @@ class SpeculativeSampling(Verifier):
     name = "speculative"
     lossless = True
     max_drafts = 1
+    keyed_randomness = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
         q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
@@ -40,17 +41,17 @@ class SpeculativeSampling(Verifier):
         accept = ratio_acceptance(q, p, x)  # [..., 1]
         return one_hot_mass((1 - accept) * normalized_excess(q, p), x, accept)
 
-    def select(self, target_probs, draft_probs, draft_tokens, generator=None):
+    def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
         q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
         x = draft_tokens[..., :1]  # [..., 1]
         accept = ratio_acceptance(q, p, x)  # [..., 1]
-        return first_accepted(uniforms_like(accept, generator), accept, x, normalized_excess(q, p), generator)
+        return first_accepted(uniforms_like(accept, randomness), accept, x, normalized_excess(q, p), randomness)
 
-    def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
         q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
         accept = ratio_acceptance(q[:-1], p, x.unsqueeze(-1)).squeeze(-1)  # [L]: min(1, q(x_t)/p(x_t))
         return single_draft_block(
-            accept, lambda n: normalized_excess(row_at(q, n), row_at(p, n)), q, x, generator
+            accept, lambda n: normalized_excess(row_at(q, n), row_at(p, n)), q, x, randomness
         )
 
     def acceptance_probability(self, target_probs, draft_probs):

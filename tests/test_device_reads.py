@@ -1,7 +1,9 @@
 """The hot loop reads the device once per block: Tensor → Python conversions counted inside generate_ids.
 
-On CUDA each conversion is a synchronisation that stalls the queue; on the CPU the count is the
-same, so this test holds the engine and every built-in verifier to the budget without a GPU.
+On CUDA each conversion is a synchronisation that stalls the queue. On the CPU a read is free and
+some verifiers take a path that reads (to skip work); :func:`~specdec_cli.verifiers.device_path`
+makes them take the GPU's path, so this test holds the engine and every built-in verifier to the
+budget without a GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.errors import NonFiniteLogitsError
 from specdec_cli.recipe import build_recipe
+from specdec_cli.verifiers import device_path
 from tests.conftest import tiny_recipe
 
 CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__array__")
@@ -56,9 +59,10 @@ def test_at_most_two_reads_per_block(tiny_models, conversions, name, num_drafts,
     prompt_ids = decoder.encode_prompt("a b c d")
     conversions.clear()
     blocks = 0
-    for seed in range(3):
-        _, _, stats = decoder.generate_ids(prompt_ids, seed)
-        blocks += stats.blocks
+    with device_path():
+        for key in range(3):
+            _, _, stats = decoder.generate_ids(prompt_ids, key)
+            blocks += stats.blocks
     assert sum(conversions.values()) <= READS_PER_BLOCK * blocks, dict(conversions)
 
 

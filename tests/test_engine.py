@@ -68,7 +68,7 @@ def _transformers_greedy(decoder: SpeculativeDecoder, prompt_ids: list[int], max
 def test_greedy_equals_target_greedy(tiny_models, family, prompt):
     decoder = _decoder(tiny_models, family, generation={"max_new_tokens": 40, "temperature": 0.0})
     prompt_ids = decoder.encode_prompt(prompt)
-    tokens, _, stats = decoder.generate_ids(prompt_ids, seed=0)
+    tokens, _, stats = decoder.generate_ids(prompt_ids, key=0)
     assert tokens == _transformers_greedy(decoder, prompt_ids, 40)
     assert len(tokens) <= 40
 
@@ -79,7 +79,7 @@ def test_greedy_runs_include_frequent_disagreement(tiny_models, family):
     decoder = _decoder(tiny_models, family, generation={"max_new_tokens": 40, "temperature": 0.0})
     rejected = 0
     for prompt in ["a b c d", "e e a", "b", "d c b a e d c b a"]:
-        _, _, stats = decoder.generate_ids(decoder.encode_prompt(prompt), seed=0)
+        _, _, stats = decoder.generate_ids(decoder.encode_prompt(prompt), key=0)
         rejected += stats.drafted_tokens - stats.accepted_tokens
     assert rejected >= 5
 
@@ -217,7 +217,7 @@ def test_multi_draft_greedy_equals_target_greedy(tiny_models, name):
                                  max_new_tokens=30, temperature=0.0)  # fmt: skip
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
     prompt_ids = decoder.encode_prompt("d c b a e")
-    tokens, _, _ = decoder.generate_ids(prompt_ids, seed=0)
+    tokens, _, _ = decoder.generate_ids(prompt_ids, key=0)
     assert tokens == _transformers_greedy(decoder, prompt_ids, 30)
 
 

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..draft_rows import DraftRows, round_robin
-from ..engine import SpeculativeDecoder, sample_seed
+from ..engine import SpeculativeDecoder
+from ..randomness import sample_key
 from ..errors import SpecdecError, UsageError
 from ..model_pool import ModelPool
 from ..model_session import next_token_logits
@@ -120,7 +121,7 @@ class AcceptanceAnalysis:
         one its evaluation generates (same seed), so a resumed run derives the same bounds.
         """
         ids = self.decoder.encode_prompt(prompt)
-        tokens, _, _ = self.decoder.generate_ids(ids, sample_seed(self.recipe.seed, 0, 0))
+        tokens, _, _ = self.decoder.generate_ids(ids, sample_key(self.recipe.seed, 0, 0))
         target, drafts = self.laws(ids, tokens)  # [T, V], [T, C, V]
         divergence = (torch.xlogy(target, target) - torch.xlogy(target, drafts[:, 0])).sum(-1)  # [T]
         finite = divergence[torch.isfinite(divergence)]  # [T'] (a draft that rules out a target token gives inf)
@@ -154,7 +155,7 @@ class AcceptanceAnalysis:
         """Every row's acceptance at each position of the target's own continuation of the prompt;
         ``on_tokens(count)`` follows the generation."""
         progress = None if on_tokens is None else (lambda tokens, _mask: on_tokens(len(tokens)))
-        tokens, _, _ = self.decoder.generate_ids(prompt_ids, sample_seed(self.recipe.seed, index, 0), progress)
+        tokens, _, _ = self.decoder.generate_ids(prompt_ids, sample_key(self.recipe.seed, index, 0), progress)
         target, configs = self.laws(prompt_ids, tokens)  # [T, V], [T, C, V]
         result = PromptAcceptance(prompt=prompt, prompt_index=index, positions=len(tokens))
         for num_drafts in self.request.num_drafts:

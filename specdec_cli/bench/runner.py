@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine import SpeculativeDecoder, sample_seed
+from ..engine import SpeculativeDecoder
+from ..randomness import sample_key
 from ..errors import SpecdecError, UsageError
 from ..model_pool import ModelPool
 from ..recipe import Recipe, validate
@@ -120,9 +121,9 @@ class BenchRunner:
                 on_tokens: Callable[[str, int], None] | None) -> None:  # fmt: skip
         decoder = run.decoder
         progress = None if on_tokens is None else (lambda new, _mask: on_tokens(cell.key, len(new)))
-        seed_of_sample = sample_seed(seed, index, 0)
+        key_of_sample = sample_key(seed, index, 0)
         try:
-            tokens, mask, stats = decoder.generate_ids(run.prompt_ids[example.id], seed_of_sample, progress)
+            tokens, mask, stats = decoder.generate_ids(run.prompt_ids[example.id], key_of_sample, progress)
         except SpecdecError as error:  # only the generation: a failing write (a full disk) stops the run
             self._fail(CellFailure(cell=cell.key, example_id=example.id, seed=seed, reason=str(error)))
             return

@@ -70,6 +70,7 @@ def bench(
     device: common.DeviceOption = None,
     dtype: common.DtypeOption = None,
     sets: common.SetOption = None,
+    compile_steps: common.CompileOption = False,
     chat: common.ChatOption = None,
     output: common.OutputOption = None,
     report_dir: _ReportOption = None,
@@ -84,8 +85,8 @@ def bench(
     common.apply_threads(threads)
     if report_dir is not None:
         return _report(report_dir, as_json, plot)
-    base = common.RecipeOptions(recipe=recipe, sets=sets or [], max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p,
-                                seed=seed, device=device, dtype=dtype, chat=chat).resolve()  # fmt: skip
+    base = common.RecipeOptions(recipe=recipe, sets=common.with_compile(sets, compile_steps), max_new_tokens=max_new_tokens,
+                                top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat).resolve()  # fmt: skip
     examples = load_examples(DataSource(
         task=task, lang_pair=lang_pair, source_file=source, reference_file=reference, dataset=dataset,
         source_field=source_field, reference_field=reference_field, limit=limit, shuffle=shuffle, seed=shuffle_seed,

@@ -82,6 +82,16 @@ DtypeOption = Annotated[Optional[str], typer.Option(
     metavar="DTYPE", help="auto, float32, bfloat16 or float16, for every model. [dim]\\[default: the recipe's][/dim]")]
 ChatOption = Annotated[Optional[bool], typer.Option(
     "--chat/--no-chat", metavar="", help=f"Apply the target's chat template to each prompt. {from_recipe(_generation.chat)}")]
+CompileOption = Annotated[bool, typer.Option("--compile", metavar="", help=(
+    "Run the verify step and the sampling laws through torch.compile (CUDA graphs on a GPU); the same as "
+    "--set speculation.compile=true. The first blocks pay the compilation."))]
+
+
+def with_compile(sets: list[str] | None, compile_steps: bool) -> list[str]:
+    """The --set list, with what --compile means added when it is given."""
+    return [*(sets or []), *(["speculation.compile=true"] if compile_steps else [])]
+
+
 JsonOption = Annotated[bool, typer.Option("--json", metavar="", help="Print the results as one JSON object instead of a table.")]
 OutputOption = Annotated[Optional[Path], typer.Option(
     metavar="FOLDER", help="Results folder: written as it goes; run the same command again to resume.")]

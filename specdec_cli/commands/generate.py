@@ -54,6 +54,7 @@ def generate(
     device: common.DeviceOption = None,
     dtype: common.DtypeOption = None,
     sets: common.SetOption = None,
+    compile_steps: common.CompileOption = False,
     num_samples: Annotated[int, typer.Option(metavar="N", help="Independent samples per prompt, each with its own seed.")] = 1,
     chat: common.ChatOption = None,
     autoregressive: Annotated[bool, typer.Option(
@@ -76,7 +77,7 @@ def generate(
     names = _verifier_names(verifier, autoregressive)
     comparing = len(names) > 1
     options = common.RecipeOptions(
-        recipe=recipe, sets=sets or [], verifier=None if comparing else (names or [None])[0],
+        recipe=recipe, sets=common.with_compile(sets, compile_steps), verifier=None if comparing else (names or [None])[0],
         kl=None if comparing else kl, num_drafts=num_drafts, draft_length=draft_length, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat,
     )  # fmt: skip

@@ -1,0 +1,178 @@
+"""Keyed randomness: every uniform the engine and the verifiers use is a pure function of what it is for.
+
+A draw is named by (run seed, prompt index, sample index) — folded into one 64-bit *key* per
+sample on the host — and, on the device, by (block start, offset in the block, stream, lane):
+
+- the block start is the absolute output position of the block's first draft token; every
+  block commits at least one token, so no two blocks of a sample share it;
+- the offset is the position inside the block (0..L), the lane a draft row or candidate;
+- the stream says what the draw is for (:class:`Stream`): drafting, acceptance, the correction
+  after a rejection, the bonus token, a scheme's own selection.
+
+Keying by block rather than by absolute position matters: block verification's accepted length
+depends on the uniforms of every position of the block, so a later block that reused the
+uniforms of a position the earlier block had looked at would be biased.
+
+The generator is SplitMix64 (Steele, Lea & Flood, "Fast splittable pseudorandom number
+generators", OOPSLA 2014): the 64-bit state ``key + counter · γ`` through the MurmurHash3-style
+finaliser, in int64 arithmetic that wraps, then the top 52 bits as ``(m + ½) · 2⁻⁵²``. So a
+uniform has 52 bits of resolution, lies in [2⁻⁵³, 1 - 2⁻⁵³] (never exactly 0 or 1, safe before a
+division or a log), and is computed with about twenty elementwise operations on the tensors'
+device for any number of draws: no ``torch.Generator`` (which no compiler can trace), no state,
+no host read. A sample's draws therefore do not depend on which other samples, prompts or
+configurations ran before it or beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+SCHEME = "splitmix64-block-v1"
+"""Recorded in results folders: a folder written under another scheme cannot be resumed into."""
+
+
+class Stream(IntEnum):
+    """What a draw is for; each is an independent sequence of uniforms."""
+
+    DRAFT = 0
+    """The engine's draft tokens (lane = draft row)."""
+    TARGET = 1
+    """The engine's own token when a block has no draft tokens (the target alone)."""
+    ACCEPT = 2
+    """Acceptance tests of draft tokens (lane = candidate)."""
+    RESIDUAL = 3
+    """The correction drawn after a rejection."""
+    BONUS = 4
+    """The bonus token after a block whose L draft tokens were all accepted."""
+    SELECT = 5
+    """A scheme's own choice among candidates (importance sampling's selection, block verification's stops)."""
+    OUTSIDE = 6
+    """A scheme's second-level draws (importance sampling's alphabet coin and its outside token)."""
+    OUTSIDE_TOKEN = 7
+
+
+_OFFSETS = 1 << 12  # positions inside a block (draft lengths up to 4095)
+_STREAMS = 1 << 4
+_LANES = 1 << 12  # draft rows or candidates per position
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2^64 / the golden ratio, odd
+_MIX_1, _MIX_2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_UNIT = 2.0**-52
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic on signed integers)."""
+    return (values >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(state: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 bit patterns ``[...]`` → ``[...]`` (multiplications wrap mod 2^64)."""
+    state = (state ^ _shift_right(state, 30)) * _signed(_MIX_1)
+    state = (state ^ _shift_right(state, 27)) * _signed(_MIX_2)
+    return state ^ _shift_right(state, 31)
+
+
+def uniforms_of(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """The uniform of each ``counter`` ``[...]`` int64 under ``key`` ``[]`` int64 → float64 ``[...]`` in ]0, 1[."""
+    bits = mix64(key + counter * _signed(_GAMMA))  # [...]
+    return (_shift_right(bits, 12).double() + 0.5) * _UNIT
+
+
+def sample_key(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The 64-bit key (as an int64 value) of one sample of one prompt under a run's seed."""
+    digest = hashlib.sha256(f"specdec:{seed}:{prompt_index}:{sample_index}".encode()).digest()
+    return _signed(int.from_bytes(digest[:8], "little"))
+
+
+@dataclass(frozen=True)
+class Draws:
+    """The keyed uniforms of one block, on the block's device (pass it where a verifier takes randomness).
+
+    key ``[]`` int64: the sample's key; block_start ``[]`` int64: the output position of the block's
+    first draft token. Both are device tensors, so a compiled verifier is not specialised to a sample
+    or a block, and the engine updates ``block_start`` in place (no host → device copy, no sync).
+    """
+
+    key: torch.Tensor
+    block_start: torch.Tensor
+    offset: torch.Tensor | int = 0
+    """Added to every offset asked for: :meth:`at` hands a position's draws to code that asks for offset 0."""
+
+    @classmethod
+    def create(cls, key: int, block_start: int = 0, device: torch.device | str = "cpu") -> "Draws":
+        """The draws of the sample ``key`` (any integer: it is mixed first, so neighbouring keys such as a
+        test's 0, 1, 2 are as unrelated as any two)."""
+        mixed = int(mix64(torch.tensor(_signed(key))))
+        return cls(torch.tensor(mixed, dtype=torch.long, device=device),
+                   torch.tensor(block_start, dtype=torch.long, device=device))  # fmt: skip
+
+    def at(self, offset: torch.Tensor | int) -> "Draws":
+        """The draws seen from ``offset`` positions further into the block."""
+        return Draws(self.key, self.block_start, self.offset + offset)
+
+    def uniforms(
+        self, stream: Stream | torch.Tensor, positions: int = 1, lanes: int = 1, offset: torch.Tensor | int = 0
+    ) -> torch.Tensor:
+        """float64 ``[positions, lanes]``: entry (i, k) is the uniform of (stream, offset + i, lane k).
+
+        ``offset`` and ``stream`` may be 0-dim device tensors (the first rejected position, known only on
+        the device, and the stream that depends on it).
+        """
+        steps = torch.arange(positions, device=self.key.device).unsqueeze(-1) * (_STREAMS * _LANES)  # [positions, 1]
+        lane = torch.arange(lanes, device=self.key.device)  # [lanes]
+        stream = stream if isinstance(stream, torch.Tensor) else int(stream)
+        first = ((self.block_start * _OFFSETS + self.offset + offset) * _STREAMS + stream) * _LANES  # []
+        return uniforms_of(self.key, first + steps + lane)  # [positions, lanes]
+
+    def uniform(self, stream: Stream, offset: torch.Tensor | int = 0) -> torch.Tensor:
+        """One uniform ``[]`` float64: (stream, offset, lane 0)."""
+        return self.uniforms(stream, offset=offset).view(())
+
+
+Randomness = Draws | torch.Generator | None
+"""What a verifier is handed: keyed :class:`Draws` (verifiers that set ``keyed_randomness``) or, for
+plugins written against a stateful generator, a ``torch.Generator`` seeded for the block (or None)."""
+
+
+def uniforms_from(
+    randomness: Randomness,
+    stream: Stream | torch.Tensor,
+    shape: tuple[int, ...],
+    device: torch.device,
+    offset: torch.Tensor | int = 0,
+    lanes_last: bool = False,
+) -> torch.Tensor:
+    """float64 uniforms of ``shape`` from either kind of randomness.
+
+    With :class:`Draws` the leading dimensions are positions (offset + i, flattened) and, with
+    ``lanes_last``, the last dimension is lanes (candidates at one position); with a generator (or
+    None: torch's global one) they are its next draws in ]0, 1[, and stream and offset are unused.
+    """
+    if isinstance(randomness, Draws):
+        lanes = shape[-1] if lanes_last else 1
+        positions = math.prod(shape) // lanes if lanes else 0
+        return randomness.uniforms(stream, positions, lanes, offset).view(shape)
+    drawn = torch.rand(shape, generator=randomness, device=device, dtype=torch.float64)  # [*shape]
+    return drawn.clamp_min(_UNIT / 2)  # torch.rand can return exactly 0
+
+
+def at(randomness: Randomness, offset: torch.Tensor | int) -> Randomness:
+    """``randomness`` seen from ``offset`` positions into the block (a generator is its own next draws)."""
+    return randomness.at(offset) if isinstance(randomness, Draws) else randomness
+
+
+def block_generator(key: int, block_start: int, device: torch.device | str) -> torch.Generator:
+    """A ``torch.Generator`` seeded from (key, block start), for a verifier that draws from one: its
+    draws too are a pure function of the sample and the block, not of what ran before."""
+    seed = int(mix64(torch.tensor(key ^ _signed(block_start * _GAMMA))).item()) & ((1 << 63) - 1)
+    return torch.Generator(device=device).manual_seed(seed)

@@ -1,0 +1,224 @@
+"""SpecTr's exact solve for ρ and its block decision on the device path (issue #20 §2, docs/verifiers.md §4).
+
+ρ is the smallest root in [1, K'] of g(ρ) = p_acc(ρ) - ρβ(ρ), β(ρ) = Σ min(p, q/ρ), p_acc = 1 - (1 - β)^K'.
+References: the root to 40 digits (mpmath bisection on the same float64 laws) and the 60-step float64
+bisection that solved it before. Near a double root (q ≈ p, K' > 1) g stays within rounding of 0 over
+an interval, so there ρ is held to what float64 can resolve: 4e-16 / |g'(ρ)|.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mpmath
+import pytest
+import torch
+
+import specdec_plugins.spectr as spectr
+from specdec_cli import load_verifier
+from specdec_cli.device_path import OperationCount, count_block
+from specdec_cli.randomness import Draws
+from specdec_cli.testing import adversarial_distribution_pairs, random_distributions
+from specdec_cli.verifiers import Verifier, device_path
+from tests.test_device_path import BLOCK_KINDS, random_block
+
+mpmath.mp.dps = 40
+
+
+class _Reference:
+    """β, g and the smallest root of one problem, computed in mpmath on the float64 laws' exact values."""
+
+    def __init__(self, q: torch.Tensor, p: torch.Tensor, count: int):
+        self.q, self.p, self.count = [mpmath.mpf(x) for x in q.tolist()], [mpmath.mpf(x) for x in p.tolist()], count
+
+    def beta(self, rho):
+        return sum(min(p, q / rho) for p, q in zip(self.p, self.q))
+
+    def g(self, rho):
+        beta = self.beta(rho)
+        return 1 - (1 - beta) ** self.count - rho * beta
+
+    def root(self):
+        low, high = mpmath.mpf(1), mpmath.mpf(self.count)
+        if self.g(low) <= 0:
+            return low
+        for _ in range(130):
+            middle = (low + high) / 2
+            low, high = (low, middle) if self.g(middle) <= 0 else (middle, high)
+        return high
+
+    def resolution(self, rho) -> float:
+        """How far from ρ float64 can place the root: 4e-16 over the slope of g there."""
+        step = rho * mpmath.mpf(10) ** -20
+        return 4e-16 / max(abs(float((self.g(rho + step) - self.g(rho)) / step)), 1e-300)
+
+
+def _bisection_rho(q: torch.Tensor, p: torch.Tensor, count: int) -> float:
+    """The solver this one replaced: 60 bisection steps in float64, keeping the feasible end."""
+    low, high = 1.0, float(count)
+    for _ in range(60 if count > 1 else 0):
+        middle = (low + high) / 2
+        beta = float(torch.minimum(p, q / middle).sum())
+        low, high = (low, middle) if 1 - (1 - beta) ** count <= middle * beta else (middle, high)
+    return high
+
+
+def _laws(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(vocab)
+    random = [tuple(random_distributions(generator, (2, vocab), sparsity=s)) for s in (0.0, 0.3, 0.6) for _ in range(4)]
+    return random + adversarial_distribution_pairs(vocab)
+
+
+def _solved(q: torch.Tensor, p: torch.Tensor, count: int) -> tuple[float, float, float]:
+    return tuple(float(x) for x in spectr.solve_rho(q, p, count))  # ρ, p_acc, β
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 4, 6])
+def test_rho_is_the_smallest_root(vocab):
+    """Feasible (g(ρ) ≤ 0, so the residual is a law), optimal (no acceptance given away) and, where the
+    root is well conditioned, within 1e-12 of it; K' = 1 included."""
+    for (q, p), count in itertools.product(_laws(vocab), range(1, 5)):
+        rho, p_acc, _ = _solved(q, p, count)
+        reference = _Reference(q, p, count)
+        root = reference.root()
+        assert reference.g(mpmath.mpf(rho)) <= 1e-15, (q, p, count)
+        assert p_acc >= float(1 - (1 - reference.beta(root)) ** count) - 1e-14, (q, p, count)
+        assert abs(rho - float(root)) <= 1e-12 * float(root) + reference.resolution(root), (q, p, count, rho)
+
+
+@pytest.mark.parametrize("vocab", [3, 50, 1000])
+def test_rho_matches_the_old_bisection(vocab):
+    generator = torch.Generator().manual_seed(7 * vocab)
+    logits = torch.randn(12, vocab, generator=generator, dtype=torch.float64) * 3
+    targets = logits.softmax(-1)  # [12, V]
+    drafts = (logits + torch.randn(12, vocab, generator=generator, dtype=torch.float64)).softmax(-1)  # [12, V]
+    for (q, p), count in itertools.product(zip(targets, drafts), range(1, 5)):
+        rho, _, _ = _solved(q, p, count)
+        old = _bisection_rho(q, p, count)
+        assert abs(rho - old) <= 1e-12 * old, (count, rho, old)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_roots_at_one(count):
+    """ρ = 1 exactly for K' = 1, q = p (one-token laws included) and disjoint supports (g ≡ 0)."""
+    law = torch.tensor([0.5, 0.25, 0.25, 0.0], dtype=torch.float64)
+    one_token = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    disjoint = torch.tensor([0.0, 0.0, 0.5, 0.5], dtype=torch.float64), torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)
+    for q, p in [(law, law), (one_token, one_token), disjoint, (law, one_token)][: 4 if count == 1 else 3]:
+        rho, p_acc, beta = _solved(q, p, count)
+        assert rho == 1.0, (q, p)
+        assert p_acc == pytest.approx(1 - (1 - float(torch.minimum(p, q).sum())) ** count, abs=1e-15)
+
+
+def test_the_residual_is_never_negative():
+    """p_acc ≤ ρβ as returned, so q - min(p, q/ρ) p_acc/β ≥ 0 up to one rounding: the clamp loses no mass."""
+    for vocab in (2, 4, 50):
+        for (q, p), count in itertools.product(_laws(vocab), range(1, 5)):
+            rho, p_acc, beta = spectr.solve_rho(q, p, count)
+            assert float(p_acc) <= float(rho * beta)
+            unclamped = q - torch.minimum(p, q / rho) * (p_acc / beta.clamp_min(spectr.TINY))  # [V]
+            assert bool((unclamped >= -4e-16 * q).all()), (q, p, count)
+
+
+@pytest.mark.parametrize("kind", ["peaked", "near_one_token", "equal", "flat_draft"])
+def test_the_cpu_solve_agrees_with_the_sort(kind):
+    """The bucketed CPU solve (float32 laws, as the engine passes them) against the full sort in float64;
+    where they differ by more than 1e-12, by no more than float64 resolves the root (|dβ/dρ| ≤ 1)."""
+    target, draft, _ = random_block(kind, 1, 4, 4096, seed=3, identical_drafts=True)
+    for position, count in itertools.product(range(4), range(1, 5)):
+        q, p = target[0, position], draft[0, position]  # [V] float32 each
+        rho, p_acc, beta = (float(x) for x in spectr.solve_rho(q, p, count))
+        cpu_rho, cpu_p_acc, cpu_beta = (float(x) for x in spectr._solve_by_buckets(q, p, count))
+        tolerance = 1e-12 * rho
+        if abs(cpu_rho - rho) > tolerance:
+            tolerance += _Reference(q.double(), p.double(), count).resolution(mpmath.mpf(rho))
+        assert abs(cpu_rho - rho) <= tolerance and abs(cpu_beta - beta) <= tolerance + 1e-14, (kind, position, count)
+        assert cpu_p_acc == pytest.approx(p_acc, abs=1e-14)
+
+
+# --------------------------------------------------------------------------- the block decision
+
+
+def _decision(verifier, block, draws, on_device: bool, base_walk: bool = False) -> tuple:
+    verify = (lambda *args: Verifier.verify_block(verifier, *args)) if base_walk else verifier.verify_block
+    if on_device:
+        with device_path():
+            decision = verify(*block, draws)
+    else:
+        decision = verify(*block, draws)
+    accepted = int(decision.num_accepted)
+    return tuple(decision.tokens[: accepted + 1].tolist()), accepted, int(decision.row)
+
+
+def _disagreements(verifier, num_drafts: int, compare_with_base: bool) -> int:
+    disagreements = 0
+    for kind, seed, key in itertools.product(BLOCK_KINDS, range(2), range(3)):
+        block = random_block(kind, num_drafts, 4, 64, seed, identical_drafts=True)
+        draws = Draws.create(key=key, block_start=5)
+        device = _decision(verifier, block, draws, on_device=True)
+        other = _decision(verifier, block, draws, on_device=compare_with_base, base_walk=compare_with_base)
+        disagreements += device != other
+    return disagreements
+
+
+@pytest.mark.parametrize("num_drafts", [2, 3, 4])
+@pytest.mark.parametrize("other", ["host walk", "token-level walk"])
+def test_every_path_makes_the_same_decision(num_drafts, other):
+    """With the same keyed draws, the device path, the CPU path that reads, and the token-level walk of
+    :class:`Verifier` (select_alive at each position) commit the same tokens from the same row."""
+    assert _disagreements(load_verifier("spectr"), num_drafts, other == "token-level walk") == 0
+
+
+def test_the_comparison_sees_a_wrong_residual(monkeypatch):
+    """Negative control: a CPU path whose residual swaps p_acc and β (a bug this comparison caught)
+    disagrees with the device path."""
+    solve = spectr._solve_by_buckets
+
+    def swapped(q, p, count):
+        rho, p_acc, beta = solve(q, p, count)
+        return rho, beta, p_acc
+
+    monkeypatch.setattr(spectr, "_solve_by_buckets", swapped)
+    assert _disagreements(load_verifier("spectr"), 3, compare_with_base=False) > 0
+
+
+def _blocks(num_drafts: int, draft_length: int):
+    for vocab, (seed, kind) in itertools.product((64, 4096), enumerate(BLOCK_KINDS)):
+        yield random_block(kind, num_drafts, draft_length, vocab, seed, identical_drafts=True), Draws.create(seed, 3)
+
+
+@pytest.mark.parametrize(("num_drafts", "draft_length"), [(2, 4), (4, 8)])
+def test_the_device_path_has_a_fixed_small_operation_count_and_no_read(num_drafts, draft_length):
+    verifier = load_verifier("spectr")
+    counts = [count_block(verifier, *block, draws) for block, draws in _blocks(num_drafts, draft_length)]
+    assert len({count.ops for count in counts}) == 1, [count.ops for count in counts]
+    assert counts[0].ops <= 400
+    assert all(count.reads == 0 for count in counts), [count.read_names for count in counts]
+
+
+def test_the_count_sees_the_reading_path():
+    """Negative control: on the CPU path (reads, work only where the walk goes) the counts vary and reads show."""
+    verifier, counts = load_verifier("spectr"), []
+    for block, draws in _blocks(4, 8):
+        with torch.inference_mode(), OperationCount() as count:
+            verifier.verify_block(*block, draws)
+        counts.append(count)
+    assert len({count.ops for count in counts}) > 1
+    assert all(count.reads > 0 for count in counts)
+
+
+def test_verify_block_traces_into_one_graph():
+    block = random_block("peaked", 4, 4, 32, 0, identical_drafts=True)
+    explanation = torch._dynamo.explain(load_verifier("spectr").verify_block)(*block, Draws.create(key=1))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_explain_sees_a_read():
+    """Negative control: a host read in the middle of the computation is a graph break."""
+
+    def reads(target_probs, draft_probs, draft_tokens, randomness):
+        mass = target_probs.sum()
+        return target_probs * 2 if bool(mass > 0) else target_probs
+
+    block = random_block("peaked", 4, 4, 32, 0, identical_drafts=True)
+    assert torch._dynamo.explain(reads)(*block, Draws.create(key=1)).graph_break_count > 0
