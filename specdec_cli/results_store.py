@@ -26,7 +26,6 @@ from typing import Any
 
 from .errors import SpecdecError, UsageError
 from .inputs import check_writable_folder, write_atomically
-from .randomness import SCHEME
 
 SAMPLES = "samples.jsonl"
 CONFIG = "config.json"
@@ -78,6 +77,8 @@ class ResultsStore:
 
     def __init__(self, folder: Path | None, config: dict[str, Any], rank: int = 0, world_size: int = 1,
                  kind: RecordKind = BENCH_SAMPLES):  # fmt: skip
+        from .randomness import SCHEME  # here: the listing and report paths must not import torch
+
         self.folder = folder
         self.config = {**config, RANDOMNESS: SCHEME}
         self.rank = rank
