@@ -86,16 +86,17 @@ def test_a_stopped_generation_prints_the_table_of_the_samples_that_finished(reci
 
 
 def _stop_before_sample(monkeypatch, number: int, error: BaseException) -> None:
-    """Raise ``error`` as the ``number``-th timed sample starts (warm-up and calibration runs use negative seeds)."""
-    original = SpeculativeDecoder.generate_ids
+    """Raise ``error`` as the ``number``-th sample starts (warm-up and calibration runs do not go through
+    ``sample``: they call ``generate_ids`` directly)."""
+    original = SpeculativeDecoder.sample
     calls = itertools.count(1)
 
-    def stopping(self, prompt_ids, seed, on_block=None):
-        if seed >= 0 and next(calls) == number:
+    def stopping(self, *args, **kwargs):
+        if next(calls) == number:
             raise error
-        return original(self, prompt_ids, seed, on_block)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(SpeculativeDecoder, "generate_ids", stopping)
+    monkeypatch.setattr(SpeculativeDecoder, "sample", stopping)
 
 
 @pytest.mark.parametrize(("verifiers", "stop_at", "kept"), [
