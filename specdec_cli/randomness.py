@@ -83,9 +83,20 @@ def mix64(state: torch.Tensor) -> torch.Tensor:
 
 
 def uniforms_of(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """The uniform of each ``counter`` ``[...]`` int64 under ``key`` ``[]`` int64 → float64 ``[...]`` in ]0, 1[."""
+    """The uniform of each ``counter`` ``[...]`` int64 under ``key`` ``[]`` int64 → float64 ``[...]`` in ]0, 1[:
+    SplitMix64 of the state key + counter · γ, its top 52 bits as (m + ½) · 2⁻⁵²."""
     bits = mix64(key + counter * _signed(_GAMMA))  # [...]
     return (_shift_right(bits, 12).double() + 0.5) * _UNIT
+
+
+def _steps(positions: int, columns: int, column_stride: int, device: torch.device) -> torch.Tensor:
+    """i · streams · lanes + j · column_stride for position i and column j → int64 ``[positions, columns]``."""
+    if columns == 1:
+        return torch.arange(0, positions * _STREAMS * _LANES, _STREAMS * _LANES, device=device).unsqueeze_(-1)
+    column = torch.arange(0, columns * column_stride, column_stride, device=device)  # [columns]
+    if positions == 1:
+        return column.unsqueeze_(0)
+    return torch.arange(0, positions * _STREAMS * _LANES, _STREAMS * _LANES, device=device).unsqueeze_(-1) + column
 
 
 def sample_key(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -126,13 +137,25 @@ class Draws:
         """float64 ``[positions, lanes]``: entry (i, k) is the uniform of (stream, offset + i, lane k).
 
         ``offset`` and ``stream`` may be 0-dim device tensors (the first rejected position, known only on
-        the device, and the stream that depends on it).
+        the device, and the stream that depends on it); a ``stream`` of shape ``[S, 1, 1]`` gives ``[S,
+        positions, lanes]``, one table per stream.
         """
-        steps = torch.arange(positions, device=self.key.device).unsqueeze(-1) * (_STREAMS * _LANES)  # [positions, 1]
-        lane = torch.arange(lanes, device=self.key.device)  # [lanes]
+        return self._table(stream, positions, lanes, 1, offset)
+
+    def stream_table(self, first: Stream, streams: int, positions: int) -> torch.Tensor:
+        """float64 ``[positions, streams]``: entry (i, j) is the uniform of (stream first + j, offset i, lane 0);
+        several streams' draws in one evaluation (a single-draft block's acceptance, correction and bonus)."""
+        return self._table(first, positions, streams, _LANES, 0)
+
+    def _table(self, stream, positions: int, columns: int, column_stride: int, offset) -> torch.Tensor:
+        """``[positions, columns]``: the uniforms of counters (start + i · streams · lanes + j · column_stride)."""
+        # The counter ((block start · offsets + offset + i) · streams + stream) · lanes + k, its constant part
+        # folded in Python. The steps stay small integers: torch.compile's inductor turns an arange times a
+        # constant into index arithmetic that must not overflow (times γ there, a compiled kernel failed).
         stream = stream if isinstance(stream, torch.Tensor) else int(stream)
-        first = ((self.block_start * _OFFSETS + self.offset + offset) * _STREAMS + stream) * _LANES  # []
-        return uniforms_of(self.key, first + steps + lane)  # [positions, lanes]
+        start = (self.offset + offset) * (_STREAMS * _LANES) + stream * _LANES  # int, or a device tensor
+        first = self.block_start * (_OFFSETS * _STREAMS * _LANES) + start  # [] (or [S, 1, 1])
+        return uniforms_of(self.key, first + _steps(positions, columns, column_stride, self.key.device))
 
     def uniform(self, stream: Stream, offset: torch.Tensor | int = 0) -> torch.Tensor:
         """One uniform ``[]`` float64: (stream, offset, lane 0)."""
@@ -164,6 +187,16 @@ def uniforms_from(
         return randomness.uniforms(stream, positions, lanes, offset).view(shape)
     drawn = torch.rand(shape, generator=randomness, device=device, dtype=torch.float64)  # [*shape]
     return drawn.clamp_min(_UNIT / 2)  # torch.rand can return exactly 0
+
+
+def stream_table_from(
+    randomness: Randomness, first: Stream, streams: int, positions: int, device: torch.device
+) -> torch.Tensor:
+    """float64 ``[positions, streams]`` from either kind of randomness (:meth:`Draws.stream_table`; a
+    generator's next draws)."""
+    if isinstance(randomness, Draws):
+        return randomness.stream_table(first, streams, positions)
+    return uniforms_from(randomness, first, (positions, streams), device)
 
 
 def at(randomness: Randomness, offset: torch.Tensor | int) -> Randomness:

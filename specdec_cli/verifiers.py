@@ -37,6 +37,7 @@ __all__ = [  # the registry's names stay importable from here, where plugin auth
     "VerifierParameterValueError", "VerifierRegistry", "load_verifier", "parameter_defaults", "first_rejection",
     "shared_prefix_length", "walk_alive_rows", "decision_problem", "departs_from_drafts", "decision_value_problem",
     "device_path", "reads_are_free", "prefix_agreement", "problem_members", "decide_problems", "commit_following",
+    "commit_with_uniform",
     "walk_reading",
 ]  # fmt: skip
 
@@ -493,11 +494,23 @@ def commit_following(
     """The decision once ``num_accepted`` ``[]`` of the L ``tokens`` ``[L]`` are kept: the next token is drawn
     from ``residual`` ``[V]`` after a rejection (stream RESIDUAL at offset n) or from ``bonus_law`` ``[V]``
     when all L were accepted (stream BONUS at offset L), in one keyed evaluation and one draw."""
-    draft_length = tokens.shape[0]
-    rejected = num_accepted < draft_length  # []
-    law = torch.where(rejected, residual, bonus_law)  # [V]
-    stream = torch.where(rejected, int(Stream.RESIDUAL), int(Stream.BONUS))  # []
-    token = sample_with(law, uniforms_from(randomness, stream, (), law.device, num_accepted)).view(1)  # [1]
+    stream = torch.where(num_accepted < tokens.shape[0], int(Stream.RESIDUAL), int(Stream.BONUS))  # []
+    uniform = uniforms_from(randomness, stream, (), residual.device, num_accepted)  # []
+    return commit_with_uniform(num_accepted, tokens, residual, bonus_law, uniform, row)
+
+
+def commit_with_uniform(
+    num_accepted: torch.Tensor,
+    tokens: torch.Tensor,
+    residual: torch.Tensor,
+    bonus_law: torch.Tensor,
+    uniform: torch.Tensor,
+    row: torch.Tensor,
+) -> BlockDecision:
+    """:func:`commit_following` with the draw's ``uniform`` ``[]`` float64 already taken (from the stream
+    that :func:`commit_following` names)."""
+    law = torch.where(num_accepted < tokens.shape[0], residual, bonus_law)  # [V]
+    token = sample_with(law, uniform).view(1)  # [1]
     committed = torch.cat([tokens, token]).scatter(0, num_accepted.view(1), token)  # [L+1]
     return BlockDecision(committed, num_accepted, row)
 

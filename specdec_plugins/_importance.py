@@ -1,21 +1,37 @@
-"""Importance-weighted sampling (Khisti et al., "Multi-Draft Speculative Sampling", §3-4).
+"""Importance-weighted sampling (Khisti et al., "Multi-Draft Speculative Sampling", §3-4), lossless.
 
 The rule in the project's notation: docs/verifiers.md §5.
 
-Canonical two-step architecture: (a) select one candidate Y from the drafts with weights
-β_y(S), whose law is p_I(y); (b) speculative sampling of Y against q: accept with
-min(1, q(Y)/p_I(Y)), else sample (q - p_I)+ normalised. Lossless for any weights; the
-acceptance Σ_y min(q(y), p_I(y)) is maximised by a linear program (Theorem 1). K > 2 drafts:
-successive pairwise selection, (x1, x2) → Y1 of law p_I1, then (Y1, x3) with laws (p_I1, p_3), …
-(Remark 4). One stage is :mod:`._pair_selection`; each stage solves both tails and keeps, per
-problem, the one that reaches the larger Σ min(c, p_I): lossless either way, the choice depending
-on the laws only.
+Two steps, the canonical architecture of Theorem 1 (eqs. 2-4; different drafts: Theorem 4, eqs.
+38-40): (a) an importance-weighted selection (Definition 1, eq. 1) picks one candidate Y of the pair
+(x1, x2) with weights that depend only on the candidates, which gives Y a law p_I
+(:mod:`._pair_selection`: free LP weights on the top tokens, a closed-form tail rule on the rest);
+(b) speculative sampling of Y against q: accept with min(1, q(Y)/p_I(Y)), else draw from
+(q - p_I)+ normalised. Lossless for any weights; the acceptance is Σ_y min(q(y), p_I(y)) (eq. 2's
+objective).
 
-Everything over the vocabulary stays on the tensors' device. Each stage reads the device once,
-for its free LPs (a few hundred numbers); with two drafts that is the block's only read besides
-the engine's. In a block, the problems are "position t, the rows that share row k's prefix"
-(found by comparing tokens, never laws); the walk (:func:`~specdec_cli.verifiers.walk_alive_rows`)
-draws at each position the output of the problem its alive rows make, indexed on the device.
+K > 2: after Y, the candidates x3 … xK are tested in turn against what is left of q, SpecInfer's
+steps (Miao et al. 2024, Algorithm 2; :class:`Chain`), lossless because each is independent of the
+earlier ones and has a known law. Remark 4's successive pairs (Y1, x3), (Y2, x4), … would make a
+later pair's LP wait for the earlier one's solution (a second trip to the host per pair), and their
+tail rules alone cost about 60 operations per pair: at K = 4 the block came to 434 operations
+against the issue's budget of 400.
+
+Per problem the verifier keeps the better of this scheme and SpecInfer on the same candidates, by
+their exact acceptance (:attr:`Plan.use_scheme`): the choice depends on the laws only, never on the
+candidates or the uniforms, so the output law is q either way, and no position accepts less than
+under specinfer (benchmarks/results/is_acceptance_cpu.md).
+
+The device path (issue #20 §2). A block's problems are "position t, the rows j ≥ k that share row
+k's prefix" for every (k, t), found by comparing tokens (:meth:`Problems.block`). Every problem's
+output is drawn at once with the keyed uniforms of its position t (:class:`BlockUniforms`): stream
+SELECT for the candidate Y, ACCEPT (lane k for slot k), RESIDUAL, and OUTSIDE and OUTSIDE_TOKEN for
+the alphabet truncation. The block then follows the rows whose tokens equal their prefix class's
+outputs for longest (:func:`commit_runs`), and draws the BONUS token at offset L. The number of
+dispatched operations does not depend on the data: 314, 335 and 355 at K = 2, 3, 4 for any L ≤ 8
+and any V (the host LP dispatches none). One read per block: every problem's free LP (``[P, 4 M +
+2]`` numbers) crosses to the host in :func:`_solve_on_host`, called from ``verify_block`` itself so
+that under dynamo it is the graph's one break, and the weights come back.
 """
 
 from __future__ import annotations
@@ -25,12 +41,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec_cli.sampling import sample
-from specdec_cli.verifiers import Verifier, walk_alive_rows
+from specdec_cli.randomness import Draws, Randomness, Stream, uniforms_from
+from specdec_cli.sampling import sample_with
+from specdec_cli.verifiers import BlockDecision, Verifier
 
-from ._laws import normalized_or, ratio_acceptance
-from ._pair_selection import COIN, RANKED, StageInputs, coin_tail, ranked_tail, solve_free_problems, stage_inputs
+from ._laws import TINY, normalized_or
+from ._pair_selection import FreeSet, Tail, solve_free_problems
 from .speculative import SpeculativeSampling
+
+_ONE_DRAFT = SpeculativeSampling()  # built once: torch.compile cannot trace a verifier's construction
 
 _MAX_SOLVED = 100_000  # cached free-LP solutions per verifier before the cache starts over
 
@@ -42,15 +61,16 @@ class Problems:
     target: torch.Tensor  # [P, V] q
     laws: torch.Tensor  # [R, V]: the candidates' laws, indexed by ``rows``
     rows: torch.Tensor  # [P, K] int64: row of ``laws`` for each candidate slot
-    tokens: torch.Tensor  # [P, K] int64: candidate tokens (slots past ``count`` are filler)
-    count: torch.Tensor  # [P] int64 in 1..K: how many candidates the problem has
-    stage_rows: list[int]  # [K-1]: only problems 0 .. stage_rows[j-1]-1 can have a stage j
+    tokens: torch.Tensor  # [P, K] int64: candidate tokens (slots that hold no candidate are filler)
+    members: torch.Tensor  # [P, K] bool: the slot holds a candidate (the first 1..K slots do)
     first_laws: torch.Tensor  # [P, V]: the first candidate's law (a view where the layout allows)
+    leader: torch.Tensor | None = None  # [K, L] (blocks): the first row sharing row j's prefix before t
 
-    def candidate_law(self, slot: int, upto: int) -> torch.Tensor:
-        if slot == 0:
-            return self.first_laws[:upto]
-        return self.laws.index_select(0, self.rows[:upto, slot])  # [upto, V]
+    def candidate_laws(self) -> list[torch.Tensor]:
+        """Each slot's law ``[P, V]`` (a slot without a candidate: another row's, never used)."""
+        # Indexing, not index_select: the same gather, several times faster on a CPU for rows of 128k.
+        rest = [self.laws[self.rows[:, slot]] for slot in range(1, self.rows.shape[1])]
+        return [self.first_laws, *rest]
 
     @classmethod
     def independent(cls, target_probs, draft_probs, draft_tokens) -> "Problems":
@@ -60,139 +80,213 @@ class Problems:
         count = target.shape[0]
         rows = torch.arange(count * num_drafts, device=target.device).view(count, num_drafts)  # [P, K]
         tokens = draft_tokens.reshape(count, num_drafts)  # [P, K]
-        full = torch.full((count,), num_drafts, device=target.device)  # [P]
+        members = torch.ones_like(tokens, dtype=torch.bool)  # [P, K]
         laws = draft_probs.reshape(-1, vocab)  # [P K, V]
-        return cls(target, laws, rows, tokens, full, [count] * (num_drafts - 1), laws[::num_drafts])
+        return cls(target, laws, rows, tokens, members, laws[::num_drafts])
 
     @classmethod
     def block(cls, target_probs, draft_probs, draft_tokens) -> "Problems":
         """Problem (k, t), at index k L + t: position t, candidates the rows j ≥ k that share row k's prefix.
 
-        The walk's alive rows at t are exactly the prefix class of the first of them, so the problem
-        of (t, first alive row) is the one the walk needs; a row that cannot lead a class of j+1 rows
-        (k > K-1-j) never needs stage j, hence ``stage_rows``.
+        The rows alive at t (those whose tokens equal every output so far) are exactly the prefix class
+        of the first of them, so the problem of (t, first alive row) is the one the block needs.
         """
         num_drafts, draft_length = draft_tokens.shape
-        device = draft_tokens.device
-        same = draft_tokens[:, None, :] == draft_tokens[None, :, :]  # [K, K, L]
-        before = torch.ones_like(same[..., :1])  # [K, K, 1]: the empty prefix is shared
-        shared = torch.cat([before, same.long().cumprod(-1)[..., :-1].bool()], -1)  # [K, K, L]: prefixes equal
-        slots = torch.arange(num_drafts, device=device)  # [K]
-        member = (shared & (slots[None, :] >= slots[:, None])[..., None]).transpose(1, 2)  # [K(k), L, K(j)]
-        order = torch.argsort((~member).to(torch.uint8), dim=-1, stable=True)  # [K, L, K]: members first
-        positions = torch.arange(draft_length, device=device)[None, :, None]  # [1, L, 1]
+        differ = draft_tokens[:, None, :] != draft_tokens[None, :, :]  # [K, K, L]
+        shared = torch.nn.functional.pad(differ[..., :-1], (1, 0)).cumsum(-1) == 0  # [K, K, L]: prefixes before t equal
+        later = torch.ones(num_drafts, num_drafts, dtype=torch.bool, device=differ.device).triu_()  # [K(k), K(j)]
+        member = (shared & later[..., None]).transpose(1, 2)  # [K(k), L, K(j)]
+        flags, order = member.to(torch.uint8).sort(dim=-1, descending=True, stable=True)  # [K, L, K]: members first
+        positions = torch.arange(draft_length, device=differ.device).view(1, -1, 1)  # [1, L, 1]
         rows = (order * draft_length + positions).reshape(-1, num_drafts)  # [K L, K]: index j L + t
-        vocab = target_probs.shape[-1]
-        target = target_probs[:, :draft_length].reshape(-1, vocab)  # [K L, V]
-        laws = draft_probs.reshape(-1, vocab)  # [K L, V]
-        stage_rows = [(num_drafts - j) * draft_length for j in range(1, num_drafts)]
+        target = target_probs[:, :draft_length].reshape(-1, target_probs.shape[-1])  # [K L, V]
+        laws = draft_probs.reshape(-1, draft_probs.shape[-1])  # [K L, V]
+        leader = shared.to(torch.uint8).argmax(0)  # [K, L]: the first k whose prefix equals row j's
+        tokens = draft_tokens.reshape(-1)[rows]  # [K L, K]
         # A problem's first member is its own row k, so the first laws are the table itself.
-        return cls(target, laws, rows, draft_tokens.reshape(-1)[rows], member.sum(-1).reshape(-1), stage_rows, laws)
+        return cls(target, laws, rows, tokens, flags.reshape(-1, num_drafts).bool(), laws, leader)
 
 
 @dataclass
-class Stage:
-    """One solved selection stage, for the A problems it applies to (device tensors)."""
+class Chain:
+    """Candidates tested in turn against what is left of the target c, SpecInfer's steps (Miao et al. 2024,
+    Algorithm 2; docs/verifiers.md §3) kept unnormalised: R_0 = c, R_s = (R_{s-1} - ρ_{s-1} p_s)+ with
+    ρ_s = Σ R_s, so R_s / ρ_s is SpecInfer's residual after s rejections. Step s keeps its candidate x with
+    probability min(1, R_{s-1}(x) / (ρ_{s-1} p_s(x))). Lossless because each step's candidate is
+    independent of the earlier ones, with a known law p_s (the scheme's first step: Y, of law p_I)."""
 
-    rows: torch.Tensor  # [A] int64: the problems with a (j+1)-th candidate
-    free_ids: torch.Tensor  # [A, M]
-    free_valid: torch.Tensor  # [A, M] bool
-    weights: torch.Tensor  # [A, M, M]: the kept tail's LP weights
-    coin: torch.Tensor  # [A] bool: the kept tail is the fair coin (else ranked)
-    rank_key: torch.Tensor | None  # [A, V] int32: ranks by (key, token id) (None without a ranked tail)
-    law: torch.Tensor  # [A, V]: p_I after this stage
+    accepts: torch.Tensor  # [P, n = Σ n_s]: every step's acceptance of each token it may test (0 for a skipped step)
+    residual: torch.Tensor  # [P, V]: R after the last step, what no candidate took
+    acceptance: torch.Tensor  # [P]: P(some step keeps its candidate) = ρ_0 - ρ_last
 
-    def keep_first(self, tokens: torch.Tensor, second: int) -> torch.Tensor:
-        """P(Y = x_i | X1 = x_i, X2 = x_second) for each candidate slot i of ``tokens`` ``[A, K]`` → ``[A, K]``."""
-        match = (tokens[:, :, None] == self.free_ids[:, None, :]) & self.free_valid[:, None, :]  # [A, K, M]
-        free = match.any(-1)  # [A, K]
-        position = match.long().argmax(-1)  # [A, K]
-        width = self.free_ids.shape[-1]
-        weight_rows = self.weights.gather(1, position[:, :, None].expand(-1, -1, width))  # [A, K, M]
-        weight = weight_rows.gather(2, position[:, second, None, None].expand(-1, tokens.shape[1], 1)).squeeze(-1)
-        ranked = torch.zeros_like(weight)  # [A, K]
-        if self.rank_key is not None:  # the higher rank wins: the larger key, then the larger id
-            keys, other = self.rank_key.gather(1, tokens), self.rank_key.gather(1, tokens[:, second, None])  # [A, K], [A, 1]
-            above = (keys > other) | ((keys == other) & (tokens > tokens[:, second, None]))  # [A, K]
-            ranked = above.to(weight.dtype)
-        tail = torch.where(self.coin[:, None], torch.full_like(ranked, 0.5), ranked)  # [A, K]
-        keep = torch.where(free & free[:, second, None], weight, tail)  # [A, K]
-        return torch.where(tokens == tokens[:, second, None], torch.ones_like(keep), keep)
+    @classmethod
+    def of(cls, target: torch.Tensor, proposals, tokens, live) -> "Chain":
+        """target ``[P, V]``; per step its law ``[P, V]``, the tokens its candidate may be ``[P, n_s]`` and
+        whether the problem has that candidate ``[P, 1]`` (else the step is skipped)."""
+        left = target  # [P, V]
+        mass = start = target.sum(-1, keepdim=True)  # [P, 1]
+        at_token, offered, skipped = [], [], []  # per step [P, n_s] each: R(x), ρ p_s(x), step skipped
+        for law, x, alive in zip(proposals, tokens, live):  # [P, V], [P, n_s], [P, 1]
+            share = law * (mass * alive)  # [P, V]: ρ p_s, or nothing (a skipped step)
+            at_token.append(left.gather(1, x))
+            offered.append(share.gather(1, x))
+            skipped.append(~alive.expand_as(x))
+            left = (left - share).clamp_(min=0)
+            mass = left.sum(-1, keepdim=True)
+        accepts = (torch.cat(at_token, 1) / torch.cat(offered, 1).clamp_min(TINY)).clamp_(max=1)  # [P, n]
+        return cls(accepts.masked_fill_(torch.cat(skipped, 1), 0), left, (start - mass).squeeze(-1))
+
+    def output_law(self, target: torch.Tensor, tokens, choice) -> torch.Tensor:
+        """The chain's output law ``[P, V]``; per step the tokens ``[P, n_s]`` and the probability that the
+        candidate is each of them ``[P, n_s]``; what no step keeps comes from R normalised (target if empty)."""
+        law = torch.zeros_like(target)  # [P, V]
+        reach = torch.ones_like(target[:, :1])  # [P, 1]: no earlier step kept its candidate
+        for x, kept in zip(tokens, (choice * self.accepts).split([x.shape[1] for x in tokens], 1)):
+            law = law.scatter_add(1, x, reach * kept)
+            reach = reach * (1 - kept.sum(1, keepdim=True))
+        return law + reach * normalized_or(self.residual, target)
+
+
+_STREAMS = (Stream.ACCEPT, Stream.RESIDUAL, Stream.BONUS, Stream.SELECT, Stream.OUTSIDE, Stream.OUTSIDE_TOKEN)
+assert [int(stream) for stream in _STREAMS] == list(range(_STREAMS[0], _STREAMS[0] + len(_STREAMS)))
+
+
+@dataclass
+class BlockUniforms:
+    """Every uniform a block draws (float64), in one keyed evaluation: the streams it needs are consecutive
+    numbers, so one ``Draws.uniforms`` call with a column of streams gives (stream, position 0..L, lane k).
+    Problem k L + t takes position t's."""
+
+    select: torch.Tensor  # [P]: stream SELECT, the candidate
+    accept: torch.Tensor  # [P, K]: stream ACCEPT, lane k for candidate k (the scheme's candidate: lane 0)
+    residual: torch.Tensor  # [P]: stream RESIDUAL
+    bonus: torch.Tensor  # [1]: stream BONUS at offset L
+    outside: torch.Tensor | None  # [P]: stream OUTSIDE, the alphabet coin (None without an alphabet)
+    outside_token: torch.Tensor | None  # [P]: stream OUTSIDE_TOKEN, the draw off the alphabet
+
+    @classmethod
+    def of(cls, randomness: Randomness, num_drafts: int, draft_length: int, device, alphabet: bool):
+        """The uniforms of a block of K = ``num_drafts`` rows and L = ``draft_length`` positions (P = K L problems);
+        the OUTSIDE streams only with an ``alphabet``."""
+        streams = len(_STREAMS) if alphabet else 4  # ACCEPT, RESIDUAL, BONUS, SELECT (+ OUTSIDE, OUTSIDE_TOKEN)
+        shape = (streams, draft_length + 1, num_drafts)
+        if isinstance(randomness, Draws):
+            numbers = torch.arange(_STREAMS[0], _STREAMS[0] + streams, device=device).view(-1, 1, 1)  # [S, 1, 1]
+            drawn = randomness.uniforms(numbers, draft_length + 1, num_drafts)  # [S, L+1, K]
+        else:  # a generator's next draws (stream and position unused)
+            drawn = uniforms_from(randomness, Stream.ACCEPT, shape, device)  # [S, L+1, K]
+        # [S, K(problem's row), L, K(lane)] → [S, K L, K]: every row k's problem at t takes position t's draws
+        per_problem = drawn[:, None, :draft_length].expand(-1, num_drafts, -1, -1).reshape(streams, -1, num_drafts)
+        accept, residual, _, select, *outside = per_problem.unbind(0)  # [P, K] each
+        first_lane = [uniforms[:, 0] for uniforms in (select, residual, *outside)]  # [P] each
+        return cls(first_lane[0], accept, first_lane[1], drawn[2, draft_length, :1], *(first_lane[2:] or (None, None)))
 
 
 @dataclass
 class Plan:
-    """Every problem's solved scheme: its alphabet, its stages and the law p_I of the selected candidate."""
+    """Every problem's scheme, SpecInfer beside it, and which of the two it runs.
 
-    scheme_target: torch.Tensor  # [P, V] q~: q on the alphabet O, renormalised
+    The scheme's chain tests Y, the winner of the pair (x1, x2), then x3 … xK; SpecInfer's tests x1 … xK.
+    """
+
+    target: torch.Tensor  # [P, V] q
     inside_mass: torch.Tensor  # [P, 1] q(O)
-    outside: torch.Tensor | None  # [P, V] q off the alphabet (None when O is always q's support)
-    selected_law: torch.Tensor  # [P, V] p_I after every stage
-    stages: list[Stage]
-
-    def selection(self, tokens: torch.Tensor) -> torch.Tensor:
-        """P(Y = candidate slot i) given the candidates ``[P, K]`` → ``[P, K]``."""
-        chosen = torch.zeros_like(tokens, dtype=torch.float64)  # [P, K]
-        chosen[:, 0] = 1.0
-        for second, stage in enumerate(self.stages, start=1):
-            before = chosen.index_select(0, stage.rows)  # [A, K]
-            keep = stage.keep_first(tokens.index_select(0, stage.rows), second)  # [A, K]
-            after = before * keep
-            after[:, second] += (before * (1 - keep)).sum(-1)
-            chosen = chosen.index_copy(0, stage.rows, after)
-        return chosen
+    outside: torch.Tensor | None  # [P, V] q off the alphabet O (None when O is always q's support)
+    chosen: torch.Tensor  # [P, 2]: P(Y = x1), P(Y = x2) given the problem's tokens
+    scheme: Chain  # against q~ (q on O, renormalised); its first step tests Y, of law p_I
+    fallback: Chain  # SpecInfer, against q
+    use_scheme: torch.Tensor  # [P] bool: the scheme accepts at least what SpecInfer does
 
     def acceptance(self) -> torch.Tensor:
-        return self.inside_mass.squeeze(-1) * torch.minimum(self.scheme_target, self.selected_law).sum(-1)  # [P]
-
-    def _step_b(self, tokens: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """For the problems ``rows`` ``[n]``: q~ ``[n, V]``, the candidates' acceptance min(1, q~/p_I) ``[n, K]``
-        and the residual (q~ - p_I)+ ``[n, V]``; tokens ``[n, K]``."""
-        target, law = self.scheme_target.index_select(0, rows), self.selected_law.index_select(0, rows)  # [n, V]
-        accept = ratio_acceptance(target, law, tokens)  # [n, K]
-        return target, accept, torch.sub(target, law).clamp_(min=0)
+        """P(some step keeps its candidate) ``[P]`` under the rule each problem runs."""
+        scheme = self.inside_mass.squeeze(-1) * self.scheme.acceptance  # [P]
+        return torch.where(self.use_scheme, scheme, self.fallback.acceptance)
 
     def output_law(self, tokens: torch.Tensor) -> torch.Tensor:
         """The law of the output given the candidates ``[P, K]`` → ``[P, V]``."""
-        chosen = self.selection(tokens)  # [P, K]
-        target, accept, residual = self._step_b(tokens, torch.arange(len(tokens), device=tokens.device))
-        rejected = (chosen * (1 - accept)).sum(-1, keepdim=True).to(residual.dtype)  # [P, 1]
-        inner = torch.zeros_like(residual).scatter_add(1, tokens, (chosen * accept).to(residual.dtype))  # [P, V]
-        inner = inner + rejected * normalized_or(residual, target)
-        if self.outside is None:
-            return inner
-        return self.inside_mass * inner + (1 - self.inside_mass) * self.outside
+        choice = torch.cat([self.chosen, torch.ones_like(tokens[:, 2:], dtype=self.chosen.dtype)], 1)  # [P, K]
+        scheme = self.scheme.output_law(self.target, _scheme_steps(tokens), choice)  # [P, V]
+        if self.outside is not None:
+            scheme = self.inside_mass * scheme + (1 - self.inside_mass) * self.outside
+        fallback = self.fallback.output_law(self.target, list(tokens.split(1, 1)), torch.ones_like(choice))
+        return torch.where(self.use_scheme[:, None], scheme, fallback)
 
-    def sample(self, chosen: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, generator) -> torch.Tensor:
-        """One output for each problem of ``rows`` ``[n]`` (device indices), on the device → ``[n]``.
+    def sample(self, tokens: torch.Tensor, uniforms: BlockUniforms) -> torch.Tensor:
+        """Every problem's output token ``[P]``, given its candidates ``tokens`` ``[P, K]``.
 
-        chosen ``[P, K]``: :meth:`selection` of every problem's candidates ``tokens`` ``[P, K]``.
+        The scheme's steps are (Y, x3 … xK), tested with ACCEPT lanes (0, 2 … K-1); SpecInfer's are
+        x1 … xK with lanes 0 … K-1. The first step that keeps its candidate gives the output.
         """
-        tokens = tokens.index_select(0, rows)  # [n, K]
-        target, accept, residual = self._step_b(tokens, rows)
-        slot = sample(chosen.index_select(0, rows), generator)[:, None]  # [n, 1]
-        uniform = torch.rand(slot.shape, generator=generator, device=slot.device, dtype=accept.dtype)  # [n, 1]
-        taken = uniform < accept.gather(1, slot)  # [n, 1]
-        empty = residual.sum(-1, keepdim=True) <= 0  # [n, 1]: p_I = q~, so a rejection has probability 0
-        fallback = sample(torch.where(empty, target, residual, out=residual), generator)  # [n]
-        output = torch.where(taken.squeeze(1), tokens.gather(1, slot).squeeze(1), fallback)  # [n]
+        pick = sample_with(self.chosen, uniforms.select).unsqueeze(1)  # [P, 1]: 0 or 1, Y's slot
+        # [P, K]: Y's step, x3 … xK's, and a last column that is never taken (the scheme has K - 1 steps)
+        scheme_taken = torch.cat([uniforms.accept[:, :1] < self.scheme.accepts.gather(1, pick),
+                                  uniforms.accept[:, 2:] < self.scheme.accepts[:, 2:], pick < 0], 1)  # fmt: skip
+        use = self.use_scheme[:, None]  # [P, 1]
+        taken = torch.where(use, scheme_taken, uniforms.accept < self.fallback.accepts)  # [P, K]
+        scheme_tokens = torch.cat([tokens.gather(1, pick), tokens[:, 2:], tokens[:, :1]], 1)  # [P, K]
+        kept = torch.where(use, scheme_tokens, tokens).gather(1, taken.long().argmax(1, keepdim=True))  # [P, 1]
+        residual = torch.where(use, self.scheme.residual, self.fallback.residual)  # [P, V]
+        # An empty residual belongs to a candidate accepted with probability 1: never drawn, kept a law.
+        residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, self.target)  # [P, V]
+        output = torch.where(taken.any(1), kept.squeeze(1), sample_with(residual, uniforms.residual))  # [P]
         if self.outside is None:
             return output
-        uniform = torch.rand(output.shape, generator=generator, device=output.device, dtype=accept.dtype)  # [n]
-        outside = sample(self.outside.index_select(0, rows), generator)  # [n]
-        return torch.where(uniform < self.inside_mass.index_select(0, rows).squeeze(1), output, outside)
+        inside = ~self.use_scheme | (uniforms.outside < self.inside_mass.squeeze(1))  # [P]
+        return torch.where(inside, output, sample_with(self.outside, uniforms.outside_token))
+
+
+def _scheme_steps(tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The scheme chain's tokens per step: (x1, x2) for Y ``[P, 2]``, then x3 … xK ``[P, 1]`` each."""
+    return list(tokens.split([min(2, tokens.shape[1])] + [1] * (tokens.shape[1] - 2), 1))
+
+
+def commit_runs(outputs, leader, draft_tokens, target_probs, bonus_uniform) -> BlockDecision:
+    """The block's decision from every problem's output ``outputs`` ``[K, L]`` (problem (k, t)).
+
+    Row j survives position t when its token equals the output of its prefix class's problem,
+    (leader ``[K, L]``[j, t], t): the walk over positions with an alive set, as masks. The rows alive
+    after position t are those that survived every position up to t, so the block accepts the longest
+    run of survivals and follows a row that has it; its class's output at the end of the run is the
+    correction, or all L survived and a bonus token is drawn from q with ``bonus_uniform`` ``[1]``.
+    """
+    draft_length = draft_tokens.shape[1]
+    governing = outputs.gather(0, leader)  # [K, L]: the output row j's class draws at t
+    runs = (governing == draft_tokens).long().cumprod(1).sum(1)  # [K]: positions row j survives in a row
+    num_accepted, row = runs.max(0)  # [], []: the first row with the longest run
+    followed = governing.index_select(0, row.view(1)).squeeze(0)  # [L]: its tokens up to the run, then the correction
+    bonus_law = target_probs[:, draft_length][row.view(1)]  # [1, V]
+    bonus = sample_with(bonus_law, bonus_uniform)  # [1]: kept when all L survived
+    return BlockDecision(torch.cat([followed, bonus]), num_accepted, row)
+
+
+@torch._dynamo.disable
+def _solve_on_host(verifier: "ImportanceSampling", packed: torch.Tensor) -> torch.Tensor:
+    """The block's one read: the free LPs ``packed`` ``[P, 4 M + 2]`` (:attr:`FreeSet.lp_inputs`, then whether
+    the problem has a second candidate, then its support size) → the LP weights and free laws ``[P, M M + M]``.
+
+    Kept out of dynamo's graph (``torch._dynamo.disable``): the host work is the graph's one break.
+    """
+    host = packed.numpy(force=True)  # [P, 4 M + 2]
+    width = (host.shape[1] - 2) // 4
+    active = host[:, -2] > 0.5  # [P]
+    verifier.check_support(host[active, -1])
+    if len(verifier.solved) > _MAX_SOLVED:
+        verifier.solved.clear()
+    weights, laws = solve_free_problems(host[active, : 4 * width].reshape(-1, 4, width), verifier.solved)
+    solution = np.zeros((len(host), width * width + width))
+    solution[active] = np.concatenate([weights.reshape(len(weights), -1), laws], 1)
+    return torch.as_tensor(solution, device=packed.device)
 
 
 class ImportanceSampling(Verifier):
-    """Shared body of ``is-lp`` and ``is-truncated``: they choose the free width, the tails and the alphabet."""
+    """Shared body of ``is-lp`` and ``is-truncated``: they choose the free width and the alphabet."""
 
     lossless = True
     max_drafts = None
-    tails: tuple[str, ...] = (RANKED, COIN)
-    """The tail rules each stage solves (the better one per problem is kept)."""
+    keyed_randomness = True
 
     @property
-    def _solved(self) -> dict:
+    def solved(self) -> dict:
         """Free LP solutions met so far, by the sub-problem's numbers (see :func:`solve_free_problems`)."""
         if "_solutions" not in self.__dict__:
             self._solutions: dict = {}
@@ -200,7 +294,7 @@ class ImportanceSampling(Verifier):
 
     @property
     def free_width(self) -> int:
-        """How many of the top-ranked support tokens get free LP weights."""
+        """How many of the top-ranked support tokens of the first pair get free LP weights."""
         raise NotImplementedError
 
     def check_support(self, support_sizes: np.ndarray) -> None:
@@ -218,105 +312,94 @@ class ImportanceSampling(Verifier):
         return law.reshape(target_probs.shape).to(target_probs.dtype)
 
     def acceptance_probability(self, target_probs, draft_probs):
-        """Σ_y min(q(y), p_I(y)) (times q(O) under alphabet truncation).
+        """max(q(O) Σ_y min(q~(y), p_I(y)), SpecInfer's acceptance) per position.
 
-        This is the canonical acceptance of step (b); the engine also continues a block when the
-        residual happens to return another candidate, so the true P(output ∈ candidates) can be
-        higher: this value is a lower bound.
+        Step (b)'s acceptance for the scheme: the engine also continues a block when the residual
+        happens to return another candidate, so the true P(output ∈ candidates) can be higher: this
+        value is a lower bound.
         """
         tokens = torch.zeros(draft_probs.shape[:-1], dtype=torch.long, device=draft_probs.device)  # [..., K]
         acceptance = self.plan(Problems.independent(target_probs, draft_probs, tokens)).acceptance()  # [P]
         return acceptance.reshape(target_probs.shape[:-1]).to(target_probs.dtype)
 
-    def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        """One block, on the device, with one host read (the free LPs; see the module docstring)."""
         num_drafts, draft_length = draft_tokens.shape
-        if num_drafts == 1:  # one candidate: the scheme is speculative sampling, decided on the device
-            return SpeculativeSampling().verify_block(target_probs, draft_probs, draft_tokens, generator)
+        if num_drafts == 1:  # one candidate: the scheme is speculative sampling
+            return _ONE_DRAFT.verify_block(target_probs, draft_probs, draft_tokens, randomness)
         problems = Problems.block(target_probs, draft_probs, draft_tokens)
-        plan = self.plan(problems)
-        chosen = plan.selection(problems.tokens)  # [K L, K]
-
-        def choose(t: int, alive: torch.Tensor, leader: torch.Tensor) -> torch.Tensor:
-            problem = (leader * draft_length + t).view(1)  # [1]: the problem of (leader, t), drawn alone
-            return plan.sample(chosen, problems.tokens, problem, generator).squeeze(0)
-
-        return walk_alive_rows(choose, target_probs, draft_tokens, generator)
+        pair = self._first_pair(problems)
+        # Called here, not deeper: under dynamo the host call is then the one break of verify_block's graph.
+        plan = self._plan(problems, pair, _solve_on_host(self, pair.packed))
+        uniforms = BlockUniforms.of(randomness, num_drafts, draft_length, draft_tokens.device, plan.outside is not None)
+        outputs = plan.sample(problems.tokens, uniforms).view(num_drafts, draft_length)  # [K, L]
+        return commit_runs(outputs, problems.leader, draft_tokens, target_probs, uniforms.bonus)
 
     # ----------------------------------------------------------------------- planning
 
     def plan(self, problems: Problems) -> Plan:
-        """Solve every problem's stages: one device read and one LP call per stage."""
-        plan = self._alphabet_plan(problems)
-        for second, upto in enumerate(problems.stage_rows, start=1):
-            inputs = stage_inputs(plan.selected_law[:upto], problems.candidate_law(second, upto),
-                                  plan.scheme_target[:upto], self.free_width, self.tails)  # fmt: skip
-            stage = self._solve_stage(inputs, problems.count[:upto] > second)
-            plan.selected_law = plan.selected_law.index_copy(0, stage.rows, stage.law)
-            plan.stages.append(stage)
-        return plan
+        """Every problem's scheme and its SpecInfer fallback; the free LPs in one host call."""
+        pair = self._first_pair(problems)
+        return self._plan(problems, pair, None if pair.free is None else _solve_on_host(self, pair.packed))
 
-    def _alphabet_plan(self, problems: Problems) -> Plan:
-        """q~ = q on the alphabet, renormalised, for problems of two or more candidates; q itself for one.
+    def _first_pair(self, problems: Problems) -> "_FirstPair":
+        """Everything before the free LPs: the alphabet, the candidates' laws, the first pair's tail and free set."""
+        scheme_target, inside_mass, outside = self._alphabet(problems)
+        laws = problems.candidate_laws()  # K × [P, V]
+        if len(laws) == 1:  # one candidate: nothing to select
+            return _FirstPair(scheme_target, inside_mass, outside, laws, None, None, problems.members[:, :0])
+        tail = Tail.of(laws[0], laws[1], scheme_target)
+        free = FreeSet.of(tail, scheme_target, self.free_width)
+        return _FirstPair(scheme_target, inside_mass, outside, laws, tail, free, problems.members[:, 1:2])
 
-        One candidate needs no selection LP, so no alphabet either: the scheme is then exactly
-        speculative sampling, as every multi-draft scheme must be with one draft.
-        """
+    def _plan(self, problems: Problems, pair: "_FirstPair", solution: torch.Tensor | None) -> Plan:
+        """The plan once the host has solved the free LPs (``solution`` ``[P, M M + M]``, None for one candidate)."""
+        members = list(problems.members.split(1, 1))  # K × [P, 1]
+        fallback = Chain.of(problems.target, pair.laws, list(problems.tokens.split(1, 1)), members)
+        selected, chosen = pair.laws[0], torch.ones_like(pair.laws[0][:, :1])  # [P, V], [P, 1]: one candidate
+        if solution is not None:
+            selected, chosen = pair.solved(solution, problems.tokens)  # [P, V], [P, 2]
+        steps = _scheme_steps(problems.tokens)
+        scheme = Chain.of(pair.scheme_target, [selected, *pair.laws[2:]], steps, [members[0], *members[2:]])
+        use_scheme = pair.inside_mass.squeeze(-1) * scheme.acceptance >= fallback.acceptance  # [P]
+        return Plan(problems.target, pair.inside_mass, pair.outside, chosen, scheme, fallback, use_scheme)
+
+    def _alphabet(self, problems: Problems) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q~ = q on the alphabet, renormalised, for problems of two or more candidates; q's whole support
+        for one (one candidate needs no selection, and the scheme is then speculative sampling).
+        → (q~ ``[P, V]``, q(O) ``[P, 1]``, q off O normalised ``[P, V]`` or None)."""
         target = problems.target  # [P, V]
-        selected = problems.candidate_law(0, target.shape[0])  # [P, V]
         inside = self.alphabet_mask(target)
         if inside is None:
-            return Plan(target, torch.ones_like(target[:, :1]), None, selected, [])
-        inside = inside | (problems.count < 2)[:, None]  # [P, V]
-        inside_mass = target.masked_fill(~inside, 0).sum(-1, keepdim=True)  # [P, 1]
-        scheme = torch.where(inside, target / inside_mass, torch.zeros_like(target))  # [P, V]
-        scheme = torch.where(problems.count[:, None] < 2, target, scheme)  # exactly q with one candidate
-        inside_mass = torch.where(problems.count[:, None] < 2, torch.ones_like(inside_mass), inside_mass)
-        outside = normalized_or(target.masked_fill(inside, 0), target)  # [P, V]
-        return Plan(scheme, inside_mass, outside, selected, [])
-
-    def _solve_stage(self, inputs: StageInputs, active: torch.Tensor) -> Stage:
-        """The free LPs of the problems with a second candidate on the host (the stage's one read), then,
-        on the device and for those problems only, each tail's law and the better tail per problem."""
-        host = torch.cat([inputs.host_arrays(), active.double()[:, None]], -1).numpy(force=True)
-        is_active = host[:, -1] > 0.5
-        self.check_support(host[is_active, -2])
-        if len(self._solved) > _MAX_SOLVED:
-            self._solved.clear()
-        weights, free_laws, free_acceptance = (
-            torch.as_tensor(array, device=inputs.first.device)
-            for array in solve_free_problems(host[is_active, :-1], inputs.free_ids.shape[-1], len(self.tails),
-                                             self._solved)
-        )  # [A, T, M, M], [A, T, M], [A, T]  # fmt: skip
-        inputs = inputs.restricted(torch.as_tensor(np.flatnonzero(is_active), device=inputs.first.device))
-        laws, rank_key = self._tail_laws(inputs)  # T × [A, V]
-        best, best_total = laws[0], _nonfree_acceptance(inputs, laws[0]) + free_acceptance[:, 0]  # [A, V], [A]
-        choice = torch.zeros_like(best_total, dtype=torch.long)  # [A]: the first tail on ties (ranked before coin)
-        for tail in range(1, len(laws)):
-            total = _nonfree_acceptance(inputs, laws[tail]) + free_acceptance[:, tail]  # [A]
-            better = total > best_total
-            best, best_total = torch.where(better[:, None], laws[tail], best), torch.maximum(total, best_total)
-            choice = torch.where(better, tail, choice)
-        problem = torch.arange(len(choice), device=choice.device)  # [A]
-        free_law = free_laws[problem, choice].to(best.dtype)  # [A, M]
-        kept = torch.where(inputs.free_valid, free_law, best.gather(1, inputs.free_ids))  # [A, M]
-        is_coin = torch.tensor([tail == COIN for tail in self.tails], device=choice.device)[choice]  # [A]
-        return Stage(inputs.rows, inputs.free_ids, inputs.free_valid, weights[problem, choice], is_coin, rank_key,
-                     best.scatter(1, inputs.free_ids, kept))  # fmt: skip
-
-    def _tail_laws(self, inputs: StageInputs) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Each tail's p_I off the free set ``[A, V]``, and the ranked tail's rank keys if it is one of them."""
-        laws, rank_key = [], None
-        for tail in self.tails:
-            if tail == COIN:
-                laws.append(coin_tail(inputs.first, inputs.second))
-            else:
-                law, rank_key = ranked_tail(inputs)
-                laws.append(law)
-        return laws, rank_key
+            return target, torch.ones_like(target[:, :1]), None
+        inside = inside | (problems.members.sum(1, keepdim=True) < 2)  # [P, V]
+        kept = torch.where(inside, target, 0)  # [P, V]
+        inside_mass = kept.sum(-1, keepdim=True)  # [P, 1]
+        return kept / inside_mass, inside_mass, normalized_or(target - kept, target)
 
 
-def _nonfree_acceptance(inputs: StageInputs, law: torch.Tensor) -> torch.Tensor:
-    """Σ over the non-free tokens of min(c, p_I) ``[P_j]``."""
-    everywhere = torch.minimum(inputs.target, law).sum(-1)  # [P_j]
-    on_free = torch.minimum(inputs.target.gather(1, inputs.free_ids), law.gather(1, inputs.free_ids))  # [P_j, M]
-    return everywhere - (on_free * inputs.free_valid).sum(-1)
+@dataclass
+class _FirstPair:
+    """A plan's parts before the free LPs of its first pair (x1, x2)."""
+
+    scheme_target: torch.Tensor  # [P, V] q~: q on the alphabet O, renormalised
+    inside_mass: torch.Tensor  # [P, 1] q(O)
+    outside: torch.Tensor | None  # [P, V] q off O, normalised (None when O is always q's support)
+    laws: list[torch.Tensor]  # K × [P, V]: the candidates' laws
+    tail: Tail | None  # the pair's tail rule (None with one candidate)
+    free: FreeSet | None  # the pair's free tokens and their LP inputs (None with one candidate)
+    active: torch.Tensor  # [P, 1] bool: the problem has a second candidate
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """What the host needs ``[P, 4 M + 2]`` float64: the free LPs, whether each applies, the support size."""
+        return torch.cat([self.free.lp_inputs.flatten(1), self.active, self.free.support_size[:, None]], 1).double()
+
+    def solved(self, solution: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """p_I ``[P, V]`` and P(Y = x1), P(Y = x2) ``[P, 2]`` from the host's ``solution`` ``[P, M M + M]``."""
+        width = self.free.ids.shape[1]
+        weights, free_law = solution.to(self.tail.law.dtype).split([width * width, width], 1)  # [P, M M], [P, M]
+        keep = self.free.first_keep(tokens, weights, self.tail.keep(tokens))  # [P, 1]
+        keep = keep.masked_fill_(~self.active, 1)  # [P, 1]: P(Y = x1)
+        law = self.tail.law.scatter(1, self.free.ids, free_law)  # [P, V]
+        return torch.where(self.active, law, self.laws[0]), torch.cat([keep, 1 - keep], 1)

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from specdec_cli.randomness import Randomness, Stream, uniforms_from
+from specdec_cli.randomness import Randomness, Stream, stream_table_from, uniforms_from
 from specdec_cli.sampling import sample
-from specdec_cli.verifiers import BlockDecision, commit_following
+from specdec_cli.verifiers import BlockDecision, commit_with_uniform
 
 TINY = torch.finfo(torch.float64).tiny
 
@@ -26,6 +26,18 @@ def normalized_or(excess: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 def normalized_excess(target: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
     """(target - proposal)+ normalised ``[..., V]``; ``target`` itself where the excess is empty."""
     return normalized_or((target - proposal).clamp_min(0), target)
+
+
+def excess_or(excess: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """The residual's weights for a draw: ``excess`` ``[..., V]`` where it has mass, else ``fallback``.
+    :func:`~specdec_cli.sampling.sample_with` takes any non-negative weights, so a block's one draw
+    needs no normalisation (three operations fewer than :func:`normalized_or`)."""
+    return torch.where(excess.sum(-1, keepdim=True) > 0, excess, fallback)
+
+
+def excess_weights(target: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
+    """(target - proposal)+ ``[..., V]`` as weights to draw from (:func:`excess_or`); ``target`` where empty."""
+    return excess_or((target - proposal).clamp_min(0), target)
 
 
 def ratio_acceptance(target: torch.Tensor, proposal: torch.Tensor, x: torch.Tensor, scale=1.0) -> torch.Tensor:
@@ -71,6 +83,17 @@ def row_at(laws: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return laws.index_select(0, index.view(1)).squeeze(0)
 
 
+_SINGLE_DRAFT_STREAMS = 3
+"""ACCEPT, RESIDUAL and BONUS: consecutive streams, so one keyed evaluation gives all of a block's draws."""
+
+
+def single_draft_draws(randomness: Randomness, draft_length: int, device: torch.device) -> torch.Tensor:
+    """Every draw a single-draft block makes, from one evaluation → float64 ``[L+1, 3]``: at offset t, column
+    0 is the acceptance test (stream ACCEPT), 1 the correction after a rejection there (RESIDUAL) and 2
+    the bonus token (BONUS, used at offset L only)."""
+    return stream_table_from(randomness, Stream.ACCEPT, _SINGLE_DRAFT_STREAMS, draft_length + 1, device)
+
+
 def single_draft_block(
     accept: torch.Tensor,
     residual_at: Callable[[torch.Tensor], torch.Tensor],
@@ -86,10 +109,11 @@ def single_draft_block(
     draft_tokens ``[L]``.
     """
     draft_length = draft_tokens.shape[0]
-    accepted = uniforms_like(accept.unsqueeze(-1), randomness).squeeze(-1) < accept.double()  # [L]
+    draws = single_draft_draws(randomness, draft_length, accept.device)  # [L+1, 3]
+    accepted = draws[:-1, 0] < accept.double()  # [L]
     num_accepted = accepted.long().cumprod(0).sum()  # []
     rejected_at = num_accepted.clamp(max=draft_length - 1)  # []: a valid row even when none was rejected
-    return commit_after(num_accepted, residual_at(rejected_at), target_probs, draft_tokens, randomness)
+    return commit_after(num_accepted, residual_at(rejected_at), target_probs, draft_tokens, draws)
 
 
 def commit_after(
@@ -97,10 +121,14 @@ def commit_after(
     residual: torch.Tensor,
     target_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    randomness: Randomness,
+    draws: torch.Tensor,
 ) -> BlockDecision:
     """The single-draft decision once ``num_accepted`` ``[]`` draft tokens are kept: the next token from
     ``residual`` ``[V]`` after a rejection, or the bonus token from q after the whole block (target_probs
-    ``[L+1, V]``), placed after the accepted prefix of draft_tokens ``[L]`` (see :func:`commit_following`)."""
+    ``[L+1, V]``), placed after the accepted prefix of draft_tokens ``[L]``. ``draws`` ``[L+1, 3]``:
+    :func:`single_draft_draws` (the correction at offset n, or the bonus at offset L)."""
+    after_all = num_accepted == draft_tokens.shape[0]  # []
+    draw_index = num_accepted * _SINGLE_DRAFT_STREAMS + 1 + after_all  # []: (n, RESIDUAL), or (L, BONUS)
+    uniform = draws.view(-1).index_select(0, draw_index.view(1)).view(())  # []
     bonus_law = target_probs[-1]  # [V]
-    return commit_following(num_accepted, draft_tokens, residual, bonus_law, randomness, torch.zeros_like(num_accepted))
+    return commit_with_uniform(num_accepted, draft_tokens, residual, bonus_law, uniform, torch.zeros_like(num_accepted))

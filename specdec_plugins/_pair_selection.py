@@ -1,24 +1,36 @@
-"""One stage of importance-weighted selection between two candidates (Khisti et al., §3-4, Theorem 4).
+"""One stage of importance-weighted selection between two candidates (Khisti et al., "Multi-Draft
+Speculative Sampling", §4 and Appendix G).
 
-A first candidate of law a and a second of law b; the selected token Y has the law p_I with, for a
-pair of different tokens (i, j), w_ij = P(Y = i | X1 = i, X2 = j):
+A first candidate X1 of law a and an independent second X2 of law b; the selected token Y has the law
+p_I with, for tokens i ≠ j, w_ij = P(Y = i | X1 = i, X2 = j) (Appendix G, eqs. 185-187; identical
+drafts: §4, eqs. 10-11):
 
-    p_I(i) = a_i b_i + Σ_{j≠i} a_i b_j w_ij + Σ_{j≠i} a_j b_i (1 - w_ji).                  (Thm 4)
+    p_I(i) = a_i b_i + Σ_{j≠i} a_i b_j w_ij + Σ_{j≠i} a_j b_i (1 - w_ji).
 
-Tokens are ranked by c_i - a_i b_i (c = the scheme's target). The top ``width`` tokens of the
-drafts' support are *free*: their pair weights are variables of the linear program
-max Σ_k min(c_k, p_I(k)) (§3, Theorem 1; solved on the host as the maximum flow it is, a few
-hundred numbers). A pair that involves a non-free token is decided by a *tail* rule:
+The weights, for a target c:
 
-- ranked (§4's truncated LP): the higher-ranked member wins, so a non-free token gets
-  p_I(i) = a_i b_i + a_i B_<(i) + b_i A_<(i), with A_<(i), B_<(i) the masses ranked below i;
-- coin: either member with probability 1/2, so p_I(i) = (a_i + b_i) / 2 and, with identical
-  drafts and every free weight at 1/2, p_I = p: two drafts never accept less than one.
+- *Free* pairs, both tokens among the top ``width`` of the drafts' support by c - a b (§4's truncated
+  LP, eq. 13; eq. 188): variables of the linear program max Σ_k min(c_k, p_I(k)) (Theorem 1, eq. 2),
+  solved on the host as the maximum flow it is (:func:`solve_free_problems`).
+- Every other pair, the *tail*: w_ij = λ [i ranks above j] + (1 - λ)/2, a mixture of §4's ranked rule
+  (eq. 12: the higher-ranked member wins) and a fair coin. Tokens rank by (c - a b)+ / (a + b): what a
+  token still needs beyond its own pairs, per unit of the pair mass it can win. For a long tail of small
+  tokens that is the ratio c / (a + b), the order of Theorem 3's minimising sets (eq. 6; identical
+  drafts: q/p). §4 ranks by c - a b, which over a 128k vocabulary gives the likeliest tokens every pair
+  with a tail token and overshoots their c: two drafts then accepted less than SpecInfer (issue #20).
+  λ ∈ [0, 1] maximises Σ min(c, p_I) of the tail law, which is concave and piecewise linear in λ
+  (:func:`best_mixture`); the coin alone (λ = 0) keeps p_I = p for identical drafts, so two drafts
+  never accept less than one. Free tokens keep their rank in pairs with tail tokens; §4 puts them above
+  every tail token, which overshoots them the same way. The paper's bound (eqs. 14, 190: at most
+  Σ_{ranked out} (c - a b)+ below the full LP) is proved for its own tail; for this one the tests check
+  it on small vocabularies, and the verifier compares it with SpecInfer per problem (:mod:`._importance`).
 
-Everything over the vocabulary runs on the tensors' device, in the laws' dtype with sums in
-float64: the free set (a top-k), the ranking (a stable sort of 32-bit keys, only for the problems
-that need it), the tails' laws and their acceptance outside the free set. Only the free
-sub-problems cross to the host, where the LP runs in float64.
+The rank is the score's float32 bit pattern cut to 7 mantissa bits, a bucket 2^-7 wide (relative): a
+pair within one bucket is a tie, decided by the coin. So the masses ranked below each token are a
+histogram and a prefix sum over 2^15 buckets, not a sort of the vocabulary (on a CPU, sorting 32 rows of
+128k entries costs as much as 30-70 elementwise passes), and the number of operations does not
+depend on the data. Everything over the vocabulary stays on the tensors' device; only the free
+sub-problems (a few numbers per problem) cross to the host.
 """
 
 from __future__ import annotations
@@ -28,119 +40,127 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-RANKED, COIN = "ranked", "coin"
 _FLOW_RESOLUTION = 2.0**30  # the largest capacity in int32 steps (scipy's maximum flow takes int32)
-_HIGHEST_KEY = 2**31 - 1
+_RANK_SHIFT = 16  # float32 bits >> 16: the exponent and the top 7 mantissa bits of a non-negative value
+_RANK_BUCKETS = 1 << 15  # 15 bits of key: every non-negative float32, +inf and NaN (masked to 15 bits)
+_MIXTURE_BINS = 256  # resolution of λ: the mixture found is within 1/256 of the best one
 
 
 @dataclass
-class StageInputs:
-    """What one stage knows before its LP, for P pair problems (device tensors)."""
+class Tail:
+    """The tail rule of P pair problems: the laws, every token's rank, the mixture λ and the law p_I it gives."""
 
-    first: torch.Tensor  # [P, V] a: law of the first candidate
-    second: torch.Tensor  # [P, V] b: law of the second candidate
-    target: torch.Tensor  # [P, V] c: the scheme's target
-    score: torch.Tensor  # [P, V] c - a b, -inf off the drafts' support
-    free_ids: torch.Tensor  # [P, M] int64: the top M tokens by score
-    free_valid: torch.Tensor  # [P, M] bool: in the drafts' support (free), else padding
+    laws: torch.Tensor  # [2, P, V]: a, b
+    key: torch.Tensor  # [P, V] int64: the rank bucket (higher ranks above)
+    mixture: torch.Tensor  # [P, 1]: λ, the weight of the ranked rule against the coin
+    law: torch.Tensor  # [P, V]: p_I when every pair follows the tail rule
+
+    @classmethod
+    def of(cls, first: torch.Tensor, second: torch.Tensor, target: torch.Tensor) -> "Tail":
+        """The tail of laws a, b and target c ``[P, V]`` each. A token whose own pairs already give it its
+        c (a_i b_i ≥ c_i) gains nothing by winning more: its score is 0, the lowest rank."""
+        need = torch.addcmul(target, first, second, value=-1).clamp_(min=0)  # [P, V]: (c - a b)+
+        # NaN (0/0) off the support: masking to 15 bits drops the sign, so every key is a valid bucket.
+        key = ((need / (first + second)).float().view(torch.int32) >> _RANK_SHIFT & (_RANK_BUCKETS - 1)).long()
+        laws = torch.stack([first, second])  # [2, P, V]
+        index = key.expand_as(laws)  # [2, P, V]
+        counts = laws.new_zeros(*laws.shape[:2], _RANK_BUCKETS).scatter_add_(-1, index, laws)  # [2, P, buckets]
+        # A tie is a coin flip: below = the lower buckets and half the rest of the token's own.
+        middle = counts.cumsum(-1).sub_(counts, alpha=0.5)  # [2, P, buckets]
+        below_a, below_b = middle.gather(-1, index).sub_(laws, alpha=0.5).unbind(0)  # [P, V] each: A≺, B≺
+        total_a, total_b = counts.sum(-1, keepdim=True).unbind(0)  # [P, 1] each: A, B (1 up to rounding)
+        ranked = torch.addcmul(first * (second + below_b), second, below_a)  # [P, V]: a b + a B≺ + b A≺
+        coin = torch.addcmul(first * total_b, second, total_a).mul_(0.5)  # [P, V]: ½ (a B + b A)
+        step = ranked - coin  # [P, V]
+        mixture = best_mixture(step, coin, target)  # [P, 1]
+        return cls(laws, key, mixture, torch.addcmul(coin, step, mixture))
+
+    def keep(self, tokens: torch.Tensor) -> torch.Tensor:
+        """P(Y = x1) ``[P, 1]`` for the pair (x1, x2) = ``tokens[:, :2]`` (``tokens`` ``[P, K]``):
+        ½ + ½ λ sign(rank(x1) - rank(x2))."""
+        keys = self.key.gather(1, tokens[:, :2])  # [P, 2]
+        return tail_weight(keys[:, :1], keys[:, 1:], self.mixture)
+
+
+def tail_weight(first_keys: torch.Tensor, second_keys: torch.Tensor, mixture: torch.Tensor) -> torch.Tensor:
+    """w = P(the first member wins) under the tail rule, ½ + ½ λ sign(rank_first - rank_second), for rank keys
+    and λ that broadcast together (a tie is the coin's ½)."""
+    return torch.sign(first_keys - second_keys).mul(mixture * 0.5).add_(0.5)
+
+
+def best_mixture(step: torch.Tensor, coin: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """λ ``[P, 1]`` in [0, 1] (a multiple of 1/256) maximising Σ min(c, coin + λ d) for d = ranked - coin,
+    coin and c ``[P, V]`` each.
+
+    The objective is concave and piecewise linear: token i adds slope d_i while coin_i + λ d_i < c_i,
+    i.e. below its breakpoint (c_i - coin_i)/d_i if d_i > 0, above it if d_i < 0. So the slope is
+    D+ - Σ_{breakpoint ≤ λ} |d_i| with D+ = Σ_{d>0} d_i, and the maximum is where that sum first
+    reaches D+: a weighted median, read from a histogram of the breakpoints over [0, 1].
+    """
+    breakpoint = ((target - coin) / step).nan_to_num_(0.0).clamp_(0, 1)  # [P, V]: 0/0 where d = 0 (weight 0)
+    bins = (breakpoint * _MIXTURE_BINS).long()  # [P, V] in 0..bins
+    weight = step.new_zeros(len(step), _MIXTURE_BINS + 1).scatter_add_(1, bins, step.abs())  # [P, bins+1]
+    reached = (weight.cumsum(1) < step.clamp(min=0).sum(1, keepdim=True)).sum(1, keepdim=True)  # [P, 1]
+    return reached.clamp_(max=_MIXTURE_BINS).to(step.dtype).div_(_MIXTURE_BINS)
+
+
+@dataclass
+class FreeSet:
+    """The free tokens of P first pairs and what their LP needs (device tensors)."""
+
+    ids: torch.Tensor  # [P, M] int64: the top M support tokens by c - a b (padding past the support: no mass)
+    lp_inputs: torch.Tensor  # [P, 4, M] float64: a, b, c on the free tokens and their base (see below)
     support_size: torch.Tensor  # [P] int64: tokens some candidate can be
-    base: torch.Tensor  # [P, T, M]: what each free token wins outside the LP's pairs, per tail
-    rows: torch.Tensor  # [P] int64: which problems of the stage these are
 
-    def restricted(self, rows: torch.Tensor) -> "StageInputs":
-        """The same inputs for the problems ``rows`` ``[A]`` only."""
-        picked = {name: getattr(self, name).index_select(0, rows) for name in self.__dataclass_fields__}
-        return StageInputs(**picked)
+    @classmethod
+    def of(cls, tail: Tail, target: torch.Tensor, width: int) -> "FreeSet":
+        """The free set of a first pair (its ``tail``, target c ``[P, V]``), ``width`` tokens at most (§4).
 
-    def host_arrays(self) -> torch.Tensor:
-        """The free sub-problems packed as one float64 tensor ``[P, (3 + T) M + 2]`` for one transfer."""
-        gathered = [values.gather(-1, self.free_ids).double() * self.free_valid
-                    for values in (self.first, self.second, self.target)]  # fmt: skip
-        return torch.cat([*gathered, self.base.flatten(1), self.free_valid.double(),
-                          self.support_size.double().unsqueeze(-1)], dim=-1)  # fmt: skip
+        A free token k's base is what it gets outside the LP's pairs: its tail law less the pairs the tail
+        rule shares among free tokens, a_k Σ_f b_f W_kf + b_k Σ_f a_f W_kf with W_kf = ½ + ½ λ
+        sign(rank_k - rank_f) (W_fk = 1 - W_kf), plus the diagonal a_k b_k, which no rule shares.
+        """
+        first, second = tail.laws.unbind(0)  # [P, V] each
+        support = (first + second) > 0  # [P, V]
+        score = torch.where(support, torch.addcmul(target, first, second, value=-1), -torch.inf)  # [P, V]
+        ids = score.topk(min(width, score.shape[-1]), dim=-1).indices  # [P, M]
+        laws = tail.laws.gather(-1, ids.expand(2, -1, -1))  # [2, P, M]: a, b on the free tokens
+        keys = tail.key.gather(1, ids)  # [P, M]
+        pairs = tail_weight(keys[:, :, None], keys[:, None, :], tail.mixture[..., None])  # [P, M(k), M(f)]: W_kf
+        shared = torch.matmul(pairs, laws.flip(0).permute(1, 2, 0))  # [P, M, 2]: Σ_f W_kf b_f, Σ_f W_kf a_f
+        share = (laws.permute(1, 2, 0) * shared).sum(-1)  # [P, M]: what the tail rule gives k in free pairs
+        base = torch.addcmul(tail.law.gather(1, ids) - share, laws[0], laws[1])  # [P, M]
+        lp_inputs = torch.stack([laws[0], laws[1], target.gather(1, ids), base], 1).double()  # [P, 4, M]
+        return cls(ids, lp_inputs, support.sum(-1))
+
+    def first_keep(self, tokens: torch.Tensor, weights: torch.Tensor, tail_keep: torch.Tensor) -> torch.Tensor:
+        """P(keep slot 0's token against slot 1's) ``[P, 1]``: the LP's weight ``[P, M M]`` where both are free,
+        else ``tail_keep`` ``[P, 1]``. A padding id is never a drawn token: slots 0 and 1 are in the support."""
+        match = tokens[:, :2, None] == self.ids[:, None, :]  # [P, 2, M]
+        position = match.long().argmax(-1)  # [P, 2]
+        pair = position[:, :1] * self.ids.shape[1] + position[:, 1:]  # [P, 1]: index of (slot 0, slot 1) in M M
+        return torch.where(match.any(-1).all(-1, keepdim=True), weights.gather(1, pair), tail_keep)
 
 
-def ascending_order(score: torch.Tensor, top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens from the lowest rank to the highest → (order ``[A, V]``, int32 rank keys ``[A, V]``).
+def solve_free_problems(host: np.ndarray, solved: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Every problem's free LP, on the host (as a maximum flow: :func:`_solve_lps`).
 
-    Ranks follow float32(score), the ``top`` tokens above all others, ties to the higher token id
-    (so a rank is the pair (key, id)). One stable ascending 1-D sort of int32 keys per row: on the
-    CPU that is a radix sort, several times faster than sorting floats or a 2-D tensor.
+    ``host`` ``[A, 4, M]``: a, b, c and base on the free tokens (padding: no mass in a or b) as
+    :attr:`FreeSet.lp_inputs` packs them. Returns weights ``[A, M, M]`` and the free tokens' p_I ``[A, M]``.
+    ``solved`` maps a sub-problem's numbers to its solution, so a sub-problem met before (in this block
+    or an earlier one) is not solved again; new solutions are added to it.
     """
-    bits = score.float().view(torch.int32)  # [A, V]
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [A, V]: negative floats' magnitude flipped: ordered as the reals
-    if top is not None:
-        key = key.masked_fill(top, _HIGHEST_KEY)
-    order = torch.stack([row.sort(stable=True).indices for row in key]) if len(key) else key.long()  # [A, V]
-    return order, key
-
-
-def stage_inputs(first: torch.Tensor, second: torch.Tensor, target: torch.Tensor, width: int, tails) -> StageInputs:
-    """Free set and free tokens' base for P pair problems ``[P, V]`` each: the top ``width`` support
-    tokens by c - a b (any fixed tie rule will do: :func:`ranked_tail` puts the free tokens first)."""
-    unsupported = (first == 0) & (second == 0)  # [P, V]: no candidate can be these tokens
-    score = torch.addcmul(target, first, second, value=-1).masked_fill_(unsupported, -torch.inf)  # [P, V]
-    free_ids = score.topk(min(width, score.shape[-1]), dim=-1).indices  # [P, M]
-    free_valid = ~unsupported.gather(-1, free_ids)  # [P, M]
-    fa, fb = (law.gather(-1, free_ids).double() * free_valid for law in (first, second))  # [P, M]: the LP's side
-    # Totals in the laws' own dtype (torch sums pairwise): a float64 sum would first copy the laws.
-    outside_a = first.sum(-1, keepdim=True).double() - fa.sum(-1, keepdim=True)  # [P, 1]
-    outside_b = second.sum(-1, keepdim=True).double() - fb.sum(-1, keepdim=True)  # [P, 1]
-    cross = fa * outside_b + fb * outside_a  # [P, M]: pairs of a free token with a non-free one
-    # Free tokens outrank every other token: they win all those pairs (ranked) or half of them (coin).
-    base = torch.stack([fa * fb + cross * (0.5 if tail == COIN else 1.0) for tail in tails], dim=1)  # [P, T, M]
-    support_size = score.shape[-1] - unsupported.sum(-1)  # [P]
-    rows = torch.arange(len(first), device=first.device)  # [P]
-    return StageInputs(first, second, target, score, free_ids, free_valid, support_size, base, rows)
-
-
-def ranked_tail(inputs: StageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """§4's tail: p_I = a b + a B_< + b A_< ``[P, V]``, and the rank keys ``[P, V]`` (see :func:`ascending_order`).
-
-    The order is c - a b in float32, ties to the higher token id, with the free tokens first: they win
-    every pair with a non-free token, so the masses below a non-free token never include theirs.
-    """
-    first, second = inputs.first, inputs.second  # [P, V] each
-    is_free = torch.zeros_like(inputs.score, dtype=torch.bool).scatter_(-1, inputs.free_ids, inputs.free_valid)  # [P, V]
-    order, key = ascending_order(inputs.score, is_free)  # [P, V] each
-    laws = torch.stack([first, second])  # [2, P, V]
-    in_order = laws.gather(-1, order.expand(2, -1, -1))  # [2, P, V]
-    suffix = in_order.cumsum(-1, dtype=torch.float64).sub_(in_order).to(laws.dtype)  # [2, P, V]: sums in float64
-    below = torch.empty_like(laws).scatter_(-1, order.expand(2, -1, -1), suffix)  # [2, P, V]
-    return first * second + first * below[1] + second * below[0], key
-
-
-def coin_tail(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """The fair-coin tail: p_I = a b + (a (1 - b) + b (1 - a)) / 2 = (a + b) / 2 ``[P, V]``."""
-    return torch.add(first, second).mul_(0.5)
-
-
-def solve_free_problems(host: np.ndarray, width: int, num_tails: int, solved: dict) -> tuple[np.ndarray, ...]:
-    """Every problem's free LP, for every tail, on the host (as a maximum flow: :func:`_solve_lps`).
-
-    ``host`` ``[A, (3 + T) M + 2]`` as :meth:`StageInputs.host_arrays` packs it. Returns weights
-    ``[A, T, M, M]``, free laws ``[A, T, M]`` and free acceptance Σ min(c, p_I) ``[A, T]``.
-    ``solved`` maps a sub-problem's numbers to its solution: a sub-problem met before (in this
-    batch or an earlier one) gets the same solution, so the rule is a function of the laws and
-    never mixes two optimal vertices for the same laws. New solutions are added to it.
-    """
-    fa, fb, fc = (host[:, i * width : (i + 1) * width] for i in range(3))  # [A, M] each
-    base = host[:, 3 * width : (3 + num_tails) * width].reshape(-1, num_tails, width)  # [A, T, M]
-    valid = host[:, (3 + num_tails) * width : (4 + num_tails) * width] > 0.5  # [A, M]
-    keys, fresh = [], {}
-    for p in range(len(host)):
-        for tail in range(num_tails):
-            problem = (fa[p][valid[p]], fb[p][valid[p]], fc[p][valid[p]], base[p, tail][valid[p]])
-            keys.append(np.concatenate(problem).tobytes())
-            if keys[-1] not in solved:
-                fresh[keys[-1]] = problem
+    valid = (host[:, 0] > 0) | (host[:, 1] > 0)  # [A, M]
+    problems = [tuple(host[p][:, valid[p]]) for p in range(len(host))]  # (a, b, c, base) [m] each
+    keys = [np.concatenate(problem).tobytes() for problem in problems]
+    fresh = {key: problem for key, problem in zip(keys, problems) if key not in solved}
     solved.update(zip(fresh, _solve_lps(list(fresh.values()))))
-    weights = np.zeros((len(host), num_tails, width, width))
-    laws = np.zeros((len(host), num_tails, width))
-    for (p, tail), key in zip(np.ndindex(len(host), num_tails), keys):
-        w, law = solved[key]
-        weights[p, tail, : len(law), : len(law)], laws[p, tail, : len(law)] = w, law
-    return weights, laws, np.minimum(fc[:, None, :], laws).sum(-1)
+    width = host.shape[-1]
+    weights, laws = np.zeros((len(host), width, width)), np.zeros((len(host), width))
+    for p, key in enumerate(keys):
+        where = np.flatnonzero(valid[p])
+        weights[p][np.ix_(where, where)], laws[p, where] = solved[key]
+    return weights, laws
 
 
 def _solve_lps(problems: list[tuple[np.ndarray, ...]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -173,6 +193,7 @@ def _flow_weights(a: np.ndarray, b: np.ndarray, c: np.ndarray, base: np.ndarray)
         return weights
     pairs, tokens = 1 + np.arange(len(first)), 1 + len(first) + np.arange(m)  # node ids; 0 = source
     sink = tokens[-1] + 1
+    # [3 n + m] edges each: source → pair, pair → its first token, pair → its second, token → sink
     rows = np.concatenate([np.zeros_like(pairs), pairs, pairs, tokens])
     cols = np.concatenate([pairs, tokens[first], tokens[second], np.full(m, sink)])
     capacity = np.concatenate([mass, mass, mass, room])
@@ -188,7 +209,8 @@ def _flow_weights(a: np.ndarray, b: np.ndarray, c: np.ndarray, base: np.ndarray)
 
 
 def _free_law(a: np.ndarray, b: np.ndarray, base: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The weights ``[m, m]`` (clipped to [0, 1], none on the diagonal) and the p_I they give the free tokens ``[m]``."""
+    """The weights ``[m, m]`` (clipped to [0, 1], none on the diagonal) and the p_I they give the free tokens
+    ``[m]``."""
     m = len(a)
     weights = weights.clip(0, 1)  # [m, m]
     np.fill_diagonal(weights, 0.0)

@@ -28,7 +28,7 @@ import torch
 
 from specdec_cli.verifiers import BlockVerifier
 
-from ._laws import TINY, commit_after, normalized_or, row_at, uniforms_like
+from ._laws import TINY, commit_after, normalized_or, row_at, single_draft_draws
 
 
 class BlockVerification(BlockVerifier):
@@ -41,12 +41,13 @@ class BlockVerification(BlockVerifier):
         q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
         draft_length = x.shape[0]
         weights, stop = _weights_and_stops(q, p, x)  # [L+1], [L+1]
-        eta = uniforms_like(stop[1:, None], randomness).squeeze(-1)  # [L] float64: η_1..η_L, stream ACCEPT at offsets 0..L-1
+        draws = single_draft_draws(randomness, draft_length, x.device)  # [L+1, 3]
+        eta = draws[:-1, 0]  # [L] float64: η_1..η_L, stream ACCEPT at offsets 0..L-1
         positions = torch.arange(1, draft_length + 1, device=x.device)  # [L]
         accepted = (positions * (eta < stop[1:]).long()).max()  # []: τ, the last t with η_t < h_t, else 0
         stopped_at = accepted.clamp(max=draft_length - 1)  # []: a valid residual row even when τ = L
         residual = _excess(row_at(weights, stopped_at), row_at(q, stopped_at), row_at(p, stopped_at))  # [V]
-        return commit_after(accepted, residual, q, x, randomness)
+        return commit_after(accepted, residual, q, x, draws)
 
     def block_law(self, target_probs, draft_probs, draft_tokens):
         """P(τ = t) = h_t Π_{j > t} (1 - h_j) with h_0 = 1, times the law of the token that follows."""

@@ -1,12 +1,15 @@
-"""IS-LP: importance-weighted sampling with the exact selection LP (Khisti et al., §3, Theorems 1, 3, 4).
+"""IS-LP: importance-weighted sampling with the exact selection LP (Khisti et al., §3: Theorem 1, eqs. 2-4;
+Theorem 3, eq. 6; Theorem 4, eqs. 38-40; the K = 2 LP of §4, eqs. 10-11, and Appendix G, eq. 187).
 
 The rule in the project's notation: docs/verifiers.md §5.
 
 For K = 2 drafts the LP over all pair weights reaches the optimal acceptance of *any* lossless
 rule (identical drafts: Theorem 3's P* = 1 + min_S [q(S) - p(S)^2]; different drafts:
-Theorem 4). K > 2 uses successive pairwise selection (Remark 4), lossless but not claimed
-optimal. The LP has m(m-1) weights for a draft support of m tokens, so the support is bounded
-by ``max_support``: restrict it with top-k / top-p sampling, or use ``is-truncated``.
+Theorem 4). K > 2: the LP selects among x1 and x2, then x3 … xK are tested against what is left of
+q (SpecInfer's steps, see :mod:`._importance`), so a block reads the device once; lossless, not
+claimed optimal, and never below SpecInfer. The LP has m(m-1) weights for a draft support of m
+tokens, so the support is bounded by ``max_support``: restrict it with top-k / top-p sampling, or
+use ``is-truncated``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 from specdec_cli.errors import UsageError
 
 from ._importance import ImportanceSampling
-from ._pair_selection import COIN
 
 
 class ImportanceSamplingLP(ImportanceSampling):
@@ -24,9 +26,6 @@ class ImportanceSamplingLP(ImportanceSampling):
         if max_support < 1:
             raise ValueError(f"is-lp: max_support must be >= 1, got {max_support}")
         self.max_support = int(max_support)
-
-    # Every token some draft can propose is free, so no pair reaches a tail: one tail rule is enough.
-    tails = (COIN,)
 
     @property
     def free_width(self) -> int:

@@ -3,62 +3,76 @@
 The rule in the project's notation: docs/verifiers.md §2.
 
 Source: "Mentored decoding" proof, §4 and Algorithm 1. With q = target, p = draft and
-the ratio q_i/p_i, the optimum of  max R = Σ p_i r_i  s.t.  KL(q ‖ π) ≤ D  has two thresholds
+the ratio t_i = q_i/p_i, the optimum of  max R = Σ p_i r_i  s.t.  KL(q ‖ π) ≤ D  has two thresholds
 α ≤ 1 ≤ β:
 
-    q_i/p_i ≤ α:      r_i = q_i/(α p_i),  π_i = q_i/α
-    α < q_i/p_i < β:  r_i = 1,            π_i = p_i
-    q_i/p_i ≥ β:      r_i = 1,            π_i = q_i/β,  s_i ∝ q_i/β - p_i
+    t_i ≤ α:      r_i = q_i/(α p_i),  π_i = q_i/α
+    α < t_i < β:  r_i = 1,            π_i = p_i
+    t_i ≥ β:      r_i = 1,            π_i = q_i/β,  s_i ∝ q_i/β - p_i
 
-with 1 - R = Σ (p_i - q_i/α)+ = Σ (q_i/β - p_i)+ fixing β from α (eq. 24, 27-28) and
+with 1 - R = Σ (p_i - q_i/α)+ = Σ (q_i/β - p_i)+ fixing β from α (eq. 24, 27-28), and
+KL = Σ q_i ln clip(t_i, α, β). When KL(q ‖ p) ≤ D every draft token is accepted outright.
 
-    KL(α) = ln α Σ_{≤α} q_i + Σ_{]α,β[} q_i ln(q_i/p_i) + ln β Σ_{≥β} q_i.
+Solving KL = D exactly (this project's derivation from the proof's closed form). Parametrised by
+the rejected mass ρ = 1 - R, α(ρ) = Q_≤α / (P_≤α - ρ) and β(ρ) = Q_≥β / (P_≥β + ρ) are monotone, and
 
-KL decreases in α from KL(q‖p) (α → min q/p, R = 1) to 0 (α = 1: speculative sampling).
-When KL(q‖p) ≤ D every draft token is accepted outright.
+    dKL/dρ = α - β ≤ 0,   d²KL/dρ² = α²/Q_≤α + β²/Q_≥β > 0  between breakpoints,
 
-Solving KL = D exactly (this project's derivation from the proof's closed form): write
-everything as a function of the rejected mass ρ = 1 - R. Then α(ρ) = Q_≤α / (P_≤α - ρ) and
-β(ρ) = Q_≥β / (P_≥β + ρ) are monotone, and
+where a breakpoint is a ρ at which a token crosses α or β. dKL/dρ is continuous and rising, so KL(ρ)
+is convex and falls from KL(q ‖ p) at ρ = 0 to 0 at ρ_max = Σ (p - q)+ (α = β = 1: speculative
+sampling): KL = D has one root, and inside its segment KL has the closed form above in five sums.
 
-    dKL/dρ = α - β ≤ 0,   d²KL/dρ² = α²/Q_≤α + β²/Q_≥β > 0  inside a segment,
+Two exact solvers give that root; both end in :class:`_Segment`'s closed forms.
 
-so KL(ρ) is decreasing and, between two breakpoints (a token crossing α or β), smooth and convex.
-The segment that holds the root is found without sorting: start from speculative sampling's sets
-(q/p < 1, q/p > 1), solve that segment's equation, move α and β there, recompute the sets (one
-pass over the vocabulary, sums as one batched matmul) and repeat until the sets and ρ stand
-still (6-7 passes at V = 128k; the first check of that comes after ``_SET_STEPS``, and each check
-is one device read). A settled row is exact: its α and β give back its own sets, and KL = D has
-one root. Rows that have not settled after ``_MAX_SET_STEPS`` fall back to one sort by q/p with
-prefix sums and a binary search over the breakpoints. Inside the segment a safeguarded Newton
-iteration finds the root to rounding. KL(q ‖ π) = D to rounding; the proof's Algorithm 1
-bisected into a band [(1-γ)D, (1+γ)D] instead, and ``tolerance`` (γ) is now accepted and ignored.
+- On a GPU (:func:`_solve_by_sorting`): one sort of q/p per position, prefix sums, and KL at every
+  breakpoint and on two grids of ρ (even, and geometric down to float64's smallest number, for the
+  ρ ~ 1e-100 that p = 0 < q can call for) at once (two ``searchsorted``) give the bracket that holds
+  the root inside one segment; there KL on a fine grid across the bracket and two Newton steps from
+  its left end (which on a convex falling KL never overshoot) give the root to rounding. A fixed
+  number of operations, no host read, one graph (issue #20 §2). Rows with KL(q ‖ p) ≤ D (q = p,
+  one-token laws) are masked, never branched on.
+- On the CPU, where a read is free (:func:`_solve_by_sets`): one pass for KL(q ‖ p); rows within D
+  are accepted outright. The others iterate on the sets: start from speculative sampling's
+  (t < 1, t > 1), solve that segment's equation (in Python floats), move α and β there, regroup
+  (one pass over V) and repeat until the groups repeat exactly; such α and β give back their own
+  groups, so they are the root's (KL = D has one root). A row that does not settle falls back to
+  the sorted solve. No O(V log V) sort on the CPU, where it costs more than a speculative block.
+  A block (:func:`_verify_lazily`) solves only the positions speculative sampling's test cannot
+  decide (mentored accepts whatever speculative sampling accepts: α ≤ 1), up to the first rejection.
 
 Draft mass on tokens the target rules out (q = 0 < p, e.g. target top-p): the threshold form
 rejects them whole for every α > 0, but at α = 0+ their acceptance is free. So for ρ below their
-draft mass p(q = 0), α = 0, they share the rejection, and KL = band + Q_≥β ln β(ρ) is solved in
-closed form (this also reaches the ρ ~ 1e-100 that p = 0 < q can call for).
-Tran-Thien & Nock (arXiv 2609.30474) treat this structure for every f-divergence; their text
-was not reachable from this project's machines, so nothing here is taken from it.
+draft mass, α = 0, they share the rejection, and KL = band + Q_≥β ln β(ρ). The proof's Algorithm 1
+bisected into a band [(1-γ)D, (1+γ)D]; here KL(q ‖ π) = D to rounding, and ``tolerance`` (γ) is
+accepted and ignored. Tran-Thien & Nock (arXiv 2609.30474) build the same O(sort(n)) breakpoint structure for
+every f-divergence; their text was not reachable from this project's machines, so nothing here is
+taken from it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
+from torch.nn.functional import pad
 
-from specdec_cli.verifiers import Verifier
+from specdec_cli.verifiers import BlockDecision, Verifier, reads_are_free
 
-from ._laws import first_accepted, normalized_or, row_at, single_draft_block
+from ._laws import (
+    commit_after, excess_or, first_accepted, normalized_or, row_at, single_draft_block, single_draft_draws, uniforms_like,
+)
 
-_NEWTON_STEPS = 24  # safeguarded Newton: quadratic once close
-_STEP_NEWTON_STEPS = 4  # per set step, warm-started: the sets only need ρ roughly
-_SET_STEPS = 8  # set steps before the first check that they settled (each check reads the device)
-_MAX_SET_STEPS = 32  # rows still moving then are solved from the sorted table
-_RHO_SETTLED = 1e-14  # relative move of ρ over a set step below which Newton has converged
-TINY = torch.finfo(torch.float64).tiny
+TINY, _LARGEST = torch.finfo(torch.float64).tiny, torch.finfo(torch.float64).max
+# Device path: KL at the breakpoints, at ρ_max/8191 steps and at ρ_max times 2^-1074 ... 2^0 in 8192 geometric
+# steps (ratio 1.095) brackets the root; KL at 8192 points across that bracket narrows it to 2⁻²⁶ ρ_max, or
+# 1e-5 of ρ, and two Newton steps take it to rounding (D from 1e-6 to 3 nats, V from 2 up:
+# tests/test_mentored_solve.py; one step, or 2⁻²⁰, leaves 1e-7 relative error on KL).
+_GRID_POINTS, _NEWTON_STEPS = 8192, 2
+_SMALLEST_EXPONENT = -1074  # float64's smallest positive number is 2^-1074
+_MAX_SET_STEPS = 16  # CPU path: set steps before a row falls back to the sorted solve
+_SCALAR_NEWTON_STEPS = 200  # CPU path: Newton from the left on one segment stops earlier, when it stands still
 
 
 class MentoredDecoding(Verifier):
@@ -66,6 +80,7 @@ class MentoredDecoding(Verifier):
     lossless = False
     max_drafts = 1
     kl_bound_parameter = "kl"
+    keyed_randomness = True
 
     def __init__(self, *, kl: float = 0.0, tolerance: float | None = None):
         """``tolerance`` is accepted and ignored: the bound is now met exactly (kept so recipes still load)."""
@@ -82,17 +97,15 @@ class MentoredDecoding(Verifier):
         law = (1 - r_x) * solution.residual()  # [..., V]
         return law.scatter_add(-1, x, r_x).to(target_probs.dtype)
 
-    def select(self, target_probs, draft_probs, draft_tokens, generator=None):
+    def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
         x = draft_tokens[..., :1]  # [..., 1]
-        u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float64)  # [..., 1]
         solution = self.solve(target_probs, draft_probs)
-        return first_accepted(u, solution.acceptance_of(x), x, solution.residual(), generator)
+        accept = solution.acceptance_of(x)  # [..., 1]
+        return first_accepted(uniforms_like(accept, randomness), accept, x, solution.residual(), randomness)
 
-    def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
         q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
-        solution = _solve(q[:-1], p, self.kl)  # every position's α and β in one call
-        accept = solution.acceptance_of(x.unsqueeze(-1)).squeeze(-1)  # [L]: r_x
-        return single_draft_block(accept, lambda n: solution.residual_row(n).to(q.dtype), q, x, generator)
+        return verify(q, p, x, self.kl, randomness, lazy=reads_are_free(q))
 
     def acceptance_probability(self, target_probs, draft_probs):
         """R = 1 - Σ (p_i - q_i/α)+ : exact, since the residual never returns a rejected token."""
@@ -101,7 +114,7 @@ class MentoredDecoding(Verifier):
 
     def solve(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> "_Solution":
         """α, β, 1 - R and KL for q ``[..., V]`` and one draft's p ``[..., 1, V]`` (float64)."""
-        return _solve(target_probs, draft_probs[..., 0, :], self.kl)
+        return solve(target_probs, draft_probs[..., 0, :], self.kl, lazy=reads_are_free(target_probs))
 
     def output_kl(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
         """KL(q ‖ π) of the output law π, in nats → ``[...]``: D itself whenever D < KL(q ‖ p)."""
@@ -109,280 +122,380 @@ class MentoredDecoding(Verifier):
         return solution.kl.squeeze(-1).to(target_probs.dtype)
 
 
+def verify(q, p, x, bound: float, randomness, lazy: bool) -> BlockDecision:
+    """One block: q ``[L+1, V]``, p ``[L, V]``, draft tokens x ``[L]``.
+
+    ``lazy`` (the CPU, where reads are free) solves only the positions that need it, reading the
+    device as it goes; otherwise every position is solved with a fixed number of operations.
+    Either way the draws are the same (ACCEPT at offsets 0..L-1, then RESIDUAL at the first
+    rejection or BONUS at L), and so is the decision.
+    """
+    if lazy:
+        return _verify_lazily(q, p, x, bound, randomness)
+    solution = solve(q[:-1], p, bound, lazy=False)
+    accept = solution.acceptance_of(x.unsqueeze(-1)).squeeze(-1)  # [L]: r_x
+    return single_draft_block(accept, solution.residual_row, q, x, randomness)
+
+
+def _verify_lazily(q, p, x, bound: float, randomness) -> BlockDecision:
+    """The block position by position on the CPU, stopping at the first rejection.
+
+    A position whose uniform passes speculative sampling's test u < q(x)/p(x) is accepted without a
+    solve (r_x = min(1, q(x)/(α p(x))) ≥ q(x)/p(x), as α ≤ 1); the others are solved one at a time.
+    The test first uses sums of q and p in their own precision (float32: 5× faster than in float64),
+    which any summation order gets within γ = V u / (1 - V u) of the exact ones (u the unit roundoff;
+    Higham, "Accuracy and Stability of Numerical Algorithms", 2002, §4.2), and computes the float64
+    sums only where that margin cannot decide.
+    """
+    draft_length, vocab = p.shape
+    tokens = x.unsqueeze(-1)  # [L, 1]
+    draws = single_draft_draws(randomness, draft_length, q.device)  # [L+1, 3]: those single_draft_block makes
+    uniforms = draws[:-1, 0]  # [L]: the acceptance tests
+    roundoff = vocab * max(torch.finfo(q.dtype).eps, torch.finfo(p.dtype).eps) / 2
+    spread = roundoff / (1 - roundoff) + 1e-12 if roundoff < 0.5 else math.inf  # γ, and room for float64 rounding
+    ratio = q[:-1].gather(-1, tokens).double() / p.gather(-1, tokens).double()  # [L, 1]: unnormalised q(x)/p(x)
+    scale = p.sum(-1, keepdim=True).double() / q[:-1].sum(-1, keepdim=True).double()  # [L, 1]: Σp / Σq to γ
+    surely_accepted = (uniforms < (ratio * scale).squeeze(-1) * ((1 - spread) / (1 + spread))).tolist()  # [L]
+    for position in range(draft_length):
+        rows = slice(position, position + 1)
+        u = float(uniforms[position])
+        if surely_accepted[position] or u < _normalised(q[rows], tokens[rows]) / _normalised(p[rows], tokens[rows]):
+            continue
+        solution = solve(q[rows], p[rows], bound, lazy=True)
+        if not u < solution.acceptance_of(tokens[rows]):
+            return commit_after(torch.tensor(position), solution.residual_row(torch.tensor(0)), q, x, draws)
+    return commit_after(torch.tensor(draft_length), q[-1], q, x, draws)
+
+
+def solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, lazy: bool) -> "_Solution":
+    """The exact optimum for q and p ``[..., V]`` (any probabilities; renormalised in float64)."""
+    if bound == 0:  # speculative sampling (α = β = 1), a double root that Newton only approaches
+        return _Solution.speculative(_normalised(target_probs), _normalised(draft_probs))
+    if lazy:
+        return _solve_by_sets(target_probs, draft_probs, bound)
+    return _solve_by_sorting(_normalised(target_probs), _normalised(draft_probs), bound)
+
+
+def _normalised(probs: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """``probs`` ``[..., V]`` in float64 summing to 1, or at ``tokens`` ``[..., k]`` only: float32 laws sum
+    to 1 only within 1e-7, and the closed form relies on Σq = Σp (e.g. Σ (p - q/α)+ = Σ (q/β - p)+)
+    far more tightly than that. (A float32 law divided by a float64 sum is divided in float64.)"""
+    law = probs if tokens is None else probs.gather(-1, tokens)  # [..., V] or [..., k]
+    return law / probs.sum(-1, keepdim=True, dtype=torch.float64)
+
+
+def _ratio(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """t = q/p ``[..., V]``: 0 where q = 0 (also where p = 0 too), ∞ where p = 0 < q."""
+    return (q / p).nan_to_num(0.0, posinf=math.inf)
+
+
+def _pair_direction(like: torch.Tensor) -> torch.Tensor:
+    """(-1, 1) shaped ``[2, 1, ...]``, as many dimensions as ``like``, to broadcast over pairs ``[2, ..., M]``:
+    ρ's sign in the denominators (P_low - ρ, P_high + ρ)."""
+    return torch.linspace(-1.0, 1.0, 2, dtype=like.dtype, device=like.device).view(2, *[1] * (like.dim() - 1))
+
+
 class _Solution:
     """α, β and 1 - R for each row, and the laws they define (all float64)."""
 
-    def __init__(self, q, p, segment: "_Segment", rho, kl):
-        self.q, self.p = q, p  # [..., V]
-        self.alpha, self.beta, _ = segment.at(rho)  # [..., 1] each; α = 0: no positive-q token is cut
-        self.rejected_mass = rho  # [..., 1]: 1 - R
-        self.kl = kl  # [..., 1]
-        # α = 0 leaves the zero-q tokens' common acceptance free: they are the only ones rejected.
-        self.zero_q_acceptance = torch.where(
-            self.alpha > 0, torch.zeros_like(rho), 1 - rho / segment.p_low.clamp_min(TINY)
-        )  # [..., 1]
+    def __init__(self, q, p, ratio, thresholds, rejected_mass, zero_q_acceptance, kl_of: Callable[[], torch.Tensor]):
+        self.q, self.p, self.ratio = q, p, ratio  # [..., V] each; ratio = q/p (:func:`_ratio`)
+        self.alpha, self.beta = thresholds  # [..., 1] each: α (0: no positive-q token is cut), β
+        self.rejected_mass = rejected_mass  # [..., 1]: 1 - R
+        # Where α = 0 the zero-q tokens are the only ones cut: they share the rejected mass.
+        self.zero_q_acceptance = zero_q_acceptance  # [..., 1]; unused where α > 0
+        self._kl_of = kl_of
+
+    @functools.cached_property
+    def kl(self) -> torch.Tensor:
+        """KL(q ‖ π) ``[..., 1]``, computed when asked: a block's decision never needs it."""
+        return self._kl_of()
+
+    @property
+    def thresholds(self) -> torch.Tensor:
+        return torch.cat([self.alpha, self.beta], -1)  # [..., 2]
+
+    @classmethod
+    def speculative(cls, q, p) -> "_Solution":
+        rejected_mass = (p - q).clamp_min(0).sum(-1, keepdim=True)  # [..., 1]
+        one = torch.ones_like(rejected_mass)
+        return cls(q, p, _ratio(q, p), (one, one), rejected_mass, one, lambda: torch.zeros_like(rejected_mass))
 
     def acceptance_of(self, x: torch.Tensor) -> torch.Tensor:
-        """r_x = min(1, q_x/(α p_x)) for candidates ``x`` ``[..., 1]``."""
-        q_x, p_x = self.q.gather(-1, x), self.p.gather(-1, x)  # [..., 1]
-        ratio_over_alpha = (q_x / (self.alpha * p_x)).clamp(max=1.0)  # [..., 1]; 1 where α = 0 < q_x
-        return torch.where(q_x > 0, ratio_over_alpha, self.zero_q_acceptance)
+        """r_x = min(1, t_x/α) for candidates ``x`` ``[..., 1]``: 1 where α = 0 < q_x, 0 where q_x = 0 < α,
+        and the zero-q tokens' shared acceptance where both are 0 (0/0)."""
+        ratio_over_alpha = self.ratio.gather(-1, x) / self.alpha  # [..., 1]
+        return torch.where(ratio_over_alpha.isnan(), self.zero_q_acceptance, ratio_over_alpha.clamp(max=1.0))
+
+    def _excess(self) -> torch.Tensor:
+        """(q - β p)+ = β (q/β - p)+ ``[..., V]``, the residual up to its scale (NaN where β = ∞ meets p = 0:
+        in rows that accept every draft token, whose residual is never drawn from and falls back to q)."""
+        return torch.addcmul(self.q, self.beta, self.p, value=-1).clamp_min(0)
 
     def residual(self) -> torch.Tensor:
         """s = (q/β - p)+ / (1 - R) ``[..., V]``; unused (and set to q) where nothing is rejected."""
-        return _residual(self.q, self.p, self.beta)
+        return normalized_or(self._excess(), self.q)
 
     def residual_row(self, index: torch.Tensor) -> torch.Tensor:
-        """The residual of row ``index`` (a 0-dim device index) of a ``[N, V]`` solution → ``[V]``."""
-        q, p, beta = (row_at(values, index) for values in (self.q, self.p, self.beta))  # [V], [V], [1]
-        return _residual(q, p, beta)
+        """The residual's weights (:func:`excess_or`) at row ``index`` (a 0-dim device index) of a ``[N, V]``
+        solution → ``[V]``: what a block draws its correction from."""
+        return row_at(excess_or(self._excess(), self.q), index)
 
 
-def _residual(q: torch.Tensor, p: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    return normalized_or((q / beta - p).clamp_min(0), q)
+def _solution_at(q, p, ratio, segment: "_Segment", rho, outright, bound: float) -> _Solution:
+    """The solution at the root ρ ``[1, ..., 1]`` of ``segment`` ``[2, ..., 1]``, or π = p (α = 0, β = ∞,
+    1 - R = 0) where ``outright`` ``[1, ..., 1]`` (there ρ must be 0)."""
+    denominators = segment.denominators(rho)  # [2, ..., 1]: (P_low - ρ, P_high + ρ)
+    accept_all = torch.where(segment.direction > 0, math.inf, 0.0)  # [2, 1, ...]: α = 0, β = ∞
+    thresholds = torch.where(outright, accept_all, segment.q / denominators).unbind()  # ([..., 1],) * 2
+    # Where α = 0: 1 - ρ/P_low, with P_low = p(q = 0); 1 where ρ = 0.
+    zero_q_acceptance = (denominators / segment.p.clamp_min(TINY))[0]  # [..., 1]
 
+    def kl() -> torch.Tensor:
+        root_kl = segment.excess(rho)[1][0] + bound  # [..., 1]
+        return torch.where(outright[0], torch.xlogy(q, ratio).sum(-1, keepdim=True), root_kl)
 
-def _solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float) -> _Solution:
-    """The exact optimum for every row: the segment that holds KL = D, then a Newton solve inside it.
-
-    Parametrised by the rejected mass ρ = 1 - R, α(ρ) and β(ρ) are both monotone and
-    dKL/dρ = α - β ≤ 0, so KL(ρ) = D has one root. Its segment (which tokens sit below α and
-    above β) is found by iterating on the sets (:func:`_settle_sets`, a few O(V) passes); rows that
-    do not settle are solved from a sort by q/p (:class:`_SortedTable`). Inside the segment KL(ρ)
-    is smooth and convex and a safeguarded Newton iteration finds the root to rounding.
-    """
-    rows = _Rows(target_probs, draft_probs)
-    speculative = rows.speculative()
-    rho_max = speculative.p_low - speculative.q_low  # [..., 1]: Σ (p - q)+, the rejected mass at α = 1
-    if bound == 0:  # speculative sampling (α = β = 1), a double root that Newton only approaches
-        segment, rho = speculative, rho_max
-    else:
-        segment, rho = _root_segment(rows, speculative, rho_max, bound)
-    divergence = segment.at(rho)[2]
-    outright = rows.full_kl <= bound  # accept every draft token: π = p
-    segment = _Segment.where(outright, _Segment.accept_all(rho), segment)
-    return _Solution(rows.q, rows.p, segment, torch.where(outright, torch.zeros_like(rho), rho),
-                     torch.where(outright, rows.full_kl, divergence))  # fmt: skip
-
-
-def _root_segment(rows: "_Rows", speculative: "_Segment", rho_max: torch.Tensor, bound: float):
-    """The segment that holds KL = D and the root ρ in it → (``_Segment`` [N, 1], ρ ``[N, 1]``)."""
-    segment, rho, settled = _settle_sets(rows, speculative, rho_max, bound)
-    if settled is None:
-        return segment, rho
-    table = _SortedTable(rows.q, rows.p, rho_max)  # the rare rows whose sets still move
-    low, high = table.bracket(bound)
-    table_segment = _Segment.of_table(table, *table.segment(low))
-    table_rho = _segment_root(table_segment, low, low, high, bound, _NEWTON_STEPS)
-    return _Segment.where(settled, segment, table_segment), torch.where(settled, rho, table_rho)
-
-
-def _settle_sets(rows: "_Rows", speculative: "_Segment", rho_max: torch.Tensor, bound: float):
-    """Iterate: the sets below α and above β → that segment's root ρ → its α and β → new sets.
-
-    Started from speculative sampling's sets (q/p < 1 and > 1), the sets settle in a handful of
-    steps (6-7 at V = 128k on peaked random laws), each one pass over the vocabulary. A row has
-    settled when its sums repeat exactly and ρ no longer moves: its α and β then give back its
-    own sets, so its segment is the root's (KL(ρ) = D has one root) and ρ is that root to
-    rounding. The first check waits for ``_SET_STEPS``: each check is one device read.
-    Returns (segment ``_Segment`` [N, 1], ρ ``[N, 1]``, settled ``[N, 1]`` bool or None when all are).
-    """
-    segment, rho, sums = speculative, rho_max, None  # ρ: [N, 1]
-    for step in range(_MAX_SET_STEPS):
-        if step:
-            segment = rows.segment(alpha, beta)
-        previous_rho, previous_sums, sums = rho, sums, segment.sums()  # sums: [N, 1, 5]
-        turn = segment.turn()
-        rho = _segment_root(segment, rho, torch.zeros_like(rho), turn, bound, _STEP_NEWTON_STEPS)
-        alpha, beta, _ = segment.at(rho)
-        # No root before the turn (α = β there): more tokens belong below α. With only zero-q tokens
-        # below it α stays 0 at the turn, so it is moved up to β by hand.
-        alpha = torch.where(rho >= turn, beta, alpha)
-        settled = (rho - previous_rho).abs() <= _RHO_SETTLED * rho  # [N, 1]
-        if previous_sums is not None:
-            settled &= (sums == previous_sums).all(-1)
-        if step + 1 >= _SET_STEPS and bool(settled.all()):
-            return segment, rho, None
-    return segment, rho, settled
-
-
-class _Rows:
-    """Each row's ratios t = q/p and the per-token weights every set's sums need (float64).
-
-    ``target_probs`` and ``draft_probs`` ``[N, V]`` are renormalised in float64: float32 laws sum to 1
-    only within 1e-7, and the closed form relies on Σq = Σp (e.g. Σ (p - q/α)+ = Σ (q/β - p)+) far
-    more tightly than that. Buffers are filled in place: at V = 128k each fresh one costs a pass.
-    """
-
-    def __init__(self, target_probs: torch.Tensor, draft_probs: torch.Tensor):
-        shape = target_probs.shape  # [N, V]
-        self.weights = torch.empty(*shape[:-1], 3, shape[-1], dtype=torch.float64, device=target_probs.device)
-        self.q, self.p, q_log_ratio = self.weights.unbind(-2)  # [N, V] views: q, p and q ln(q/p)
-        for law, probs in ((self.q, target_probs), (self.p, draft_probs)):
-            law.copy_(probs).div_(law.sum(-1, keepdim=True))
-        self.t = torch.div(self.q, self.p).nan_to_num_(nan=0.0, posinf=float("inf"))  # [N, V]; 0 where q = 0
-        torch.xlogy(self.q, self.t, out=q_log_ratio)  # ∞ where p = 0 < q
-        self.full_kl = q_log_ratio.sum(-1, keepdim=True)  # [N, 1]: KL(q ‖ p), ∞ when p misses q's support
-        # Tokens with p = 0 < q are always above β: they never enter the sums between α and β.
-        self.total_log_ratio = q_log_ratio.nan_to_num_(posinf=0.0).sum(-1, keepdim=True)  # [N, 1]
-        self._masks = torch.empty(*shape[:-1], 2, shape[-1], dtype=torch.float64, device=target_probs.device)
-
-    def speculative(self) -> "_Segment":
-        """The segment of speculative sampling (α = β = 1): the sets q/p < 1 and q/p > 1."""
-        alpha = torch.full_like(self.full_kl, math.nextafter(1.0, 0.0))
-        return self.segment(alpha, torch.full_like(self.full_kl, math.nextafter(1.0, 2.0)))
-
-    def segment(self, alpha: torch.Tensor, beta: torch.Tensor) -> "_Segment":
-        """The sums over {t ≤ α} and {t ≥ β} for thresholds ``[N, 1]``: one pass over ``[N, V]``."""
-        low, high = self._masks.unbind(-2)  # [N, V] each
-        low.copy_(self.t <= alpha)
-        high.copy_(self.t >= beta)
-        sums = self.weights @ self._masks.transpose(-1, -2)  # [N, 3, 2]: (q, p, q ln t) × (low, high)
-        q_low, p_low, log_low = sums[..., 0].split(1, -1)  # [N, 1] each
-        q_high, p_high, log_high = sums[..., 1].split(1, -1)
-        return _Segment(q_low, p_low, q_high, p_high, self.total_log_ratio - log_low - log_high)
-
-
-class _SortedTable:
-    """q and p sorted by t = q/p, with the prefix sums every KL evaluation needs (float64).
-
-    Zero-q tokens sort first (t = 0, always below α), p = 0 < q tokens last (t = ∞, always in β's
-    group). A segment is (l, h): tokens [0, l) have t ≤ α, tokens [h, V) have t ≥ β.
-    """
-
-    def __init__(self, q: torch.Tensor, p: torch.Tensor, rho_max: torch.Tensor):
-        ratio = torch.where(q > 0, q / p, torch.zeros_like(q))  # [..., V]
-        self.t, order = ratio.sort(-1)  # [..., V] ascending
-        q_sorted, p_sorted = q.gather(-1, order), p.gather(-1, order)  # [..., V]
-        q_log_ratio = torch.where(q_sorted > 0, q_sorted * self.t.log(), torch.zeros_like(q_sorted))  # [..., V]
-        self.q_prefix, self.p_prefix, self.kl_prefix = (
-            torch.nn.functional.pad(values.cumsum(-1), (1, 0)) for values in (q_sorted, p_sorted, q_log_ratio)
-        )  # [..., V+1] each: Σ over tokens [0, k)
-        self.q_suffix = self.q_prefix[..., -1:] - self.q_prefix  # [..., V+1]: Σ over [k, V)
-        self.p_suffix = self.p_prefix[..., -1:] - self.p_prefix  # [..., V+1]
-        # ρ at which α reaches t_k (tokens with t > 1 are never below α ≤ 1): non-decreasing in k.
-        # Zero-q tokens are below any α > 0, so all of them are in from ρ = 0 on (α = 0 until ρ = p(q = 0)).
-        alpha_rho = self.p_prefix[..., 1:] - self.q_prefix[..., 1:] / self.t.clamp_min(TINY)  # [..., V]
-        alpha_rho = torch.where(self.t > 0, alpha_rho, torch.zeros_like(alpha_rho))
-        self.alpha_rho = torch.where(self.t <= 1, alpha_rho, torch.full_like(alpha_rho, float("inf")))
-        # -ρ at which β reaches t_j (β ≥ 1, so only tokens with t ≥ 1): non-decreasing in j.
-        beta_rho = (self.p_suffix[..., :-1] - self.q_suffix[..., :-1] / self.t).clamp_max(0)  # [..., V]
-        self.minus_beta_rho = torch.where(self.t >= 1, beta_rho, torch.full_like(beta_rho, -float("inf")))
-        self.rho_max = rho_max  # [..., 1]: Σ (p - q)+, α = 1, speculative
-
-    def bracket(self, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two consecutive breakpoints ρ (a token crossing α or β) with KL ≥ D at the first and
-        KL < D at the second (0 and ρ_max at the ends) → ``[..., 1]`` each."""
-        zero = torch.zeros_like(self.rho_max)
-        clip = functools.partial(_clip, low=zero, high=self.rho_max)
-        low, high = zero, self.rho_max
-        # α's breakpoints ascend with the token index, β's descend: flipped so both ascend.
-        for points in (clip(self.alpha_rho), clip(-self.minus_beta_rho).flip(-1)):  # [..., V] each
-            count = self._count_at_or_above(points, bound)  # [..., 1]
-            last = points.gather(-1, (count - 1).clamp_min(0))
-            following = points.gather(-1, count.clamp(max=points.shape[-1] - 1))
-            low = torch.maximum(low, torch.where(count > 0, last, zero))
-            high = torch.minimum(high, torch.where(count < points.shape[-1], following, self.rho_max))
-        return low, high.clamp_min(low)
-
-    def _count_at_or_above(self, points: torch.Tensor, bound: float) -> torch.Tensor:
-        """How many of the ascending ``points`` ``[..., V]`` have KL ≥ D (a prefix: KL falls with ρ),
-        by binary search: O(log V) evaluations of KL, each O(log V)."""
-        size = points.shape[-1]
-        low = torch.zeros_like(points[..., :1], dtype=torch.long)  # [..., 1]
-        high = torch.full_like(low, size)
-        for _ in range(size.bit_length()):
-            middle = (low + high) // 2
-            rho = points.gather(-1, middle.clamp(max=size - 1))
-            above = (_Segment.of_table(self, *self.segment(rho)).at(rho)[2] >= bound) & (middle < high)
-            low = torch.where(above, middle + 1, low)
-            high = torch.where(above, high, middle)
-        return low
-
-    def segment(self, rho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(l, h) for ρ ``[..., M]`` (the segment just right of ρ at a breakpoint) → two ``[..., M]``."""
-        low = torch.searchsorted(self.alpha_rho.contiguous(), rho.contiguous(), right=True)
-        high = torch.searchsorted(self.minus_beta_rho.contiguous(), (-rho).contiguous(), right=False)
-        return low, high
+    return _Solution(q, p, ratio, thresholds, rho[0], zero_q_acceptance, kl)
 
 
 class _Segment:
-    """The sums that stay fixed while ρ moves inside one segment: Q and P below α and above β, and
-    Σ q ln(q/p) between them (all ``[..., M]``). KL(ρ), α(ρ) and β(ρ) are then O(1) (eq. 24, 27-28)."""
+    """The sums that stay fixed while ρ moves inside one segment (eq. 24, 27-28), for a batch ``[..., M]``,
+    as pairs (below α, above β) along dim 0: ``q`` = (Q_low, Q_high) and ``p`` = (P_low, P_high)
+    ``[2, ..., M]``, and ``offset`` ``[2, ..., M]``, whose pair sums to the band's Σ q ln(q/p) + Q_low ln Q_low
+    + Q_high ln Q_high - D, so that
 
-    def __init__(self, q_low, p_low, q_high, p_high, band):
-        self.q_low, self.p_low, self.q_high, self.p_high, self.band = q_low, p_low, q_high, p_high, band
+        KL(ρ) - D = Σ offset - Q_low ln(P_low - ρ) - Q_high ln(P_high + ρ),
+        α = Q_low/(P_low - ρ),  β = Q_high/(P_high + ρ).
 
-    @classmethod
-    def of_table(cls, table: _SortedTable, low: torch.Tensor, high: torch.Tensor) -> "_Segment":
-        high = high.clamp(max=table.t.shape[-1] - 1)  # the largest ratio is always in β's group
-        q_low, p_low = table.q_prefix.gather(-1, low), table.p_prefix.gather(-1, low)  # [..., M]
-        q_high, p_high = table.q_suffix.gather(-1, high), table.p_suffix.gather(-1, high)  # [..., M]
-        return cls(q_low, p_low, q_high, p_high, table.kl_prefix.gather(-1, high) - table.kl_prefix.gather(-1, low))
-
-    @classmethod
-    def accept_all(cls, like: torch.Tensor) -> "_Segment":
-        """α = 0 and β = ∞: π = p (with ρ = 0), shaped ``like`` ``[..., M]``."""
-        zero, one = torch.zeros_like(like), torch.ones_like(like)
-        return cls(zero, one, one, zero, zero)
-
-    @classmethod
-    def where(cls, condition: torch.Tensor, chosen: "_Segment", other: "_Segment") -> "_Segment":
-        return cls(*(torch.where(condition, a, b) for a, b in zip(chosen.sums().unbind(-1), other.sums().unbind(-1))))
-
-    def sums(self) -> torch.Tensor:
-        return torch.stack([self.q_low, self.p_low, self.q_high, self.p_high, self.band], -1)  # [..., M, 5]
-
-    def turn(self) -> torch.Tensor:
-        """The ρ where α = β (KL's minimum over this segment), within [0, P_low] → ``[..., M]``."""
-        turn = (self.q_high * self.p_low - self.q_low * self.p_high) / (self.q_low + self.q_high).clamp_min(TINY)
-        return _clip(turn, torch.zeros_like(turn), self.p_low)
-
-    def alpha_free_root(self, bound: float) -> torch.Tensor:
-        """ρ with KL = D where only zero-q tokens are below α (α = 0): KL = band + Q_high ln(Q_high/(P_high + ρ))
-        is solved in closed form, which also reaches the tiny ρ (1e-100) that p missing part of q's
-        support can call for → ``[..., M]``."""
-        root = ((self.band + self.q_high * self.q_high.log() - bound) / self.q_high).exp() - self.p_high
-        return root.clamp_min(TINY)  # ρ = 0 would leave KL = ∞ when p misses part of q
-
-    def at(self, rho: torch.Tensor):
-        """α, β and KL at ρ ``[..., M]``."""
-        # Only zero-q tokens below α: α = 0, and they share the rejected mass (Σ over them of p = P_low ≥ ρ).
-        alpha = torch.where(self.q_low > 0, self.q_low / (self.p_low - rho).clamp_min(TINY), 0.0)
-        beta = torch.where(self.q_high > 0, self.q_high / (self.p_high + rho), float("inf"))  # [..., M]
-        low_term = torch.where(self.q_low > 0, self.q_low * alpha.log(), 0.0)
-        high_term = torch.where(self.q_high > 0, self.q_high * beta.log(), 0.0)
-        return alpha, beta, low_term + self.band + high_term
-
-
-def _segment_root(segment: _Segment, start, low, high, bound: float, steps: int) -> torch.Tensor:
-    """The root of the segment's KL(ρ) = D in [low, high] from ``start`` (all ``[..., 1]``), or the end
-    of the bracket nearest to it when there is none there.
-
-    Each iteration takes the first of these steps that lands inside the bracket:
-    Newton on √KL - √D, fast near ρ_max, where KL vanishes quadratically (α and β both reach 1)
-    and Newton on KL would only halve the error per step; Newton on KL, which never overshoots
-    from the left of the root and lands left of it from its right (KL is convex and
-    decreasing); Newton on ln ρ, for the log singularity at ρ = 0 when p misses part of q's
-    support (KL ≈ c - q(p = 0) ln ρ there); and bisection.
+    α = 0 where only zero-q tokens are below it (Q_low = 0). ρ is ``[1, ..., M]``.
     """
-    rho = _clip(start, low, high)
-    for _ in range(steps):
-        alpha, beta, kl = segment.at(rho)
-        above = kl >= bound  # [..., 1]
-        low, high = torch.where(above, rho, low), torch.where(above, high, rho)
-        slope = (alpha - beta).clamp(max=-TINY)  # [..., 1]: dKL/dρ
-        step = (kl - bound) / slope  # [..., 1]: Newton's decrement of ρ
-        root = kl.clamp_min(0).sqrt()
-        fast = rho - (root - math.sqrt(bound)) * 2 * root / slope  # Newton on √KL: d√KL = dKL / 2√KL
-        candidates = (rho * torch.exp(-step / rho), rho - step)  # on ln ρ, on ρ; converged: ρ itself, at an end
-        rho = (low + high) / 2
-        for candidate in candidates:
-            rho = torch.where((candidate >= low) & (candidate <= high), candidate, rho)
-        # Strictly inside: at KL = 0 (ρ_max) this step stands still.
-        rho = torch.where((fast > low) & (fast < high), fast, rho)
-    return torch.where(segment.q_low > 0, rho, _clip(segment.alpha_free_root(bound), low, high))
+
+    def __init__(self, q: torch.Tensor, p: torch.Tensor, offset: torch.Tensor, direction: torch.Tensor):
+        self.q, self.p, self.offset = q, p, offset
+        self.direction = direction  # [2, 1, ...]: :func:`_pair_direction`
+
+    @classmethod
+    def of_sums(cls, q, p, band, bound: float) -> "_Segment":
+        """From (Q_low, Q_high), (P_low, P_high) ``[2, ..., M]`` and the band's Σ q ln(q/p) ``[1, ..., M]``."""
+        return cls(q, p, torch.xlogy(q, q) + (band - bound) / 2, _pair_direction(q))
+
+    def denominators(self, rho: torch.Tensor) -> torch.Tensor:
+        """(P_low - ρ, P_high + ρ) ``[2, ..., M]`` at ρ ``[1, ..., M]``, at least float64's smallest normal
+        number: P_high + ρ = 0 < Q_high at ρ = 0 where p misses part of q's support (then KL ≥ D there
+        exactly when the root is at least that number), and P_low - ρ = 0 < Q_low by rounding at the
+        turn (α = 1) where Q_low is below Σ p's rounding (e.g. 6e-18): a finite KL there, not ∞ ≥ D."""
+        return torch.addcmul(self.p, self.direction, rho).clamp_min(TINY)
+
+    def excess(self, rho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(denominators ``[2, ..., M]``, KL - D ``[1, ..., M]``) at ρ ``[1, ..., M]``, finite everywhere."""
+        denominators = self.denominators(rho)
+        return denominators, (self.offset - torch.xlogy(self.q, denominators)).sum(0, keepdim=True)
+
+    def pick(self, index: torch.Tensor) -> "_Segment":
+        """The segments at ``index`` ``[1, ..., 1]`` along M → a ``[2, ..., 1]`` segment."""
+        pair_index = index.expand(2, *index.shape[1:])  # [2, ..., 1]
+        return _Segment(*(field.gather(-1, pair_index) for field in (self.q, self.p, self.offset)), self.direction)
+
+    def root_between(self, low: torch.Tensor, high: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """The root of KL(ρ) = D in [low, high] ``[1, ..., 1]`` (KL ≥ D at low, < D at high).
+
+        KL at the points of ``grid`` ``[K]`` (0 to 1) across the bracket at once narrows it (robust where
+        Newton is slow: at the double root ρ_max when D is small, or near a log singularity), then
+        ``_NEWTON_STEPS`` Newton steps from its left end, which on a convex falling KL climb to the
+        root without overshooting it.
+        """
+        points = torch.addcmul(low, high - low, grid)  # [1, ..., K]
+        above = self.excess(points)[1] >= 0  # [1, ..., K]; low itself counts as above even if rounding says no
+        low = torch.where(above, points, low).amax(-1, keepdim=True)  # [1, ..., 1]
+        high = torch.where(above, math.inf, points).amin(-1, keepdim=True)
+        rho = low
+        for _ in range(_NEWTON_STEPS):
+            denominators, excess = self.excess(rho)
+            rho = torch.addcdiv(rho, excess, (self.q / denominators).diff(dim=0))  # ÷ (β - α) = -dKL/dρ
+        return rho.clamp(low, high)
 
 
-def _clip(values: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    return torch.maximum(torch.minimum(values, high), low)
+class _SortedTable:
+    """q and p sorted by t = q/p, with the prefix sums every KL evaluation needs (float64, rows ``[..., V]``).
+
+    Zero-q tokens sort first (t = 0, always below α), p = 0 < q tokens last (t = ∞, always above β).
+    A segment is (l, h): tokens [0, l) have t ≤ α, tokens [h, V) have t ≥ β.
+    """
+
+    def __init__(self, q: torch.Tensor, p: torch.Tensor, bound: float):
+        self.bound = bound
+        self.ratio = _ratio(q, p)  # [..., V]
+        t, order = self.ratio.sort(-1)  # [..., V] ascending
+        q_sorted, p_sorted = q.gather(-1, order), p.gather(-1, order)  # [..., V]
+        prefix = pad(torch.stack([q_sorted, p_sorted, torch.xlogy(q_sorted, t)]).cumsum(-1), (1, 0))  # [3, ..., V+1]
+        # [2, ..., 1]: Σ q, Σ p; [1, ..., 1]: KL(q ‖ p), ∞ where p misses q's support
+        totals, self.full_kl = prefix[..., -1:].split(2)
+        # (Σ q, Σ p, Σ q ln t) over [0, k) below each k, and (Σ q, Σ p over [k, V); D - Σ q ln t over [0, k)) from
+        # it on (exact 0 over a tail of p = 0): one gather at (l, h) gives a segment's sums, and its last pair sums
+        # to minus its band plus D. No sum of q ln t over [k, V), which is ∞ where p misses q's support.
+        suffix = pad(totals, (0, 0) * q.dim() + (0, 1), value=bound) - prefix  # [3, ..., V+1]
+        self.sums = torch.stack([prefix, suffix], 1)  # [3, 2, ..., V+1]
+        q_sums, p_sums, _ = self.sums[..., :-1].unbind()  # [2, ..., V] each
+        # ρ at which α reaches t_k, and minus the ρ at which β reaches t_k, both non-decreasing in k:
+        # Σ p - Σ q/t_k below k, and from k on. Where t_k > 1 (< 1) they lie past ρ_max, which α ≤ 1 (β ≥ 1) never reaches.
+        # Zero-q tokens are below any α > 0, so all are in from ρ = 0 on (0/0 → 0; α = 0 until ρ = p(q = 0)).
+        self.breakpoints = torch.addcdiv(p_sums, q_sums, t, value=-1).nan_to_num(0.0)  # [2, ..., V]
+        self.rho_max = (p_sums - q_sums).amax((0, -1), keepdim=True)  # [1, ..., 1]: Σ (p - q)+, α = β = 1
+        self.direction = _pair_direction(self.rho_max)
+
+    def segments(self, alpha_rho, minus_beta_rho, rho: torch.Tensor) -> _Segment:
+        """The segments just right of ρ ``[1, ..., M]`` (at a breakpoint: the one it opens) → ``[2, ..., M]``,
+        from the breakpoints ``[1, ..., V]`` each."""
+        low = torch.searchsorted(alpha_rho, rho, right=True)  # [1, ..., M]
+        high = torch.searchsorted(minus_beta_rho, -rho)
+        index = torch.cat([low, high]).clamp_max(self.ratio.shape[-1] - 1)  # [2, ..., M]; the largest t is above β
+        q, p, weights = self.sums.gather(-1, index.unsqueeze(0).expand(3, *index.shape)).unbind()  # [2, ..., M] each
+        return _Segment(q, p, torch.xlogy(q, q) - weights, self.direction)
+
+    def root(self) -> tuple[_Segment, torch.Tensor, torch.Tensor]:
+        """(the segment ``[2, ..., 1]`` that holds KL = D, the root ρ ``[1, ..., 1]`` in it, and ``[1, ..., 1]``
+        whether KL(q ‖ p) ≤ D: every draft token accepted, ρ = 0).
+
+        KL is evaluated at every breakpoint and on two grids from 0 to ρ_max at once; it falls with ρ, so
+        the root lies between the last of these with KL ≥ D and the first with KL < D, inside one segment.
+        Outright acceptance is decided on KL(q ‖ p), not on KL at ρ = 0 from these sums: a tail of draft mass
+        below the rounding of Σ p (e.g. 4e-17) has P_high = 0 there, as if p missed q's support.
+        """
+        grid = torch.linspace(0.0, 1.0, _GRID_POINTS, dtype=self.rho_max.dtype, device=self.rho_max.device)  # [K]
+        geometric = torch.logspace(_SMALLEST_EXPONENT, 0, _GRID_POINTS, base=2.0, dtype=grid.dtype, device=grid.device)
+        alpha_rho, minus_beta_rho = self.breakpoints.split(1)  # [1, ..., V] each
+        candidates = torch.cat([alpha_rho, -minus_beta_rho, grid * self.rho_max, geometric * self.rho_max], -1)
+        candidates = candidates.clamp_min(0).minimum(self.rho_max)  # [1, ..., C]
+        segments = self.segments(alpha_rho, minus_beta_rho, candidates)  # [2, ..., C]
+        above = segments.excess(candidates)[1] >= 0  # [1, ..., C]
+        low, index = torch.where(above, candidates, 0.0).max(-1, keepdim=True)  # [1, ..., 1]
+        high = torch.where(above, math.inf, candidates).amin(-1, keepdim=True)
+        outright = self.full_kl <= self.bound  # [1, ..., 1]
+        segment = segments.pick(index)
+        return segment, torch.where(outright, 0.0, segment.root_between(low, high, grid)), outright
+
+
+def _solve_by_sorting(q: torch.Tensor, p: torch.Tensor, bound: float) -> _Solution:
+    """Every row at once with a fixed number of operations and no host read (the device path)."""
+    table = _SortedTable(q, p, bound)
+    return _solution_at(q, p, table.ratio, *table.root(), bound)
+
+
+_BELOW_ONE, _ABOVE_ONE = math.nextafter(1.0, 0.0), math.nextafter(1.0, 2.0)  # speculative sampling's α and β
+_ACCEPT_ALL = (0.0, 1.0, 1.0, 0.0, 0.0, 0.0)  # (Q_low, Q_high, P_low, P_high, band, ρ): a row with no root to solve
+
+
+class _Groups:
+    """Q, P and Σ q ln(q/p) below α and above β, from one comparison pass and one matrix product over V
+    per set step (the CPU path; rows ``[N, V]`` of any probabilities, renormalised in float64 as
+    :func:`_normalised` does). Buffers are filled in place: at V = 128k each fresh one costs a pass."""
+
+    def __init__(self, target_probs: torch.Tensor, draft_probs: torch.Tensor):
+        rows, vocab = target_probs.shape
+        self.weights = torch.empty(rows, 3, vocab, dtype=torch.float64)  # [N, 3, V]: q, p, q ln(q/p)
+        self.q, self.p, log_ratio = self.weights.unbind(-2)  # [N, V] views
+        for law, probs in ((self.q, target_probs), (self.p, draft_probs)):
+            torch.div(probs, probs.sum(-1, keepdim=True, dtype=torch.float64), out=law)
+        self.t = torch.div(self.q, self.p).nan_to_num_(nan=0.0, posinf=math.inf)  # [N, V]: as :func:`_ratio`
+        self._masks = torch.empty(rows, 2, vocab, dtype=torch.float64)  # [N, 2, V]: below α, above β
+        # q ln t, 0 where q = 0: xlogy, and log at 0, take a slow path per element (4× and 10× slower at V = 128k).
+        torch.log(self.t.clamp_min(TINY), out=log_ratio).mul_(self.q)
+        self.full_kl = log_ratio.sum(-1, keepdim=True)  # [N, 1]: KL(q ‖ p)
+        self.total_log_ratio = self.full_kl.squeeze(-1).tolist()  # [N]: Σ q ln t over the tokens with t < ∞
+        if math.inf in self.total_log_ratio:  # p misses q's support
+            self._count_missing_support(log_ratio)
+
+    def _count_missing_support(self, log_ratio: torch.Tensor):
+        """Where p = 0 < q (t = ∞): those tokens are always above β, never between α and β, so they stay out of
+        the band's sums; and KL(q ‖ p) counts them at t = float64's largest number (p = 2^-1024 q there), so a
+        row that is still within D has its root ρ below float64's range (the device path's floor) and is
+        accepted outright, without set steps that would not settle."""
+        missing = self.q.where(self.t == math.inf, 0.0).sum(-1, keepdim=True)  # [N, 1]: q's mass where p = 0
+        finite = log_ratio.nan_to_num_(posinf=0.0).sum(-1, keepdim=True)  # [N, 1]
+        self.total_log_ratio = finite.squeeze(-1).tolist()
+        self.full_kl = finite + math.log(_LARGEST) * missing
+
+    def segments(self, thresholds: list) -> list:
+        """The segment (Q_low, Q_high, P_low, P_high, band) of each row's [α, β] → a list [N] of 5-tuples."""
+        limits = torch.tensor(thresholds, dtype=self.t.dtype).unsqueeze(-1)  # [N, 2, 1]
+        torch.le(self.t, limits[:, 0], out=self._masks[:, 0])
+        torch.ge(self.t, limits[:, 1], out=self._masks[:, 1])
+        sums = torch.bmm(self.weights, self._masks.transpose(-1, -2)).tolist()  # [N][3][2]: (q, p, q ln t) × groups
+        return [(q_low, q_high, p_low, p_high, total - w_low - w_high)
+                for ((q_low, q_high), (p_low, p_high), (w_low, w_high)), total in zip(sums, self.total_log_ratio)]  # fmt: skip
+
+
+def _solve_by_sets(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float) -> _Solution:
+    """Every row of q, p ``[..., V]`` on the CPU, reading as it goes; a row whose sets do not settle by sorting."""
+    batch, vocab = target_probs.shape[:-1], target_probs.shape[-1]
+    groups = _Groups(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab))
+    outright = groups.full_kl <= bound  # [N, 1]: accept every draft token
+    pending = (~outright).squeeze(-1).tolist()  # [N]
+    found = _settle_sets(groups, pending, bound)
+    roots = torch.tensor([root or _ACCEPT_ALL for root in found], dtype=torch.float64).T.unsqueeze(-1)  # [6, N, 1]
+    segment, rho = _Segment.of_sums(roots[0:2], roots[2:4], roots[4:5], bound), roots[5:]  # [2, N, 1], [1, N, 1]
+    unsettled = [row for row, (waiting, root) in enumerate(zip(pending, found)) if waiting and root is None]
+    if unsettled:  # rarely
+        sorted_segment, sorted_rho, _ = _SortedTable(groups.q[unsettled], groups.p[unsettled], bound).root()
+        for field, value in zip((segment.q, segment.p, segment.offset, rho),
+                                (sorted_segment.q, sorted_segment.p, sorted_segment.offset, sorted_rho)):  # fmt: skip
+            field[:, unsettled] = value
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:  # [..., N, k] → [..., *batch, k]
+        return tensor.reshape(*tensor.shape[:-2], *batch, tensor.shape[-1])
+
+    rho = rows(rho)  # [1, *batch, 1]
+    segment = _Segment(*(rows(field) for field in (segment.q, segment.p, segment.offset)), _pair_direction(rho))
+    return _solution_at(rows(groups.q), rows(groups.p), rows(groups.t), segment, rho, rows(outright[None]), bound)
+
+
+def _settle_sets(groups: _Groups, pending: list, bound: float) -> list:
+    """Each pending row's settled (Q_low, Q_high, P_low, P_high, band, ρ), or None (not pending, or not
+    settled within ``_MAX_SET_STEPS``). A row has settled when its sums repeat exactly: its α and β
+    then give back their own groups."""
+    thresholds = [[_BELOW_ONE, _ABOVE_ONE] for _ in pending]  # [N][2]: speculative sampling's groups first
+    previous, found, rho = [None] * len(pending), [None] * len(pending), [0.0] * len(pending)
+    waiting = list(pending)
+    for _ in range(_MAX_SET_STEPS):
+        if not any(waiting):
+            break
+        for row, segment in enumerate(groups.segments(thresholds)):
+            if not waiting[row]:
+                continue
+            if segment == previous[row]:
+                found[row], waiting[row] = (*segment, rho[row]), False
+                continue
+            previous[row] = segment
+            rho[row], *thresholds[row] = _scalar_root(*segment, bound)
+    return found
+
+
+def _scalar_root(q_low, q_high, p_low, p_high, band, bound: float) -> tuple[float, float, float]:
+    """(ρ, α, β) at the root of one segment's KL(ρ) = D in [0, turn] (the end nearest to it when it has
+    none there), in Python floats: the CPU path's set steps make thousands of these, and a float
+    operation costs a hundred times less than a torch operation on one number.
+
+    The same closed form as :class:`_Segment`; Newton from :meth:`_Segment.lower_root`'s start, on a
+    convex decreasing KL, climbs to the root without overshooting, so it stops when it stands still.
+    At the turn (α = β, KL's minimum) α is moved up to β: more tokens belong below it.
+    """
+
+    def at(rho: float) -> tuple[float, float, float]:
+        alpha, beta = q_low / max(p_low - rho, TINY), q_high / max(p_high + rho, TINY)
+        return alpha, beta, band + _xlogy(q_low, alpha) + _xlogy(q_high, beta)
+
+    turn = min(max((q_high * p_low - q_low * p_high) / max(q_low + q_high, TINY), 0.0), p_low)
+    frozen = band + _xlogy(q_low, q_low / max(p_low, TINY)) + _xlogy(q_high, q_high)
+    rho = min(max(math.exp(min((frozen - bound) / max(q_high, TINY), 700.0)) - p_high, 0.0), turn)
+    for _ in range(_SCALAR_NEWTON_STEPS):
+        alpha, beta, kl = at(rho)
+        step = rho + (kl - bound) / (beta - alpha) if kl > bound and beta > alpha else rho
+        if not step > rho:
+            break
+        rho = min(step, turn)
+    alpha, beta, _ = at(rho)
+    return rho, beta if rho >= turn else alpha, beta
+
+
+def _xlogy(x: float, y: float) -> float:
+    return x * math.log(y) if x > 0 else 0.0

@@ -19,6 +19,7 @@ import torch
 from specdec_cli.verifiers import Verifier
 
 from ._laws import (
+    excess_weights,
     first_accepted,
     normalized_excess,
     one_hot_mass,
@@ -51,7 +52,7 @@ class SpeculativeSampling(Verifier):
         q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
         accept = ratio_acceptance(q[:-1], p, x.unsqueeze(-1)).squeeze(-1)  # [L]: min(1, q(x_t)/p(x_t))
         return single_draft_block(
-            accept, lambda n: normalized_excess(row_at(q, n), row_at(p, n)), q, x, randomness
+            accept, lambda n: excess_weights(row_at(q, n), row_at(p, n)), q, x, randomness
         )
 
     def acceptance_probability(self, target_probs, draft_probs):

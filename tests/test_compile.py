@@ -8,10 +8,12 @@ import torch
 
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.errors import UsageError
+from specdec_cli.randomness import Draws
 from specdec_cli.recipe import build_recipe
-from specdec_cli.verifiers import VerifierRegistry
+from specdec_cli.verifiers import VerifierRegistry, device_path, load_verifier
 from specdec_plugins.speculative import SpeculativeSampling
 from tests.conftest import tiny_recipe
+from tests.test_device_path import random_block
 
 
 class GeneratorPlugin(SpeculativeSampling):
@@ -61,3 +63,15 @@ def test_a_generator_plugin_gets_a_generator_seeded_by_sample_and_block(tiny_mod
 def test_compile_refuses_a_generator_plugin_before_loading(tiny_models):
     with pytest.raises(UsageError, match="'generator-plugin' draws from a torch.Generator.*drop speculation.compile"):
         _decoder(tiny_models, GeneratorPlugin.name, compile_steps=True)
+
+
+def test_a_multi_draft_verify_block_compiled_by_inductor_decides_as_eager():
+    """Inductor, not only dynamo: the keyed draws' counters once reached it as an arange times a 64-bit
+    constant, index arithmetic that overflowed, and spectr's compiled K = 4 kernel failed a bounds check."""
+    target, draft, tokens = random_block("peaked", 4, 4, 256, seed=3, identical_drafts=True)
+    verifier = load_verifier("spectr")
+    draws = Draws.create(11, block_start=5)
+    with torch.inference_mode(), device_path():
+        eager = verifier.verify_block(target, draft, tokens, draws)
+        compiled = torch.compile(verifier.verify_block, fullgraph=True)(target, draft, tokens, draws)
+    assert torch.equal(compiled.tokens, eager.tokens) and int(compiled.num_accepted) == int(eager.num_accepted)

@@ -53,32 +53,14 @@ class Case:
         return type(self.verifier()).identical_drafts
 
 
-ALL_CASES = [
+CASES = [
     Case("speculative", 1), Case("block", 1), Case("mentored", 1, 0.0), Case("mentored", 1, 0.3),
     *(Case("specinfer", k) for k in (1, 2, 3, 4)), *(Case("spectr", k) for k in (2, 4)),
     *(Case(name, k) for name in ("is-lp", "is-truncated") for k in (2, 4)),
 ]  # fmt: skip
-NOT_KEYED = {"mentored", "is-lp", "is-truncated"}
-"""Built-ins that still draw from a torch.Generator (the engine hands them one seeded per block): their
-device-path rewrite is not in yet. :func:`test_the_not_yet_keyed_list_is_current` keeps this honest."""
-CASES = [case for case in ALL_CASES if case.name not in NOT_KEYED]
 GRAPH_CASES = [case for case in CASES if case.num_drafts in (1, 4)]
 """Dynamo's trace takes seconds: each verifier's code is traced once with one draft and once with four
 (K = 2, 3 run the same code as four; one draft takes the single-draft path)."""
-
-# ---------------------------------------------------------------------------------------------------
-# Not yet on the device path: "check:test id" → why; check is fixed, budget, reads or graph, the test id
-# as pytest shows it. The lead empties this list as the rewrites land; the marks are strict, so a case
-# that starts passing fails until its line is removed.
-NOT_YET: dict[str, str] = {}
-# ---------------------------------------------------------------------------------------------------
-
-
-def test_the_not_yet_keyed_list_is_current():
-    """Every built-in outside NOT_KEYED is keyed (and held to the rules below); every one inside is not yet."""
-    keyed = {case.name: type(case.verifier()).keyed_randomness for case in ALL_CASES}
-    assert {name for name, is_keyed in keyed.items() if not is_keyed} == NOT_KEYED
-
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -90,13 +72,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _params(check: str, cases=CASES, lengths=LENGTHS):
+def _params(cases=CASES, lengths=LENGTHS):
     for case in cases:
         for length in lengths:
-            test_id = f"{case.id}-L{length}"
-            reason = NOT_YET.get(f"{check}:{test_id}")
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-            yield pytest.param(case, length, id=test_id, marks=marks)
+            yield pytest.param(case, length, id=f"{case.id}-L{length}")
 
 
 def random_block(kind: str, num_drafts: int, draft_length: int, vocab: int, seed: int, identical_drafts: bool,
@@ -190,22 +169,22 @@ def graph_breaks(verifier: BlockVerifier, block, randomness) -> list[str]:
 # ------------------------------------------------------------------ the built-ins
 
 
-@pytest.mark.parametrize(("case", "draft_length"), _params("fixed"))
+@pytest.mark.parametrize(("case", "draft_length"), _params())
 def test_operation_count_does_not_depend_on_the_data(case, draft_length):
     assert varying_count(block_counts(case, draft_length)) is None
 
 
-@pytest.mark.parametrize(("case", "draft_length"), _params("budget"))
+@pytest.mark.parametrize(("case", "draft_length"), _params())
 def test_operation_count_is_within_the_budget(case, draft_length):
     assert over_budget(block_counts(case, draft_length), case.num_drafts) is None
 
 
-@pytest.mark.parametrize(("case", "draft_length"), _params("reads"))
+@pytest.mark.parametrize(("case", "draft_length"), _params())
 def test_no_host_read_except_the_lp(case, draft_length):
     assert unexpected_reads(block_counts(case, draft_length), 1 if case.host_lp else 0) is None
 
 
-@pytest.mark.parametrize(("case", "draft_length"), _params("graph", GRAPH_CASES, lengths=(4,)))
+@pytest.mark.parametrize(("case", "draft_length"), _params(GRAPH_CASES, lengths=(4,)))
 def test_verify_block_traces_into_one_graph(case, draft_length):
     _, block, draws = next(_blocks(case, draft_length, GRAPH_VOCABULARY))
     assert len(graph_breaks(case.verifier(), block, draws)) <= (1 if case.host_lp else 0)

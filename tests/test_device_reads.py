@@ -21,6 +21,9 @@ from tests.conftest import tiny_recipe
 
 CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__array__")
 READS_PER_BLOCK = 2
+HOST_LP_READS = {"is-lp", "is-truncated"}
+"""Importance sampling with two or more drafts solves its free LP on the host: one more read per block
+(issue #20 allows it for these schemes)."""
 
 
 @pytest.fixture
@@ -54,7 +57,7 @@ BUILT_INS = [("speculative", 1, None), ("mentored", 1, None), ("mentored", 1, {"
 
 @pytest.mark.parametrize(("name", "num_drafts", "params"), BUILT_INS)
 @pytest.mark.parametrize("family", ["llama", "t5"])
-def test_at_most_two_reads_per_block(tiny_models, conversions, name, num_drafts, params, family):
+def test_reads_per_block_stay_within_the_budget(tiny_models, conversions, name, num_drafts, params, family):
     decoder = _decoder(tiny_models, family, name, num_drafts, params)
     prompt_ids = decoder.encode_prompt("a b c d")
     conversions.clear()
@@ -63,7 +66,8 @@ def test_at_most_two_reads_per_block(tiny_models, conversions, name, num_drafts,
         for key in range(3):
             _, _, stats = decoder.generate_ids(prompt_ids, key)
             blocks += stats.blocks
-    assert sum(conversions.values()) <= READS_PER_BLOCK * blocks, dict(conversions)
+    per_block = READS_PER_BLOCK + (name in HOST_LP_READS and num_drafts > 1)
+    assert sum(conversions.values()) <= per_block * blocks, dict(conversions)
 
 
 def test_the_counter_sees_a_read(conversions):
