@@ -193,12 +193,14 @@ def _final_numbers(out: Path) -> dict:
 def test_interrupted_run_resumes_to_the_same_results(recipe_path, data, tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     subprocess.run(_command(recipe_path, data, reference), check=True, capture_output=True)
+    total = len((reference / "samples.jsonl").read_text().splitlines())
+    threshold = total // 3  # early: the tiny models write the last records within milliseconds
     samples = resumed / "samples.jsonl"
     for _ in range(3):  # on a busy machine the run can finish its last samples before the signal lands
         shutil.rmtree(resumed, ignore_errors=True)
         process = subprocess.Popen(_command(recipe_path, data, resumed), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.time() + 120
-        while time.time() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < 20):
+        while time.time() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < threshold):
             time.sleep(0.02)
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=120)
@@ -206,7 +208,7 @@ def test_interrupted_run_resumes_to_the_same_results(recipe_path, data, tmp_path
             break
     assert process.returncode == 130, err.decode()
     kept = len(samples.read_text().splitlines())
-    assert 20 <= kept < len((reference / "samples.jsonl").read_text().splitlines())
+    assert threshold <= kept < total
     assert json.loads((resumed / "results.json").read_text())["interrupted"] is True
     subprocess.run(_command(recipe_path, data, resumed), check=True, capture_output=True)
     assert _final_numbers(resumed) == _final_numbers(reference)
