@@ -35,7 +35,10 @@ Two exact solvers give that root; both end in :class:`_Segment`'s closed forms.
   are accepted outright. The others iterate on the sets: start from speculative sampling's
   (t < 1, t > 1), solve that segment's equation (in Python floats), move α and β there, regroup
   (one pass over V) and repeat until the groups repeat exactly; such α and β give back their own
-  groups, so they are the root's (KL = D has one root). A row that does not settle falls back to
+  groups, so they are the root's (KL = D has one root). The first steps run on float32 copies (half
+  the bytes) until α and β stand still; the float64 steps then start near the root, and a step whose
+  new thresholds have no token between them and the old ones (read on the float32 ratios, with a
+  margin) has settled, without a second float64 pass. A row that does not settle falls back to
   the sorted solve. No O(V log V) sort on the CPU, where it costs more than a speculative block.
   A block (:func:`_verify_lazily`) solves only the positions speculative sampling's test cannot
   decide (mentored accepts whatever speculative sampling accepts: α ≤ 1), up to the first rejection.
@@ -61,7 +64,7 @@ from torch.nn.functional import pad
 from specdec_cli.verifiers import BlockDecision, Verifier, reads_are_free
 
 from ._laws import (
-    commit_after, excess_or, first_accepted, normalized_or, row_at, single_draft_block, single_draft_draws, uniforms_like,
+    commit_known, excess_or, first_accepted, normalized_or, row_at, single_draft_block, single_draft_draws, uniforms_like,
 )
 
 TINY, _LARGEST = torch.finfo(torch.float64).tiny, torch.finfo(torch.float64).max
@@ -72,6 +75,9 @@ TINY, _LARGEST = torch.finfo(torch.float64).tiny, torch.finfo(torch.float64).max
 _GRID_POINTS, _NEWTON_STEPS = 8192, 2
 _SMALLEST_EXPONENT = -1074  # float64's smallest positive number is 2^-1074
 _MAX_SET_STEPS = 16  # CPU path: set steps before a row falls back to the sorted solve
+_RATIO_ROUNDING = 1e-6  # CPU path: a margin far wider than float32's rounding of a float64 ratio (2^-24)
+_FLOAT32_NORMAL = (torch.finfo(torch.float32).tiny * 2, torch.finfo(torch.float32).max / 2)
+_COARSE_TOLERANCE = 1e-6  # CPU path: float32 set steps stop when α and β move less than this, relatively
 _SCALAR_NEWTON_STEPS = 200  # CPU path: Newton from the left on one segment stops earlier, when it stands still
 
 
@@ -142,7 +148,7 @@ def _verify_lazily(q, p, x, bound: float, randomness) -> BlockDecision:
 
     A position whose uniform passes speculative sampling's test u < q(x)/p(x) is accepted without a
     solve (r_x = min(1, q(x)/(α p(x))) ≥ q(x)/p(x), as α ≤ 1); the others are solved one at a time.
-    The test first uses sums of q and p in their own precision (float32: 5× faster than in float64),
+    The test first uses the position's sums of q and p in their own precision (float32: 5× faster than in float64),
     which any summation order gets within γ = V u / (1 - V u) of the exact ones (u the unit roundoff;
     Higham, "Accuracy and Stability of Numerical Algorithms", 2002, §4.2), and computes the float64
     sums only where that margin cannot decide.
@@ -150,38 +156,39 @@ def _verify_lazily(q, p, x, bound: float, randomness) -> BlockDecision:
     draft_length, vocab = p.shape
     tokens = x.unsqueeze(-1)  # [L, 1]
     draws = single_draft_draws(randomness, draft_length, q.device)  # [L+1, 3]: those single_draft_block makes
-    uniforms = draws[:-1, 0]  # [L]: the acceptance tests
+    uniforms = draws[:-1, 0].tolist()  # [L]: the acceptance tests
     roundoff = vocab * max(torch.finfo(q.dtype).eps, torch.finfo(p.dtype).eps) / 2
     spread = roundoff / (1 - roundoff) + 1e-12 if roundoff < 0.5 else math.inf  # γ, and room for float64 rounding
-    ratio = q[:-1].gather(-1, tokens).double() / p.gather(-1, tokens).double()  # [L, 1]: unnormalised q(x)/p(x)
-    scale = p.sum(-1, keepdim=True).double() / q[:-1].sum(-1, keepdim=True).double()  # [L, 1]: Σp / Σq to γ
-    surely_accepted = (uniforms < (ratio * scale).squeeze(-1) * ((1 - spread) / (1 + spread))).tolist()  # [L]
-    for position in range(draft_length):
+    margin = (1 - spread) / (1 + spread)
+    ratios = (q[:-1].gather(-1, tokens).double() / p.gather(-1, tokens).double()).squeeze(-1).tolist()  # [L]: unnormalised
+    for position, (u, ratio) in enumerate(zip(uniforms, ratios)):
         rows = slice(position, position + 1)
-        u = float(uniforms[position])
-        if surely_accepted[position] or u < _normalised(q[rows], tokens[rows]) / _normalised(p[rows], tokens[rows]):
+        if u < ratio * float(p[position].sum()) / float(q[position].sum()) * margin:  # surely accepted
             continue
-        solution = solve(q[rows], p[rows], bound, lazy=True)
+        masses = [law[rows].sum(-1, keepdim=True, dtype=torch.float64) for law in (q, p)]  # [1, 1] each: Σq, Σp
+        if u < ratio * float(masses[1]) / float(masses[0]):  # accepted by speculative sampling's exact test
+            continue
+        solution = solve(q[rows], p[rows], bound, lazy=True, masses=masses)
         if not u < solution.acceptance_of(tokens[rows]):
-            return commit_after(torch.tensor(position), solution.residual_row(torch.tensor(0)), q, x, draws)
-    return commit_after(torch.tensor(draft_length), q[-1], q, x, draws)
+            return commit_known(position, solution.residual_on_host(), x, draws)
+    return commit_known(draft_length, q[-1], x, draws)
 
 
-def solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, lazy: bool) -> "_Solution":
-    """The exact optimum for q and p ``[..., V]`` (any probabilities; renormalised in float64)."""
+def solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, lazy: bool, masses=None) -> "_Solution":
+    """The exact optimum for q and p ``[..., V]`` (any probabilities; renormalised in float64; ``masses``: their
+    float64 sums ``[..., 1]`` where the caller has them)."""
     if bound == 0:  # speculative sampling (α = β = 1), a double root that Newton only approaches
         return _Solution.speculative(_normalised(target_probs), _normalised(draft_probs))
     if lazy:
-        return _solve_by_sets(target_probs, draft_probs, bound)
+        return _solve_by_sets(target_probs, draft_probs, bound, masses)
     return _solve_by_sorting(_normalised(target_probs), _normalised(draft_probs), bound)
 
 
-def _normalised(probs: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """``probs`` ``[..., V]`` in float64 summing to 1, or at ``tokens`` ``[..., k]`` only: float32 laws sum
-    to 1 only within 1e-7, and the closed form relies on Σq = Σp (e.g. Σ (p - q/α)+ = Σ (q/β - p)+)
-    far more tightly than that. (A float32 law divided by a float64 sum is divided in float64.)"""
-    law = probs if tokens is None else probs.gather(-1, tokens)  # [..., V] or [..., k]
-    return law / probs.sum(-1, keepdim=True, dtype=torch.float64)
+def _normalised(probs: torch.Tensor) -> torch.Tensor:
+    """``probs`` ``[..., V]`` in float64 summing to 1: float32 laws sum to 1 only within 1e-7, and the closed
+    form relies on Σq = Σp (e.g. Σ (p - q/α)+ = Σ (q/β - p)+) far more tightly than that. (A float32 law
+    divided by a float64 sum is divided in float64.)"""
+    return probs / probs.sum(-1, keepdim=True, dtype=torch.float64)
 
 
 def _ratio(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -240,6 +247,11 @@ class _Solution:
         """The residual's weights (:func:`excess_or`) at row ``index`` (a 0-dim device index) of a ``[N, V]``
         solution → ``[V]``: what a block draws its correction from."""
         return row_at(excess_or(self._excess(), self.q), index)
+
+    def residual_on_host(self) -> torch.Tensor:
+        """:meth:`residual_row` of a one-row solution ``[1, V]`` → ``[V]``, its fallback chosen on the host."""
+        excess = self._excess()[0]  # [V]
+        return excess if float(excess.sum()) > 0 else self.q[0]
 
 
 def _solution_at(q, p, ratio, segment: "_Segment", rho, outright, bound: float) -> _Solution:
@@ -390,20 +402,24 @@ class _Groups:
     per set step (the CPU path; rows ``[N, V]`` of any probabilities, renormalised in float64 as
     :func:`_normalised` does). Buffers are filled in place: at V = 128k each fresh one costs a pass."""
 
-    def __init__(self, target_probs: torch.Tensor, draft_probs: torch.Tensor):
+    def __init__(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, masses=None):
         rows, vocab = target_probs.shape
         self.weights = torch.empty(rows, 3, vocab, dtype=torch.float64)  # [N, 3, V]: q, p, q ln(q/p)
         self.q, self.p, log_ratio = self.weights.unbind(-2)  # [N, V] views
-        for law, probs in ((self.q, target_probs), (self.p, draft_probs)):
-            torch.div(probs, probs.sum(-1, keepdim=True, dtype=torch.float64), out=law)
+        masses = masses or [probs.sum(-1, keepdim=True, dtype=torch.float64) for probs in (target_probs, draft_probs)]
+        for law, probs, mass in zip((self.q, self.p), (target_probs, draft_probs), masses):
+            torch.div(probs, mass.view(rows, 1), out=law)
         self.t = torch.div(self.q, self.p).nan_to_num_(nan=0.0, posinf=math.inf)  # [N, V]: as :func:`_ratio`
         self._masks = torch.empty(rows, 2, vocab, dtype=torch.float64)  # [N, 2, V]: below α, above β
         # q ln t, 0 where q = 0: xlogy, and log at 0, take a slow path per element (4× and 10× slower at V = 128k).
-        torch.log(self.t.clamp_min(TINY), out=log_ratio).mul_(self.q)
+        torch.clamp_min(self.t, TINY, out=log_ratio).log_().mul_(self.q)
         self.full_kl = log_ratio.sum(-1, keepdim=True)  # [N, 1]: KL(q ‖ p)
         self.total_log_ratio = self.full_kl.squeeze(-1).tolist()  # [N]: Σ q ln t over the tokens with t < ∞
         if math.inf in self.total_log_ratio:  # p misses q's support
             self._count_missing_support(log_ratio)
+        # float32 copies for the first set steps, which only have to come near the root: a float32 step costs
+        # half a float64 one, and the float64 steps that follow settle the groups exactly.
+        self._coarse = (self.weights.float(), self.t.float(), torch.empty(rows, 2, vocab))  # [N, 3, V], [N, V], [N, 2, V]
 
     def _count_missing_support(self, log_ratio: torch.Tensor):
         """Where p = 0 < q (t = ∞): those tokens are always above β, never between α and β, so they stay out of
@@ -415,20 +431,37 @@ class _Groups:
         self.total_log_ratio = finite.squeeze(-1).tolist()
         self.full_kl = finite + math.log(_LARGEST) * missing
 
-    def segments(self, thresholds: list) -> list:
-        """The segment (Q_low, Q_high, P_low, P_high, band) of each row's [α, β] → a list [N] of 5-tuples."""
-        limits = torch.tensor(thresholds, dtype=self.t.dtype).unsqueeze(-1)  # [N, 2, 1]
-        torch.le(self.t, limits[:, 0], out=self._masks[:, 0])
-        torch.ge(self.t, limits[:, 1], out=self._masks[:, 1])
-        sums = torch.bmm(self.weights, self._masks.transpose(-1, -2)).tolist()  # [N][3][2]: (q, p, q ln t) × groups
+    def same_groups(self, row: int, old: list, new: list) -> bool:
+        """Whether ``row``'s groups at thresholds ``new`` (α, β) are those at ``old``: no token's float64 ratio
+        lies between them. Read on the float32 ratios (within 2^-24 of the float64 ones) over the interval
+        widened by 1e-6 (three float32 passes: a tenth of a float64 step); a token inside, or a threshold outside float32's
+        normal range, answers no."""
+        for old_threshold, new_threshold in zip(old, new):
+            low, high = sorted((old_threshold, new_threshold))
+            low, high = low * (1 - _RATIO_ROUNDING), high * (1 + _RATIO_ROUNDING)
+            if not _FLOAT32_NORMAL[0] < low <= high < _FLOAT32_NORMAL[1]:
+                return False
+            ratio, distance = self._coarse[1][row], self._coarse[2][row, 0]  # [V] each; the masks' buffer is free
+            if not float(torch.sub(ratio, (low + high) / 2, out=distance).abs_().amin()) > (high - low) / 2:
+                return False
+        return True
+
+    def segments(self, thresholds: list, coarse: bool = False) -> list:
+        """The segment (Q_low, Q_high, P_low, P_high, band) of each row's [α, β] → a list [N] of 5-tuples;
+        ``coarse``: from the float32 copies (equal groups still give equal sums)."""
+        weights, ratio, masks = self._coarse if coarse else (self.weights, self.t, self._masks)
+        limits = torch.tensor(thresholds, dtype=ratio.dtype).unsqueeze(-1)  # [N, 2, 1]
+        torch.le(ratio, limits[:, 0], out=masks[:, 0])
+        torch.ge(ratio, limits[:, 1], out=masks[:, 1])
+        sums = torch.bmm(weights, masks.transpose(-1, -2)).tolist()  # [N][3][2]: (q, p, q ln t) × groups
         return [(q_low, q_high, p_low, p_high, total - w_low - w_high)
                 for ((q_low, q_high), (p_low, p_high), (w_low, w_high)), total in zip(sums, self.total_log_ratio)]  # fmt: skip
 
 
-def _solve_by_sets(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float) -> _Solution:
+def _solve_by_sets(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, masses=None) -> _Solution:
     """Every row of q, p ``[..., V]`` on the CPU, reading as it goes; a row whose sets do not settle by sorting."""
     batch, vocab = target_probs.shape[:-1], target_probs.shape[-1]
-    groups = _Groups(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab))
+    groups = _Groups(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab), masses)
     outright = groups.full_kl <= bound  # [N, 1]: accept every draft token
     pending = (~outright).squeeze(-1).tolist()  # [N]
     found = _settle_sets(groups, pending, bound)
@@ -451,22 +484,31 @@ def _solve_by_sets(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound:
 
 def _settle_sets(groups: _Groups, pending: list, bound: float) -> list:
     """Each pending row's settled (Q_low, Q_high, P_low, P_high, band, ρ), or None (not pending, or not
-    settled within ``_MAX_SET_STEPS``). A row has settled when its sums repeat exactly: its α and β
-    then give back their own groups."""
+    settled within ``_MAX_SET_STEPS`` float64 steps). A row has settled when its float64 sums repeat
+    exactly: its α and β then give back their own groups. Float32 steps first bring the thresholds near
+    the root (at V = 128k five of them cost what two float64 steps do); the float64 steps start there."""
     thresholds = [[_BELOW_ONE, _ABOVE_ONE] for _ in pending]  # [N][2]: speculative sampling's groups first
-    previous, found, rho = [None] * len(pending), [None] * len(pending), [0.0] * len(pending)
-    waiting = list(pending)
+    _iterate_sets(groups, list(pending), thresholds, bound, coarse=True)
+    return _iterate_sets(groups, list(pending), thresholds, bound, coarse=False)
+
+
+def _iterate_sets(groups: _Groups, waiting: list, thresholds: list, bound: float, coarse: bool) -> list:
+    """Set steps from ``thresholds`` ``[N][2]`` (moved in place) for at most ``_MAX_SET_STEPS`` steps → each
+    waiting row's (*sums, ρ) where its groups repeat, else None. Coarse steps stop instead when α and β
+    stand still to ``_COARSE_TOLERANCE``."""
+    found, rho = [None] * len(waiting), [0.0] * len(waiting)
     for _ in range(_MAX_SET_STEPS):
         if not any(waiting):
             break
-        for row, segment in enumerate(groups.segments(thresholds)):
+        for row, segment in enumerate(groups.segments(thresholds, coarse)):
             if not waiting[row]:
                 continue
-            if segment == previous[row]:
+            rho[row], *moved = _scalar_root(*segment, bound)
+            if coarse:
+                waiting[row] = not all(math.isclose(*pair, rel_tol=_COARSE_TOLERANCE) for pair in zip(moved, thresholds[row]))
+            elif groups.same_groups(row, thresholds[row], moved):
                 found[row], waiting[row] = (*segment, rho[row]), False
-                continue
-            previous[row] = segment
-            rho[row], *thresholds[row] = _scalar_root(*segment, bound)
+            thresholds[row] = moved
     return found
 
 

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from transformers.utils import logging as hf_logging
 
@@ -59,3 +60,13 @@ def tiny_recipe(models: dict[str, Path], family: str = "llama", **sections) -> d
     for key, value in sections.items():
         recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
     return recipe
+
+
+@pytest.fixture
+def one_thread():
+    """Blocks of a few hundred small operations: on a loaded 2-core machine a second intra-op thread only adds
+    waits (ten times the time at V = 64 on 2 busy cores); no count or decision depends on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -62,14 +62,7 @@ GRAPH_CASES = [case for case in CASES if case.num_drafts in (1, 4)]
 """Dynamo's trace takes seconds: each verifier's code is traced once with one draft and once with four
 (K = 2, 3 run the same code as four; one draft takes the single-draft path)."""
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Blocks of a few hundred small operations: on a loaded machine a second intra-op thread only adds
-    waits (ten times the time at V = 64 on 2 busy cores); the counts do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _params(cases=CASES, lengths=LENGTHS):

@@ -16,16 +16,9 @@ from specdec_cli.testing import random_distributions
 from specdec_cli.verifiers import device_path, load_verifier
 from specdec_plugins import mentored
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 KINDS = ("peaked", "near_one_token", "one_token_equal", "equal", "sparse", "disjoint")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small operations: on a loaded machine a second intra-op thread only adds waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def block(kind: str, draft_length: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -279,3 +272,42 @@ def test_the_cpu_path_accepts_outright_where_the_root_is_below_float64s_range(mo
     assert (on_device.acceptance_of(torch.arange(200).expand(2, -1))[0] == 1).all()
     solved = mentored.solve(target[1:], draft[1:], 0.3, lazy=True)
     assert 0 < float(solved.rejected_mass) == pytest.approx(float(on_device.rejected_mass[1]), rel=1e-9)
+
+
+def _groups_near(threshold: float, offsets: list[float]) -> tuple[mentored._Groups, float]:
+    """One row whose ratios t = q/p sit at ``threshold`` × (1 + offset) for each offset, and at 1/16 and 16,
+    and the scale its renormalisation divides them by."""
+    ratios = torch.tensor([threshold * (1 + offset) for offset in offsets] + [1 / 16, 16.0], dtype=torch.float64)
+    draft = torch.full_like(ratios, 1 / len(ratios))  # [V]
+    target = draft * ratios  # [V]: renormalising scales every ratio alike
+    groups = mentored._Groups(target.unsqueeze(0), draft.unsqueeze(0))
+    scale = float(target.sum())
+    return groups, scale
+
+
+def test_the_float32_check_sees_a_token_between_two_thresholds():
+    """A token whose float64 ratio lies between the old and the new α (or β), even within 1e-9 of one, means
+    the groups moved; none between (every ratio a 1e-4 away) means they did not."""
+    for threshold in (0.4, 2.5):
+        groups, scale = _groups_near(threshold, [1e-9])
+        at = threshold / scale  # the planted token's ratio after renormalisation
+        low, high = at * (1 - 1e-7), at * (1 + 1e-7)
+        moved = [[low, 2.0], [high, 2.0]] if threshold < 1 else [[0.5, low], [0.5, high]]
+        assert not groups.same_groups(0, *moved)
+        far, _ = _groups_near(threshold, [1e-4])
+        assert far.same_groups(0, *moved)  # negative control: the same thresholds with no token between them
+
+
+def test_the_float32_check_answers_no_outside_float32s_range():
+    groups, _ = _groups_near(0.4, [0.5])
+    assert groups.same_groups(0, [0.3, 2.0], [0.3, 2.0])
+    assert not groups.same_groups(0, [1e-300, 2.0], [1e-300, 2.0])
+    assert not groups.same_groups(0, [0.3, 1e300], [0.3, 1e300])
+
+
+def test_the_float32_steps_only_bring_the_sets_near_the_root(monkeypatch):
+    """The float64 steps settle the root alone: skipping the float32 steps, or making them stop at once,
+    changes no decision of the CPU path."""
+    expected = _decisions(0.1, lazy=True)
+    monkeypatch.setattr(mentored, "_COARSE_TOLERANCE", 1.0)
+    assert _decisions(0.1, lazy=True) == expected
