@@ -26,7 +26,7 @@ In a block the walk over positions follows the rows that drew every token output
 call, so the walk itself only looks results up (a fixed number of operations, no host read). On the
 CPU, where reads are free, the walk runs on the host: a candidate's test costs at most one pass over
 V (ρ < q(x)/(u p(x)) iff g there is negative), and ρ is solved only where the block ends, by sorting
-the one bucket of ratios that holds it.
+the one bucket of ratios that holds it; with one row alive (K' = 1) ρ = 1 and nothing is sorted.
 """
 
 from __future__ import annotations
@@ -221,38 +221,61 @@ def _segment_root(below, above, left, right, counts) -> tuple[torch.Tensor, ...]
         s = torch.addcdiv(s, minus_g, slope)
     rho = s.reciprocal().nan_to_num(nan=1.0).clamp(min=left).minimum(right)  # [..., 1]
     beta = below / rho + above  # [..., 1]
+    return rho, _acceptance(rho, beta, counts), beta
+
+
+def _acceptance(rho, beta, counts) -> torch.Tensor:
+    """p_acc = 1 - (1 - β)^K' ``[..., 1]`` at ρ with β = β(ρ) ``[..., 1]``, never above ρβ (which rounding
+    could lift it to)."""
     p_acc = -torch.expm1(counts * torch.log1p(-beta.clamp(max=1.0)))  # [..., 1]
-    return rho, p_acc.minimum(rho * beta), beta  # rounding never lifts p_acc above ρβ
+    return p_acc.minimum(rho * beta)
 
 
 def _solve_by_buckets(q: torch.Tensor, p: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
     """:func:`_solve` for one problem on the CPU, reading: laws ``[V]`` → (ρ, p_acc, β) ``[1]`` float64.
 
-    Bucket i holds the ratios in [E_i, E_{i+1}), E_i = 1 + (i - 2)/s with BUCKETS buckets over [1, K'],
-    one more on either side, and the ratios below and above those in buckets 0 and BUCKETS + 3. Their
-    masses make a run of pseudo-breakpoints E_i whose search finds the bucket b that holds the root.
-    Bucketing in the laws' dtype can put a ratio within its rounding of an edge on the wrong side, so
-    buckets b-1..b+1 are sorted exactly: the root lies a bucket's width inside them.
+    K' = 1 needs no order: ρ = 1 and β = Σ min(p, q). Otherwise bucket i holds the ratios in [E_i, E_{i+1}),
+    E_i = 1 + (i - 2)/s with BUCKETS buckets over [1, K'], one more on either side, and the ratios below
+    and above those in buckets 0 and BUCKETS + 3. Their masses make a run of pseudo-breakpoints E_i whose
+    search finds the bucket b that holds the root. Bucketing in the laws' dtype can put a ratio within its
+    rounding of an edge on the wrong side, so buckets b-1..b+1 are sorted exactly: the root lies a
+    bucket's width inside them. Three passes over V (buckets, masses, members); only the masses are
+    converted to float64, for their sums.
     """
     counts = torch.full((1,), float(count), dtype=torch.float64)  # [1]
-    scale = BUCKETS / max(count - 1, 1)  # buckets per unit of ratio
-    ratio = (q / p).nan_to_num_(nan=torch.inf, posinf=torch.inf)  # [V]
-    bucket = ratio.mul_(scale).add_(2 - scale).floor_().clamp_(0, BUCKETS + 3).long()  # [V]
-    mass_q = torch.zeros(BUCKETS + 4, dtype=torch.float64).scatter_add_(0, bucket, q.double())  # [BUCKETS+4]
-    mass_p = torch.zeros(BUCKETS + 4, dtype=torch.float64).scatter_add_(0, bucket, p.double())  # [BUCKETS+4]
-    edges = (torch.arange(BUCKETS + 4, dtype=torch.float64) - 2) / scale + 1  # [BUCKETS+4]
+    if count == 1:
+        beta = torch.minimum(p, q).sum(dtype=torch.float64).view(1)  # [1]
+        return counts, _acceptance(counts, beta, counts), beta
+    scale = BUCKETS / (count - 1)  # buckets per unit of ratio
+    bucket = _ratio_buckets(q, p, scale)  # [V] int32
+    index = bucket.long()  # [V]: scatter_add_ takes int64 indices
+    mass_q = q.new_zeros(BUCKETS + 4, dtype=torch.float64).scatter_add_(0, index, q.double())  # [BUCKETS+4]
+    mass_p = q.new_zeros(BUCKETS + 4, dtype=torch.float64).scatter_add_(0, index, p.double())  # [BUCKETS+4]
+    edges = (torch.arange(BUCKETS + 4, dtype=torch.float64) - 2).div_(scale).add_(1).clamp_(min=0.0)  # [BUCKETS+4]
     below, above = _breakpoint_masses(mass_q, mass_p)  # [BUCKETS+4] each
-    root_bucket = int(_positive_count(edges.clamp(min=0.0), below, above, counts, counts)) - 1
+    root_bucket = int(_positive_count(edges, below, above, counts, counts)) - 1
     first, last = max(root_bucket - 1, 1), root_bucket + 1  # bucket 0 lies below 1: no order needed
     members = ((bucket >= first) & (bucket <= last)).nonzero().squeeze(-1)  # [n]
-    q_run, p_run = q[members].double(), p[members].double()  # [n] each
-    run, order = (q_run / p_run).nan_to_num(nan=torch.inf, posinf=torch.inf).sort()  # [n] each
-    sentinel = torch.zeros(1, dtype=torch.float64)  # [1]
+    return _solve_run(q[members].double(), p[members].double(), counts, float(below[first]), float(above[last + 1]),
+                      float(edges[last + 1]))  # fmt: skip
+
+
+def _ratio_buckets(q: torch.Tensor, p: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each token's bucket floor(s (q/p - 1) + 2) clamped to [0, BUCKETS + 3], ``[V]`` int32; zero-mass tokens
+    (0/0) in the last. Truncation is the floor here: the clamp leaves nothing negative."""
+    shifted = torch.addcdiv(q.new_full((), 2 - scale), q, p, value=scale)  # [V]: s·q/p + 2 - s
+    return shifted.nan_to_num_(nan=BUCKETS + 3, posinf=BUCKETS + 3).clamp_(0, BUCKETS + 3).int()
+
+
+def _solve_run(q_run, p_run, counts, below_q, above_p, upper_edge) -> tuple[torch.Tensor, ...]:
+    """(ρ, p_acc, β) ``[1]`` from the run of tokens ``[n]`` (float64 masses) whose ratios lie between the
+    masses below_q and above_p left out on either side, and below ``upper_edge``."""
+    run, order = (q_run / p_run).nan_to_num_(nan=torch.inf, posinf=torch.inf).sort()  # [n] each
+    sentinel = q_run.new_zeros(1)  # [1]
     below, above = _breakpoint_masses(
-        torch.cat([q_run[order], sentinel]), torch.cat([p_run[order], sentinel]), float(below[first]),
-        float(above[last + 1]),
-    )  # [n+1] each  # fmt: skip
-    upper = counts.clamp(max=float(edges[last + 1]))  # [1]: the root lies below the next bucket
+        torch.cat([q_run[order], sentinel]), torch.cat([p_run[order], sentinel]), below_q, above_p
+    )  # [n+1] each
+    upper = counts.clamp(max=upper_edge)  # [1]: the root lies below the next bucket
     return _solve_sorted(torch.cat([run, sentinel + torch.inf]), below, above, counts, upper)
 
 
@@ -300,7 +323,8 @@ def _accepts(q: torch.Tensor, p: torch.Tensor, count: int, token: int, uniform: 
     theta = float(q[token]) / (uniform * float(p[token]))
     if theta > count or theta <= 1:
         return theta > count
-    beta = float(torch.minimum(p, q / theta).sum(dtype=torch.float64))
+    terms = q / theta  # [V]
+    beta = float(torch.minimum(terms, p, out=terms).sum(dtype=torch.float64))  # in place: one V-sized buffer
     gap = theta * beta + math.expm1(count * math.log1p(-min(beta, 1.0)))  # -g(θ)
     if abs(gap) <= (theta + count) * beta * _FLOAT32_TERM_ERROR + 1e-15:
         beta = min(float(torch.minimum(p.double(), q.double() / theta).sum()), 1.0)

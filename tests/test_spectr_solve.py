@@ -169,6 +169,27 @@ def test_every_path_makes_the_same_decision(num_drafts, other):
     assert _disagreements(load_verifier("spectr"), num_drafts, other == "token-level walk") == 0
 
 
+@pytest.mark.parametrize("num_drafts", [2, 4])
+def test_the_host_walk_agrees_where_every_row_drew_the_same_tokens(num_drafts, monkeypatch):
+    """Rows that share every token stay alive together, so the host walk tests candidates and solves ρ with
+    K' = K (the bucketed solve, not the K' = 1 shortcut), at a vocabulary with many tokens per bucket."""
+    solve, counts_solved = spectr._solve_by_buckets, []
+
+    def spied(q, p, count):
+        counts_solved.append(count)
+        return solve(q, p, count)
+
+    monkeypatch.setattr(spectr, "_solve_by_buckets", spied)
+    verifier, disagreements = load_verifier("spectr"), 0
+    for kind, seed in itertools.product(("peaked", "near_one_token", "flat_draft"), range(3)):
+        target, draft, tokens = random_block(kind, num_drafts, 4, 4096, seed, identical_drafts=True)
+        block = target, draft, tokens[:1].expand(num_drafts, -1).contiguous()  # [K, L]: every row row 0's tokens
+        draws = Draws.create(key=seed, block_start=5)
+        disagreements += _decision(verifier, block, draws, on_device=True) != _decision(verifier, block, draws, False)
+    assert disagreements == 0
+    assert num_drafts in counts_solved, counts_solved
+
+
 def test_the_comparison_sees_a_wrong_residual(monkeypatch):
     """Negative control: a CPU path whose residual swaps p_acc and β (a bug this comparison caught)
     disagrees with the device path."""
