@@ -32,6 +32,16 @@ dispatched operations does not depend on the data: 314, 335 and 355 at K = 2, 3,
 and any V (the host LP dispatches none). One read per block: every problem's free LP (``[P, 4 M +
 2]`` numbers) crosses to the host in :func:`_solve_on_host`, called from ``verify_block`` itself so
 that under dynamo it is the graph's one break, and the weights come back.
+
+The CPU path (``reads_are_free``: a read costs nothing there, a pass over V does). The block's walk
+needs one problem per position it reaches, (t, the rows alive at t), and stops at the first
+correction, so :meth:`ImportanceSampling._walk_reading` plans only those, one at a time
+(:meth:`Problems.at`, P = 1), with the device path's functions and its uniforms
+(:meth:`BlockUniforms.at`); residual and off-alphabet draws are made only when taken. It makes the
+device path's decisions from the same keyed draws (tests/test_importance_device.py compares the two
+block by block). A problem with K' ≥ 2 candidates still costs about 300 small operations, some 40
+passes over V and one free LP on the host, so a block costs 5-8 times SpecInfer's on a CPU (V = 32000
+and 128256, K = 2-4, L = 8), where planning all K L problems cost 25-170 times.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import torch
 
 from specdec_cli.randomness import Draws, Randomness, Stream, uniforms_from
 from specdec_cli.sampling import sample_with
-from specdec_cli.verifiers import BlockDecision, Verifier
+from specdec_cli.verifiers import BlockDecision, Verifier, reads_are_free
 
 from ._laws import TINY, normalized_or
 from ._pair_selection import FreeSet, Tail, solve_free_problems
@@ -68,6 +78,8 @@ class Problems:
 
     def candidate_laws(self) -> list[torch.Tensor]:
         """Each slot's law ``[P, V]`` (a slot without a candidate: another row's, never used)."""
+        if len(self.rows) == 1 and reads_are_free(self.rows):  # one problem on the CPU: views of its rows
+            return [self.first_laws, *(self.laws[row][None] for row in self.rows[0, 1:].tolist())]
         # Indexing, not index_select: the same gather, several times faster on a CPU for rows of 128k.
         rest = [self.laws[self.rows[:, slot]] for slot in range(1, self.rows.shape[1])]
         return [self.first_laws, *rest]
@@ -83,6 +95,18 @@ class Problems:
         members = torch.ones_like(tokens, dtype=torch.bool)  # [P, K]
         laws = draft_probs.reshape(-1, vocab)  # [P K, V]
         return cls(target, laws, rows, tokens, members, laws[::num_drafts])
+
+    @classmethod
+    def at(cls, target_probs, draft_probs, draft_tokens, position: int, alive: list[int]) -> "Problems":
+        """The one problem the walk reaches (P = 1): ``position``, candidates the ``alive`` rows (host ints, in
+        row order: the leader first), as many slots as rows. The device path's problem (leader, position)
+        has the same members in the same order, and slots without a member change none of its numbers."""
+        rows = torch.tensor(alive, device=draft_tokens.device)  # [K']
+        laws = draft_probs[:, position]  # [K, V]: a view, indexed by ``rows``
+        tokens = draft_tokens[:, position].index_select(0, rows)[None]  # [1, K']
+        members = torch.ones_like(tokens, dtype=torch.bool)  # [1, K']
+        target = target_probs[alive[0], position][None]  # [1, V]
+        return cls(target, laws, rows[None], tokens, members, laws[alive[0]][None])
 
     @classmethod
     def block(cls, target_probs, draft_probs, draft_tokens) -> "Problems":
@@ -148,6 +172,7 @@ class Chain:
 
 
 _STREAMS = (Stream.ACCEPT, Stream.RESIDUAL, Stream.BONUS, Stream.SELECT, Stream.OUTSIDE, Stream.OUTSIDE_TOKEN)
+_BONUS = _STREAMS.index(Stream.BONUS)  # the BONUS stream's row in a block's table of draws
 assert [int(stream) for stream in _STREAMS] == list(range(_STREAMS[0], _STREAMS[0] + len(_STREAMS)))
 
 
@@ -168,18 +193,34 @@ class BlockUniforms:
     def of(cls, randomness: Randomness, num_drafts: int, draft_length: int, device, alphabet: bool):
         """The uniforms of a block of K = ``num_drafts`` rows and L = ``draft_length`` positions (P = K L problems);
         the OUTSIDE streams only with an ``alphabet``."""
+        drawn = cls.table(randomness, num_drafts, draft_length, device, alphabet)  # [S, L+1, K]
+        # [S, K(problem's row), L, K(lane)] → [S, K L, K]: every row k's problem at t takes position t's draws
+        per_problem = drawn[:, None, :draft_length].expand(-1, num_drafts, -1, -1).reshape(len(drawn), -1, num_drafts)
+        return cls.of_problems(per_problem, drawn[_BONUS, draft_length, :1])
+
+    @classmethod
+    def at(cls, drawn: torch.Tensor, position: int, width: int) -> "BlockUniforms":
+        """The uniforms of the one problem the walk reaches at ``position`` with ``width`` candidates (P = 1), from
+        the block's ``drawn`` table ``[S, L+1, K]``: the same (stream, position, lane) as that problem's on the
+        device path, whose slots are its members in row order, as here."""
+        return cls.of_problems(drawn[:, position : position + 1, :width], drawn[_BONUS, -1, :1])
+
+    @staticmethod
+    def table(randomness: Randomness, num_drafts: int, draft_length: int, device, alphabet: bool) -> torch.Tensor:
+        """Every draw of a block ``[S, L+1, K]`` (stream, position, lane), streams from ACCEPT on (see ``_STREAMS``)."""
         streams = len(_STREAMS) if alphabet else 4  # ACCEPT, RESIDUAL, BONUS, SELECT (+ OUTSIDE, OUTSIDE_TOKEN)
         shape = (streams, draft_length + 1, num_drafts)
         if isinstance(randomness, Draws):
             numbers = torch.arange(_STREAMS[0], _STREAMS[0] + streams, device=device).view(-1, 1, 1)  # [S, 1, 1]
-            drawn = randomness.uniforms(numbers, draft_length + 1, num_drafts)  # [S, L+1, K]
-        else:  # a generator's next draws (stream and position unused)
-            drawn = uniforms_from(randomness, Stream.ACCEPT, shape, device)  # [S, L+1, K]
-        # [S, K(problem's row), L, K(lane)] → [S, K L, K]: every row k's problem at t takes position t's draws
-        per_problem = drawn[:, None, :draft_length].expand(-1, num_drafts, -1, -1).reshape(streams, -1, num_drafts)
+            return randomness.uniforms(numbers, draft_length + 1, num_drafts)  # [S, L+1, K]
+        return uniforms_from(randomness, Stream.ACCEPT, shape, device)  # [S, L+1, K]: a generator's next draws
+
+    @classmethod
+    def of_problems(cls, per_problem: torch.Tensor, bonus: torch.Tensor) -> "BlockUniforms":
+        """From each problem's draws ``[S, P, K]`` (stream, problem, lane) and the bonus draw ``[1]``."""
         accept, residual, _, select, *outside = per_problem.unbind(0)  # [P, K] each
         first_lane = [uniforms[:, 0] for uniforms in (select, residual, *outside)]  # [P] each
-        return cls(first_lane[0], accept, first_lane[1], drawn[2, draft_length, :1], *(first_lane[2:] or (None, None)))
+        return cls(first_lane[0], accept, first_lane[1], bonus, *(first_lane[2:] or (None, None)))
 
 
 @dataclass
@@ -212,27 +253,59 @@ class Plan:
         return torch.where(self.use_scheme[:, None], scheme, fallback)
 
     def sample(self, tokens: torch.Tensor, uniforms: BlockUniforms) -> torch.Tensor:
-        """Every problem's output token ``[P]``, given its candidates ``tokens`` ``[P, K]``.
+        """Every problem's output token ``[P]``, given its candidates ``tokens`` ``[P, K]``: the first step that
+        keeps its candidate, else a draw from the residual; with an alphabet, a draw off it unless the coin
+        keeps the scheme's output."""
+        use = self.use_scheme[:, None]  # [P, 1]
+        taken, kept = self._steps(tokens, uniforms, use)  # [P, K], [P, 1]
+        output = torch.where(taken.any(1), kept.squeeze(1), self._residual_draw(uniforms, use))  # [P]
+        if self.outside is None:
+            return output
+        return torch.where(self._inside(uniforms), output, sample_with(self.outside, uniforms.outside_token))
+
+    def sample_reading(self, tokens: torch.Tensor, uniforms: BlockUniforms) -> int:
+        """:meth:`sample` of one problem (P = 1) with host reads, for the CPU: the same output from the same
+        uniforms, but the residual and off-alphabet draws (a float64 pass over V each) only when taken."""
+        if self.outside is not None and not bool(self._inside(uniforms)):
+            return int(sample_with(self.outside, uniforms.outside_token))
+        use = self.use_scheme[:, None]  # [1, 1]
+        taken, kept = self._steps(tokens, uniforms, use)  # [1, K], [1, 1]
+        return int(kept) if bool(taken.any()) else int(self._residual_draw(uniforms, use))
+
+    def _steps(self, tokens, uniforms: BlockUniforms, use: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which steps keep their candidate ``[P, K]`` bool, and the first kept candidate ``[P, 1]``; ``use``
+        ``[P, 1]``: the problem runs the scheme.
 
         The scheme's steps are (Y, x3 … xK), tested with ACCEPT lanes (0, 2 … K-1); SpecInfer's are
-        x1 … xK with lanes 0 … K-1. The first step that keeps its candidate gives the output.
+        x1 … xK with lanes 0 … K-1.
         """
         pick = sample_with(self.chosen, uniforms.select).unsqueeze(1)  # [P, 1]: 0 or 1, Y's slot
         # [P, K]: Y's step, x3 … xK's, and a last column that is never taken (the scheme has K - 1 steps)
         scheme_taken = torch.cat([uniforms.accept[:, :1] < self.scheme.accepts.gather(1, pick),
                                   uniforms.accept[:, 2:] < self.scheme.accepts[:, 2:], pick < 0], 1)  # fmt: skip
-        use = self.use_scheme[:, None]  # [P, 1]
         taken = torch.where(use, scheme_taken, uniforms.accept < self.fallback.accepts)  # [P, K]
         scheme_tokens = torch.cat([tokens.gather(1, pick), tokens[:, 2:], tokens[:, :1]], 1)  # [P, K]
         kept = torch.where(use, scheme_tokens, tokens).gather(1, taken.long().argmax(1, keepdim=True))  # [P, 1]
-        residual = torch.where(use, self.scheme.residual, self.fallback.residual)  # [P, V]
+        return taken, kept
+
+    def _residual_draw(self, uniforms: BlockUniforms, use: torch.Tensor) -> torch.Tensor:
+        """The draw ``[P]`` from what no step took, R normalised (stream RESIDUAL); ``use`` as in :meth:`_steps`."""
+        residual = where_rows(use, self.scheme.residual, self.fallback.residual)  # [P, V]
         # An empty residual belongs to a candidate accepted with probability 1: never drawn, kept a law.
-        residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, self.target)  # [P, V]
-        output = torch.where(taken.any(1), kept.squeeze(1), sample_with(residual, uniforms.residual))  # [P]
-        if self.outside is None:
-            return output
-        inside = ~self.use_scheme | (uniforms.outside < self.inside_mass.squeeze(1))  # [P]
-        return torch.where(inside, output, sample_with(self.outside, uniforms.outside_token))
+        residual = where_rows(residual.sum(1, keepdim=True) > 0, residual, self.target)  # [P, V]
+        return sample_with(residual, uniforms.residual)
+
+    def _inside(self, uniforms: BlockUniforms) -> torch.Tensor:
+        """``[P]`` bool: the output is the scheme's (SpecInfer ignores O; the scheme's is kept with prob. q(O))."""
+        return ~self.use_scheme | (uniforms.outside < self.inside_mass.squeeze(1))
+
+
+def where_rows(condition: torch.Tensor, chosen: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``torch.where(condition, chosen, other)`` for a per-problem ``condition`` ``[P, 1]`` and rows ``[P, V]``; for
+    one problem on the CPU the operand itself, read from the condition (a pass over V costs more than a read)."""
+    if len(condition) == 1 and reads_are_free(condition):
+        return chosen if bool(condition) else other
+    return torch.where(condition, chosen, other)
 
 
 def _scheme_steps(tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -300,6 +373,11 @@ class ImportanceSampling(Verifier):
     def check_support(self, support_sizes: np.ndarray) -> None:
         """Refuse problems whose drafts' support is too large (host array of the active problems' sizes)."""
 
+    @property
+    def has_alphabet(self) -> bool:
+        """Whether :meth:`alphabet_mask` restricts O (then a block draws the OUTSIDE streams too)."""
+        return False
+
     def alphabet_mask(self, target: torch.Tensor) -> torch.Tensor | None:
         """The alphabet O ``[P, V]`` bool the scheme runs on, or None for q's whole support."""
         return None
@@ -327,6 +405,8 @@ class ImportanceSampling(Verifier):
         num_drafts, draft_length = draft_tokens.shape
         if num_drafts == 1:  # one candidate: the scheme is speculative sampling
             return _ONE_DRAFT.verify_block(target_probs, draft_probs, draft_tokens, randomness)
+        if reads_are_free(target_probs):
+            return self._walk_reading(target_probs, draft_probs, draft_tokens, randomness)
         problems = Problems.block(target_probs, draft_probs, draft_tokens)
         pair = self._first_pair(problems)
         # Called here, not deeper: under dynamo the host call is then the one break of verify_block's graph.
@@ -334,6 +414,29 @@ class ImportanceSampling(Verifier):
         uniforms = BlockUniforms.of(randomness, num_drafts, draft_length, draft_tokens.device, plan.outside is not None)
         outputs = plan.sample(problems.tokens, uniforms).view(num_drafts, draft_length)  # [K, L]
         return commit_runs(outputs, problems.leader, draft_tokens, target_probs, uniforms.bonus)
+
+    def _walk_reading(self, target_probs, draft_probs, draft_tokens, randomness) -> BlockDecision:
+        """The CPU path, where a read is free: the walk over alive rows position by position, planning only the
+        problem it reaches at each (:meth:`Problems.at`) and stopping at the block's end, where the device path
+        plans all K L problems at once. Each problem takes the device path's uniforms (:meth:`BlockUniforms.at`)
+        and runs the same plan, so the walk makes the device path's decisions (tests/test_importance_device.py)."""
+        num_drafts, draft_length = draft_tokens.shape
+        tokens = draft_tokens.tolist()  # [K][L]
+        device = draft_tokens.device
+        drawn = BlockUniforms.table(randomness, num_drafts, draft_length, device, self.has_alphabet)  # [S, L+1, K]
+        alive, position = list(range(num_drafts)), 0
+        while position < draft_length:
+            problem = Problems.at(target_probs, draft_probs, draft_tokens, position, alive)
+            output = self.plan(problem).sample_reading(problem.tokens, BlockUniforms.at(drawn, position, len(alive)))
+            survivors = [row for row in alive if tokens[row][position] == output]
+            if not survivors:  # a correction: the block ends here
+                break
+            alive, position = survivors, position + 1
+        else:  # every position kept a candidate: the bonus token, from q after the followed row
+            output = int(sample_with(target_probs[alive[0], draft_length][None], drawn[_BONUS, -1, :1]))
+        committed = tokens[alive[0]][:position] + [output] * (draft_length + 1 - position)  # past the output: filler
+        return BlockDecision(torch.tensor(committed, device=device), torch.tensor(position, device=device),
+                             torch.tensor(alive[0], device=device))  # fmt: skip
 
     # ----------------------------------------------------------------------- planning
 
@@ -356,11 +459,14 @@ class ImportanceSampling(Verifier):
         """The plan once the host has solved the free LPs (``solution`` ``[P, M M + M]``, None for one candidate)."""
         members = list(problems.members.split(1, 1))  # K × [P, 1]
         fallback = Chain.of(problems.target, pair.laws, list(problems.tokens.split(1, 1)), members)
-        selected, chosen = pair.laws[0], torch.ones_like(pair.laws[0][:, :1])  # [P, V], [P, 1]: one candidate
-        if solution is not None:
-            selected, chosen = pair.solved(solution, problems.tokens)  # [P, V], [P, 2]
-        steps = _scheme_steps(problems.tokens)
-        scheme = Chain.of(pair.scheme_target, [selected, *pair.laws[2:]], steps, [members[0], *members[2:]])
+        if solution is None and pair.scheme_target is problems.target:  # one candidate against q: the same chain
+            scheme, chosen = fallback, torch.ones_like(pair.laws[0][:, :1])  # [P, 1]
+        else:
+            selected, chosen = pair.laws[0], torch.ones_like(pair.laws[0][:, :1])  # [P, V], [P, 1]: one candidate
+            if solution is not None:
+                selected, chosen = pair.solved(solution, problems.tokens)  # [P, V], [P, 2]
+            steps, alive = _scheme_steps(problems.tokens), [members[0], *members[2:]]
+            scheme = Chain.of(pair.scheme_target, [selected, *pair.laws[2:]], steps, alive)
         use_scheme = pair.inside_mass.squeeze(-1) * scheme.acceptance >= fallback.acceptance  # [P]
         return Plan(problems.target, pair.inside_mass, pair.outside, chosen, scheme, fallback, use_scheme)
 
@@ -402,4 +508,4 @@ class _FirstPair:
         keep = self.free.first_keep(tokens, weights, self.tail.keep(tokens))  # [P, 1]
         keep = keep.masked_fill_(~self.active, 1)  # [P, 1]: P(Y = x1)
         law = self.tail.law.scatter(1, self.free.ids, free_law)  # [P, V]
-        return torch.where(self.active, law, self.laws[0]), torch.cat([keep, 1 - keep], 1)
+        return where_rows(self.active, law, self.laws[0]), torch.cat([keep, 1 - keep], 1)

@@ -35,15 +35,19 @@ sub-problems (a few numbers per problem) cross to the host.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from specdec_cli.verifiers import reads_are_free
+
 _FLOW_RESOLUTION = 2.0**30  # the largest capacity in int32 steps (scipy's maximum flow takes int32)
 _RANK_SHIFT = 16  # float32 bits >> 16: the exponent and the top 7 mantissa bits of a non-negative value
 _RANK_BUCKETS = 1 << 15  # 15 bits of key: every non-negative float32, +inf and NaN (masked to 15 bits)
 _MIXTURE_BINS = 256  # resolution of λ: the mixture found is within 1/256 of the best one
+_TOP_BLOCK = 128  # entries per block when the CPU finds the free tokens (:func:`top_ids`)
 
 
 @dataclass
@@ -123,7 +127,7 @@ class FreeSet:
         first, second = tail.laws.unbind(0)  # [P, V] each
         support = (first + second) > 0  # [P, V]
         score = torch.where(support, torch.addcmul(target, first, second, value=-1), -torch.inf)  # [P, V]
-        ids = score.topk(min(width, score.shape[-1]), dim=-1).indices  # [P, M]
+        ids = top_ids(score, min(width, score.shape[-1]))  # [P, M]
         laws = tail.laws.gather(-1, ids.expand(2, -1, -1))  # [2, P, M]: a, b on the free tokens
         keys = tail.key.gather(1, ids)  # [P, M]
         pairs = tail_weight(keys[:, :, None], keys[:, None, :], tail.mixture[..., None])  # [P, M(k), M(f)]: W_kf
@@ -140,6 +144,33 @@ class FreeSet:
         position = match.long().argmax(-1)  # [P, 2]
         pair = position[:, :1] * self.ids.shape[1] + position[:, 1:]  # [P, 1]: index of (slot 0, slot 1) in M M
         return torch.where(match.any(-1).all(-1, keepdim=True), weights.gather(1, pair), tail_keep)
+
+
+def top_ids(score: torch.Tensor, count: int) -> torch.Tensor:
+    """``score.topk(count).indices`` ``[P, count]`` for scores ``[P, V]`` (-inf: no candidate, a padding id).
+
+    One problem on the CPU (reads are free): the top ``count + 1`` entries lie in the ``count + 1`` blocks of
+    ``_TOP_BLOCK`` entries with the largest maxima (plus the entries past the last whole block) when those
+    maxima are strictly above the next block's: every entry elsewhere has that many strictly above it. A
+    top-k of those few entries then costs one pass over V where the full one copies V (value, index) pairs.
+    Their order is topk's whenever the finite values among the top ``count + 1`` are distinct (ids of -inf
+    entries are padding, which carries no mass: any will do); on a tie, the full top-k orders it.
+    """
+    whole = score.shape[-1] // _TOP_BLOCK * _TOP_BLOCK
+    if len(score) != 1 or whole < (count + 2) * _TOP_BLOCK or not reads_are_free(score):
+        return score.topk(count, dim=-1).indices
+    maxima = score[0, :whole].view(-1, _TOP_BLOCK).amax(1).topk(count + 2)  # [count + 2]: values, block ids
+    edge = maxima.values[count:].tolist()  # the (count+1)-th and (count+2)-th largest block maxima
+    if edge[0] == edge[1] and edge[0] != -math.inf:
+        return score.topk(count, dim=-1).indices
+    offsets = torch.arange(_TOP_BLOCK, device=score.device)  # [block]
+    candidates = torch.cat([(maxima.indices[: count + 1, None] * _TOP_BLOCK + offsets).flatten(),
+                            torch.arange(whole, score.shape[-1], device=score.device)])  # fmt: skip
+    top = score[0, candidates].topk(count + 1)  # [count + 1]
+    finite = [value for value in top.values.tolist() if value != -math.inf]
+    if len(set(finite)) < len(finite) or any(math.isnan(value) for value in finite):
+        return score.topk(count, dim=-1).indices
+    return candidates[top.indices[:count]][None]
 
 
 def solve_free_problems(host: np.ndarray, solved: dict) -> tuple[np.ndarray, np.ndarray]:

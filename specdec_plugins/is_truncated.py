@@ -49,10 +49,14 @@ class ImportanceSamplingTruncated(ImportanceSampling):
     def free_width(self) -> int:
         return self.s
 
+    @property
+    def has_alphabet(self) -> bool:
+        return self.alphabet_mass < 1 or self.alphabet is not None
+
     def alphabet_mask(self, target):
         """O ``[P, V]``: the fewest top tokens of q whose mass reaches ``alphabet_mass`` (never a zero-mass
         token), at most ``alphabet``; None (q's whole support) when neither binds."""
-        if self.alphabet_mass >= 1 and self.alphabet is None:
+        if not self.has_alphabet:
             return None
         positive = target > 0  # [P, V]
         likeliest, order = target.sort(dim=-1, descending=True, stable=True)  # [P, V] each: ties to the lower id

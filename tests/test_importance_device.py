@@ -22,11 +22,12 @@ from specdec_cli.testing import (
     random_distributions,
     random_sequence_laws,
 )
-from specdec_cli.verifiers import load_verifier, walk_alive_rows
+from specdec_cli.verifiers import device_path, load_verifier, walk_alive_rows
 from specdec_plugins import _pair_selection
 from specdec_plugins._importance import BlockUniforms, Problems, commit_runs
 from specdec_plugins.is_truncated import ImportanceSamplingTruncated
 from tests.test_block_verification import _block_inputs
+from tests.test_device_path import BLOCK_KINDS as DEVICE_BLOCK_KINDS
 from tests.test_device_path import random_block
 
 IMPORTANCE = ("is-lp", "is-truncated")
@@ -253,3 +254,77 @@ def test_four_drafts_keep_the_target_law(name):
         target, draft, other = random_distributions(generator, (3, 3))
         for drafts in (draft.expand(4, -1), torch.stack([draft, other, draft, other])):
             torch.testing.assert_close(enumerate_output_law(verifier, target, drafts), target, rtol=0, atol=1e-9)
+
+
+# ------------------------------------------------------------------ the CPU path against the device path
+
+
+
+def _decisions_that_differ(verifier, blocks) -> list[str]:
+    """Labels of the blocks on which ``verify_block`` on the CPU (the walk that reads) and the device path
+    (forced on the same CPU tensors) commit different tokens, rows or lengths from the same keyed draws."""
+    differ = []
+    for label, block, draws in blocks:
+        walked = verifier.verify_block(*block, draws)
+        with device_path():
+            planned = verifier.verify_block(*block, draws)
+        n = int(walked.num_accepted)
+        if (n, int(walked.row)) != (int(planned.num_accepted), int(planned.row)) or (
+            walked.tokens[: n + 1].tolist() != planned.tokens[: n + 1].tolist()
+        ):
+            differ.append(label)
+    return differ
+
+
+def _keyed_blocks(name: str, num_drafts: int, draft_length: int, vocab: int, keys: int = 3):
+    """A block of every kind of tests/test_device_path.py, each with ``keys`` different keyed draws."""
+    support = 16 if name == "is-lp" else None
+    for seed, kind in enumerate(DEVICE_BLOCK_KINDS):
+        block = random_block(kind, num_drafts, draft_length, vocab, 7 * seed + num_drafts, False, support)
+        for key in range(keys):
+            yield f"V={vocab} K={num_drafts} {kind} key={key}", block, Draws.create(key=key, block_start=5 * seed + key)
+
+
+PATH_CASES = [("is-lp", {}), ("is-truncated", {}), ("is-truncated", {"s": 2, "alphabet": 3})]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("name", "params"), PATH_CASES, ids=["is-lp", "is-truncated", "is-truncated-alphabet"])
+def test_the_cpu_walk_makes_the_device_paths_decisions(name, params):
+    """On the CPU a block solves only the problems its walk reaches, one position at a time; it must commit
+    exactly what the device path commits, block by block, with blocks that end at every position (rows that
+    share a prefix, one-token laws, corrections, bonus tokens) and at a vocabulary where the free tokens are
+    found by blocks (:func:`_pair_selection.top_ids`)."""
+    verifier = load_verifier(name, params)
+    blocks = [block for num_drafts in (2, 3, 4) for draft_length, vocab in ((3, 64), (2, 1024))
+              for block in _keyed_blocks(name, num_drafts, draft_length, vocab)]  # fmt: skip
+    assert _decisions_that_differ(verifier, blocks) == []
+    lengths = Counter(int(verifier.verify_block(*block, draws).num_accepted) for _, block, draws in blocks)
+    assert set(lengths) == {0, 1, 2, 3}, lengths  # the walk ended at every position of the longer blocks
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_path_comparison_sees_a_walk_that_takes_other_draws(monkeypatch):
+    """Negative control: a walk that tests position t's candidates with position t+1's uniforms is caught."""
+    at = BlockUniforms.at.__func__
+    monkeypatch.setattr(BlockUniforms, "at", classmethod(lambda cls, drawn, t, width: at(cls, drawn, t + 1, width)))
+    blocks = [block for num_drafts in (2, 4) for block in _keyed_blocks("is-truncated", num_drafts, 3, 64)]
+    assert len(_decisions_that_differ(load_verifier("is-truncated"), blocks)) >= 5
+
+
+@pytest.mark.parametrize("count", [5, 64])
+def test_top_ids_on_the_cpu_are_topks(count):
+    """The CPU's top-k by blocks gives topk's free tokens in topk's order, with ties (left to topk), -inf entries
+    (padding: any of them) and fewer finite entries than ``count``."""
+    generator = torch.Generator().manual_seed(count)
+    cases = [(20_000, 20_000, False), (20_000, 20_000, True), (20_000, 40, False), (9_000, 3_000, True)]
+    for vocab, finite, tie in cases:  # V, entries above -inf, the two largest equal
+        score = torch.full((1, vocab), -torch.inf)
+        where = torch.randperm(vocab, generator=generator)[:finite]
+        score[0, where] = torch.rand(finite, generator=generator)
+        if tie:  # the two largest entries equal: only topk itself may order them
+            score[0, where[:2]] = 2.0
+        ours, theirs = _pair_selection.top_ids(score, count)[0], score.topk(count).indices[0]  # [count] each
+        real = score[0, theirs] > -torch.inf  # [count]
+        assert ours[real].tolist() == theirs[real].tolist()
+        assert bool((score[0, ours[~real]] == -torch.inf).all())

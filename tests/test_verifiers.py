@@ -17,7 +17,7 @@ from specdec_cli.testing import (
     optimal_acceptance,
     random_distributions,
 )
-from specdec_cli.verifiers import load_verifier
+from specdec_cli.verifiers import device_path, load_verifier
 from specdec_plugins._importance import Problems
 
 LOSSLESS = ["speculative", "specinfer", "spectr", "is-lp", "is-truncated"]
@@ -446,7 +446,8 @@ def test_importance_sampling_keeps_the_laws_on_the_device(name, monkeypatch):
     read_sizes = []
     original = torch.Tensor.numpy
     monkeypatch.setattr(torch.Tensor, "numpy", lambda self, *a, **k: read_sizes.append(self.numel()) or original(self, *a, **k))
-    decision = load_verifier(name).verify_block(target, drafts, tokens, torch.Generator().manual_seed(0))
+    with device_path():  # the GPU's path: the CPU path reads as it walks (free there)
+        decision = load_verifier(name).verify_block(target, drafts, tokens, torch.Generator().manual_seed(0))
     assert len(read_sizes) == 1  # one read per block: every position's free LPs
     assert max(read_sizes) < vocab
     assert 0 <= int(decision.num_accepted) <= draft_length
