@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -168,19 +169,21 @@ def _verify_lazily(q, p, x, bound: float, randomness) -> BlockDecision:
         masses = [law[rows].sum(-1, keepdim=True, dtype=torch.float64) for law in (q, p)]  # [1, 1] each: Σq, Σp
         if u < ratio * float(masses[1]) / float(masses[0]):  # accepted by speculative sampling's exact test
             continue
-        solution = solve(q[rows], p[rows], bound, lazy=True, masses=masses)
+        solution = solve(q[rows], p[rows], bound, lazy=True, masses=masses, buffers=_Buffers.shared(1, vocab))
         if not u < solution.acceptance_of(tokens[rows]):
             return commit_known(position, solution.residual_on_host(), x, draws)
     return commit_known(draft_length, q[-1], x, draws)
 
 
-def solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, lazy: bool, masses=None) -> "_Solution":
+def solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, lazy: bool, masses=None,
+          buffers: "_Buffers | None" = None) -> "_Solution":  # fmt: skip
     """The exact optimum for q and p ``[..., V]`` (any probabilities; renormalised in float64; ``masses``: their
-    float64 sums ``[..., 1]`` where the caller has them)."""
+    float64 sums ``[..., 1]`` where the caller has them; ``buffers``: the CPU path's arrays, which the solution
+    then shares: it is valid until their next use)."""
     if bound == 0:  # speculative sampling (α = β = 1), a double root that Newton only approaches
         return _Solution.speculative(_normalised(target_probs), _normalised(draft_probs))
     if lazy:
-        return _solve_by_sets(target_probs, draft_probs, bound, masses)
+        return _solve_by_sets(target_probs, draft_probs, bound, masses, buffers)
     return _solve_by_sorting(_normalised(target_probs), _normalised(draft_probs), bound)
 
 
@@ -397,29 +400,53 @@ _BELOW_ONE, _ABOVE_ONE = math.nextafter(1.0, 0.0), math.nextafter(1.0, 2.0)  # s
 _ACCEPT_ALL = (0.0, 1.0, 1.0, 0.0, 0.0, 0.0)  # (Q_low, Q_high, P_low, P_high, band, ρ): a row with no root to solve
 
 
+class _Buffers:
+    """The CPU path's arrays for rows ``[N, V]``. A block reuses one set per thread (:meth:`shared`): fresh
+    ones of 10 MB at V = 128k cost thousands of page faults (about 5 ms) whenever the allocator has handed
+    the memory back to the system, e.g. between two solves of one block."""
+
+    _per_thread = threading.local()
+
+    def __init__(self, rows: int, vocab: int):
+        self.weights = torch.empty(rows, 3, vocab, dtype=torch.float64)  # [N, 3, V]: q, p, q ln(q/p)
+        self.ratio = torch.empty(rows, vocab, dtype=torch.float64)  # [N, V]: q/p
+        self.masks = torch.empty(rows, 2, vocab, dtype=torch.float64)  # [N, 2, V]: below α, above β
+        # float32 copies for the first set steps, which only have to come near the root: a float32 step costs
+        # half a float64 one, and the float64 steps that follow settle the groups exactly.
+        self.coarse = (torch.empty(rows, 3, vocab), torch.empty(rows, vocab), torch.empty(rows, 2, vocab))
+
+    @classmethod
+    def shared(cls, rows: int, vocab: int) -> "_Buffers":
+        """This thread's buffers for ``[rows, vocab]``, made when the shape changes."""
+        buffers = getattr(cls._per_thread, "buffers", None)
+        if buffers is None or buffers.ratio.shape != (rows, vocab):
+            buffers = cls._per_thread.buffers = cls(rows, vocab)
+        return buffers
+
+
 class _Groups:
     """Q, P and Σ q ln(q/p) below α and above β, from one comparison pass and one matrix product over V
     per set step (the CPU path; rows ``[N, V]`` of any probabilities, renormalised in float64 as
-    :func:`_normalised` does). Buffers are filled in place: at V = 128k each fresh one costs a pass."""
+    :func:`_normalised` does). Every array is filled in place in ``buffers``."""
 
-    def __init__(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, masses=None):
+    def __init__(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, masses=None, buffers=None):
         rows, vocab = target_probs.shape
-        self.weights = torch.empty(rows, 3, vocab, dtype=torch.float64)  # [N, 3, V]: q, p, q ln(q/p)
+        buffers = buffers or _Buffers(rows, vocab)
+        self.weights, self._masks = buffers.weights, buffers.masks  # [N, 3, V], [N, 2, V]
         self.q, self.p, log_ratio = self.weights.unbind(-2)  # [N, V] views
         masses = masses or [probs.sum(-1, keepdim=True, dtype=torch.float64) for probs in (target_probs, draft_probs)]
         for law, probs, mass in zip((self.q, self.p), (target_probs, draft_probs), masses):
             torch.div(probs, mass.view(rows, 1), out=law)
-        self.t = torch.div(self.q, self.p).nan_to_num_(nan=0.0, posinf=math.inf)  # [N, V]: as :func:`_ratio`
-        self._masks = torch.empty(rows, 2, vocab, dtype=torch.float64)  # [N, 2, V]: below α, above β
+        self.t = torch.div(self.q, self.p, out=buffers.ratio).nan_to_num_(nan=0.0, posinf=math.inf)  # [N, V]: :func:`_ratio`
         # q ln t, 0 where q = 0: xlogy, and log at 0, take a slow path per element (4× and 10× slower at V = 128k).
         torch.clamp_min(self.t, TINY, out=log_ratio).log_().mul_(self.q)
         self.full_kl = log_ratio.sum(-1, keepdim=True)  # [N, 1]: KL(q ‖ p)
         self.total_log_ratio = self.full_kl.squeeze(-1).tolist()  # [N]: Σ q ln t over the tokens with t < ∞
         if math.inf in self.total_log_ratio:  # p misses q's support
             self._count_missing_support(log_ratio)
-        # float32 copies for the first set steps, which only have to come near the root: a float32 step costs
-        # half a float64 one, and the float64 steps that follow settle the groups exactly.
-        self._coarse = (self.weights.float(), self.t.float(), torch.empty(rows, 2, vocab))  # [N, 3, V], [N, V], [N, 2, V]
+        self._coarse = buffers.coarse  # [N, 3, V], [N, V], [N, 2, V] float32
+        self._coarse[0].copy_(self.weights)
+        self._coarse[1].copy_(self.t)
 
     def _count_missing_support(self, log_ratio: torch.Tensor):
         """Where p = 0 < q (t = ∞): those tokens are always above β, never between α and β, so they stay out of
@@ -458,10 +485,10 @@ class _Groups:
                 for ((q_low, q_high), (p_low, p_high), (w_low, w_high)), total in zip(sums, self.total_log_ratio)]  # fmt: skip
 
 
-def _solve_by_sets(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, masses=None) -> _Solution:
+def _solve_by_sets(target_probs, draft_probs, bound: float, masses=None, buffers=None) -> _Solution:
     """Every row of q, p ``[..., V]`` on the CPU, reading as it goes; a row whose sets do not settle by sorting."""
     batch, vocab = target_probs.shape[:-1], target_probs.shape[-1]
-    groups = _Groups(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab), masses)
+    groups = _Groups(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab), masses, buffers)
     outright = groups.full_kl <= bound  # [N, 1]: accept every draft token
     pending = (~outright).squeeze(-1).tolist()  # [N]
     found = _settle_sets(groups, pending, bound)
@@ -494,15 +521,21 @@ def _settle_sets(groups: _Groups, pending: list, bound: float) -> list:
 
 def _iterate_sets(groups: _Groups, waiting: list, thresholds: list, bound: float, coarse: bool) -> list:
     """Set steps from ``thresholds`` ``[N][2]`` (moved in place) for at most ``_MAX_SET_STEPS`` steps → each
-    waiting row's (*sums, ρ) where its groups repeat, else None. Coarse steps stop instead when α and β
-    stand still to ``_COARSE_TOLERANCE``."""
-    found, rho = [None] * len(waiting), [0.0] * len(waiting)
+    waiting row's (*sums, ρ) where its groups repeat, else None. They repeat when a step's sums are the last
+    step's, or, a step earlier, when no token lies between its old and new thresholds (a token near the root
+    may keep that check from answering). Coarse steps stop instead when α and β stand still to
+    ``_COARSE_TOLERANCE``."""
+    previous, found, rho = [None] * len(waiting), [None] * len(waiting), [0.0] * len(waiting)
     for _ in range(_MAX_SET_STEPS):
         if not any(waiting):
             break
         for row, segment in enumerate(groups.segments(thresholds, coarse)):
             if not waiting[row]:
                 continue
+            if not coarse and segment == previous[row]:
+                found[row], waiting[row] = (*segment, rho[row]), False
+                continue
+            previous[row] = segment
             rho[row], *moved = _scalar_root(*segment, bound)
             if coarse:
                 waiting[row] = not all(math.isclose(*pair, rel_tol=_COARSE_TOLERANCE) for pair in zip(moved, thresholds[row]))

@@ -311,3 +311,12 @@ def test_the_float32_steps_only_bring_the_sets_near_the_root(monkeypatch):
     expected = _decisions(0.1, lazy=True)
     monkeypatch.setattr(mentored, "_COARSE_TOLERANCE", 1.0)
     assert _decisions(0.1, lazy=True) == expected
+
+
+def test_the_float64_steps_settle_when_the_float32_check_cannot_answer(monkeypatch):
+    """A token within the check's margin of the root (common at V = 32k) keeps it answering no; the groups'
+    sums repeating must still settle the row, without the sorted fallback (20 ms a solve at V = 128k)."""
+    expected = _decisions(0.1, lazy=True)
+    monkeypatch.setattr(mentored._Groups, "same_groups", lambda *_: False)
+    monkeypatch.setattr(mentored, "_SortedTable", None)
+    assert _decisions(0.1, lazy=True) == expected
