@@ -13,6 +13,8 @@ shape built with random weights (``model_shapes.py``): on a GPU, Llama-3.1-8B is
 deployment would verify for.
 
     python benchmarks/verifier_speed.py --repeats 9 --threads 1 > benchmarks/results/verifier_speed_cpu.md
+    python benchmarks/verifier_speed.py --repeats 9 --threads 1 --same-tokens --vocab 128256 \
+        --verifiers specinfer,spectr,is-lp,is-truncated > benchmarks/results/verifier_speed_same_tokens_cpu.md
     python benchmarks/verifier_speed.py --device cuda --target llama-3.1-8b > benchmarks/results/verifier_speed_cuda.md
 """
 
@@ -61,11 +63,12 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def block_laws(vocab, num_drafts, draft_length, device, top_k):
+def block_laws(vocab, num_drafts, draft_length, device, top_k, same_tokens=False):
     """Target laws [K, L+1, V], draft laws [K, L, V] near them, tokens [K, L].
 
     Every row gets the same laws (one draft config whose rows share their prefix), so rows that
-    draw equal tokens stay consistent; their tokens are drawn independently.
+    draw equal tokens stay consistent; their tokens are drawn independently, or are all row 0's
+    (``same_tokens``: every row stays alive until a correction, the multi-draft rules' costliest case).
     """
     generator = torch.Generator().manual_seed(0)
     target_logits = peaked_logits((1, draft_length + 1, vocab), generator, top_k)  # [1, L+1, V]
@@ -73,6 +76,8 @@ def block_laws(vocab, num_drafts, draft_length, device, top_k):
     target = target_logits.softmax(-1).expand(num_drafts, -1, -1)  # [K, L+1, V]
     draft = (target_logits[:, :draft_length] + noise).softmax(-1).expand(num_drafts, -1, -1)  # [K, L, V]
     tokens = torch.multinomial(draft.reshape(-1, vocab), 1, generator=generator).reshape(num_drafts, draft_length)
+    if same_tokens:
+        tokens = tokens[:1].expand(num_drafts, -1).contiguous()  # [K, L]
     return target.to(device), draft.to(device), tokens.to(device)
 
 
@@ -83,9 +88,9 @@ def block_randomness(verifier: BlockVerifier, device: str) -> Randomness:
     return torch.Generator(device=device).manual_seed(1)
 
 
-def verifier_laws(name: str, vocab: int, num_drafts: int, draft_length: int, device: str):
+def verifier_laws(name: str, vocab: int, num_drafts: int, draft_length: int, device: str, same_tokens=False):
     """The laws every measurement of ``name`` uses (see the module docstring)."""
-    return block_laws(vocab, num_drafts, draft_length, device, 50 if name == "is-lp" else 0)
+    return block_laws(vocab, num_drafts, draft_length, device, 50 if name == "is-lp" else 0, same_tokens)
 
 
 def median_seconds(prepare: Callable[[], Callable[[], BlockDecision]], device: str, repeats: int) -> float:
@@ -169,6 +174,8 @@ def main() -> None:
     parser.add_argument("--vocab", default="32000,50257,128256")
     parser.add_argument("--target", default="default", choices=["default", *SHAPES],
                         help="the model whose forward the verification is compared with")
+    parser.add_argument("--same-tokens", action="store_true",
+                        help="every row draws row 0's tokens (all rows alive until a correction)")
     args = parser.parse_args()
     start_report(args, f", transformers {transformers.__version__}", f"median of {args.repeats}")
     print("| verifier | V | K | L | ops per block | host reads | verification ms | ÷ target forward |")
@@ -184,7 +191,7 @@ def main() -> None:
                 for name in args.verifiers.split(","):
                     if num_drafts > (load_verifier(name, VERIFIERS[name]).max_drafts or num_drafts):
                         continue
-                    laws = verifier_laws(name, vocab, num_drafts, draft_length, args.device)
+                    laws = verifier_laws(name, vocab, num_drafts, draft_length, args.device, args.same_tokens)
                     count = count_verification(name, VERIFIERS[name], laws, args.device)
                     seconds = time_verification(name, VERIFIERS[name], laws, args.device, args.repeats)
                     print(f"| {name} | {vocab} | {num_drafts} | {draft_length} | {count.ops} | {count.reads} | "

@@ -253,7 +253,7 @@ class _Solution:
 
     def residual_on_host(self) -> torch.Tensor:
         """:meth:`residual_row` of a one-row solution ``[1, V]`` → ``[V]``, its fallback chosen on the host."""
-        excess = self._excess()[0]  # [V]
+        excess = torch.addcmul(self.q[0], self.beta[0], self.p[0], value=-1).clamp_min_(0)  # [V]: :meth:`_excess`, in place
         return excess if float(excess.sum()) > 0 else self.q[0]
 
 
