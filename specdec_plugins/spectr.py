@@ -25,13 +25,16 @@ In a block the walk over positions follows the rows that drew every token output
 (docs/verifiers.md §4). On a GPU every (first alive row, position) problem is solved in one batched
 call, so the walk itself only looks results up (a fixed number of operations, no host read). On the
 CPU, where reads are free, the walk runs on the host: a candidate's test costs at most one pass over
-V (ρ < q(x)/(u p(x)) iff g there is negative), and ρ is solved only where the block ends, by sorting
-the one bucket of ratios that holds it; with one row alive (K' = 1) ρ = 1 and nothing is sorted.
+V (ρ < q(x)/(u p(x)) iff g there is negative; of candidates that drew the same token only the largest
+θ is tested), and ρ is solved only where the block ends, by set steps from the largest rejected θ: A
+and B at a guess (one comparison and one product over V), the root of that segment's G in Python
+floats, regrouped until the sets are the root's own; with one row alive (K' = 1) ρ = 1.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -298,35 +301,208 @@ def _walk_on_device(target_probs, draft_probs, draft_tokens, randomness) -> Bloc
 
 def _walk_on_host(target_probs, draft_probs, draft_tokens, randomness) -> BlockDecision:
     """The same walk on the CPU, reading as it goes (:func:`walk_reading`): candidate by candidate, stopping at
-    the first acceptance (:func:`_accepts`, at most one pass over V); ρ itself is solved only where every
-    candidate is rejected."""
+    the first acceptance (:meth:`_HostProblem.accepts`); ρ itself is solved only where every candidate is
+    rejected (:meth:`_HostProblem.solve`), from what those tests found."""
 
     def decide(t: int, alive: list[int], tokens: list[list[int]], uniforms: list[list[float]]):
-        q, p = target_probs[alive[0], t], draft_probs[alive[0], t]  # [V] each: the alive rows' laws
-        accepted = next((j for j in alive if _accepts(q, p, len(alive), tokens[j][t], uniforms[t][j])), None)
-        return (accepted, None) if accepted is not None else (None, _excess(q, p, *_solve_by_buckets(q, p, len(alive))))
+        problem = _HostProblem(target_probs[alive[0], t], draft_probs[alive[0], t], len(alive))  # the alive rows' laws
+        accepted = _first_accepted(problem, [tokens[j][t] for j in alive], [uniforms[t][j] for j in alive])
+        if accepted is not None:
+            return alive[accepted], None
+        return None, _excess(problem.q, problem.p, *problem.solve())
 
     return walk_reading(decide, target_probs, draft_tokens, randomness)
 
 
-_FLOAT32_TERM_ERROR = 2.0**-22
-"""Bound on the relative error of one term min(p, q/θ) computed in float32 (θ rounded, then the division)."""
+def _first_accepted(problem: "_HostProblem", tokens: list[int], uniforms: list[float]) -> int | None:
+    """The first candidate (an index into ``tokens``) that ``problem`` accepts, or None. Once every candidate left
+    drew the same token, which of them is accepted does not matter (the walk goes on with that token's rows):
+    one is iff ρ < the largest of their θ = q(x)/(u p(x)), the smallest u's, so that one test decides."""
+    for index, token in enumerate(tokens):
+        if tokens[index:].count(token) == len(tokens) - index:
+            return index if problem.accepts(token, min(uniforms[index:])) else None
+        if problem.accepts(token, uniforms[index]):
+            return index
+    return None
 
 
-def _accepts(q: torch.Tensor, p: torch.Tensor, count: int, token: int, uniform: float) -> bool:
-    """Whether SpecTr accepts candidate ``token``: u < q(x)/(ρ p(x)), i.e. ρ < θ = q(x)/(u p(x)).
+SET_STEPS = 8
+"""Set steps of each phase of the CPU solve (float32 sums, then float64 ones) before it falls back to
+:func:`_solve_by_buckets`; tests/test_spectr_solve.py counts how rarely that happens."""
 
-    ρ ∈ [1, K'] and g does not increase, so ρ < θ iff θ > K', or θ > 1 and g(θ) = p_acc(θ) - θβ(θ) < 0.
-    β(θ) is summed in float64 from float32 terms; only when g is within their rounding of 0 is it
-    recomputed in float64. q, p ``[V]``; count: K'.
+_RATIO_ROUNDING = 2.0**-22
+"""Bounds the distance of a float32 ratio (and of a threshold rounded to float32) from the exact one, relatively."""
+
+_COARSE_TOLERANCE = 1e-4
+"""Where the float32 set steps stop: they converge about quadratically, so a step that moves ρ by less than
+this left it within about 1e-7 of the root (about what float32 sums resolve); closer is noise."""
+
+
+class _HostProblem:
+    """One (position, alive rows) problem of the CPU walk: laws q, p ``[V]`` (float32) and K' = count.
+
+    A(τ) = Σ_{r < τ} q and B(τ) = Σ_{r ≥ τ} p come from comparisons of the float32 ratios r = q/p into float
+    masks and dot products over V (a comparison writing bool, or mask indexing, costs several times more
+    on the CPU). Float32 sums (within V·2^-24 of the exact ones) bring the set steps near
+    the root; float64 sums over the same tokens then give ρ exactly.
+    The CPU is memory-bound here: every array is reused (:class:`_WorkingArrays`) and none is made twice.
     """
-    theta = float(q[token]) / (uniform * float(p[token]))
-    if theta > count or theta <= 1:
-        return theta > count
-    terms = q / theta  # [V]
-    beta = float(torch.minimum(terms, p, out=terms).sum(dtype=torch.float64))  # in place: one V-sized buffer
-    gap = theta * beta + math.expm1(count * math.log1p(-min(beta, 1.0)))  # -g(θ)
-    if abs(gap) <= (theta + count) * beta * _FLOAT32_TERM_ERROR + 1e-15:
-        beta = min(float(torch.minimum(p.double(), q.double() / theta).sum()), 1.0)
-        gap = theta * beta + math.expm1(count * math.log1p(-beta))
-    return gap > 0
+
+    def __init__(self, q: torch.Tensor, p: torch.Tensor, count: int):
+        self.q, self.p, self.count, self.lower = q, p, count, 1.0  # ρ ≥ lower: g(1) ≥ 0 always
+        self._arrays = None  # _WorkingArrays, filled at the first pass
+
+    def accepts(self, token: int, uniform: float) -> bool:
+        """Whether SpecTr accepts candidate ``token``: u < q(x)/(ρ p(x)), i.e. ρ < θ = q(x)/(u p(x)).
+
+        ρ ∈ [1, K'] and g does not increase, so ρ < θ iff θ > K', or θ > max(1, a rejected θ) and
+        g(θ) = p_acc(θ) - θβ(θ) < 0; β(θ) summed in float64 from float32 terms (two light passes, cheaper than
+        the working arrays), recomputed in float64 only where g is within their rounding of 0 (|dg/dβ| ≤ K' + θ).
+        """
+        theta = float(self.q[token]) / (uniform * float(self.p[token]))
+        if theta > self.count or theta <= self.lower:
+            return theta > self.count
+        terms = self.q / theta  # [V]
+        beta = float(torch.minimum(terms, self.p, out=terms).sum(dtype=torch.float64))  # float32 terms: 2^-22 each
+        if abs(_minus_g(theta, beta, self.count)) <= (self.count + theta) * beta * 2 * _RATIO_ROUNDING + 1e-15:
+            beta = min(float(torch.minimum(self.p.double(), self.q.double() / theta).sum()), 1.0)
+        if _minus_g(theta, beta, self.count) > 0:
+            return True
+        self.lower = theta
+        return False
+
+    def solve(self) -> tuple[torch.Tensor, ...]:
+        """(ρ, p_acc, β) ``[1]`` float64, as :func:`_solve` gives them: set steps (the segment's root, regrouped)
+        from the largest rejected θ on float32 sums until ρ stands still, then on float64 sums: the root ρ of the
+        segment of τ is g's own root when no ratio lies between τ and ρ (then its sets are τ's), read on the
+        float32 ratios widened by their rounding; where one does, float64 steps on until the sets repeat,
+        placing the tokens by their float64 ratios. Otherwise, and for K' = 1 (ρ = 1), :func:`_solve_by_buckets`."""
+        if self.count == 1:
+            return _solve_by_buckets(self.q, self.p, 1)
+        rho = self.lower
+        masses = self._masses(rho, coarse=True)
+        for _ in range(SET_STEPS):
+            moved = _scalar_segment_root(*masses, self.count)
+            rho, settled = moved, math.isclose(moved, rho, rel_tol=_COARSE_TOLERANCE)
+            if settled:
+                break
+            masses = self._masses(rho, coarse=True)
+        masses, start = self._masses(rho), rho
+        for _ in range(SET_STEPS):
+            rho = _scalar_segment_root(*masses, self.count)
+            if self._arrays.ratio64 is None and self._arrays.none_between(start, rho):
+                return _solution(rho, *masses, self.count)
+            masses, previous, start = self._masses(rho), masses, rho
+            if masses == previous:
+                if self._arrays.ratio64 is not None:
+                    return _solution(rho, *masses, self.count)
+                self._arrays.compare_in_float64()  # a token within rounding of ρ
+                masses = self._masses(rho)
+        return _solve_by_buckets(self.q, self.p, self.count)
+
+    def _masses(self, threshold: float, coarse: bool = False) -> tuple[float, float]:
+        """(A, B) at τ = threshold in float64, or ``coarse`` in float32 (within V·2^-24 relatively)."""
+        self._arrays = self._arrays or _WorkingArrays.filled(self.q, self.p)
+        return self._arrays.masses(threshold, coarse)
+
+
+class _WorkingArrays:
+    """:class:`_HostProblem`'s arrays for one V, made once per thread and reused by every problem after (the walk
+    holds one problem at a time): fresh ones cost a page fault per 4 KB, about as much as the passes that use them."""
+
+    _per_thread = threading.local()
+
+    def __init__(self, vocab: int):
+        self.q = self.p = None  # [V] each: the laws, float32
+        self.weights64 = torch.empty(2, vocab, dtype=torch.float64)  # [2, V]: q, p
+        self.ratio, self.mask32, self.upper32 = torch.empty(3, vocab)  # [V] each: r, r < τ, r ≥ τ
+        self.mask64 = torch.empty(vocab, dtype=torch.float64)  # [V]
+        self.total_p64 = None  # Σ p in float64, once needed
+        self.ratio64 = None  # [V] float64, made only where a float32 ratio lies within rounding of the root
+
+    @classmethod
+    def filled(cls, q: torch.Tensor, p: torch.Tensor) -> "_WorkingArrays":
+        """This thread's arrays for laws q, p ``[V]``: the float32 ones filled (r = 0/0 stays NaN: never below τ,
+        and its masses are 0), the float64 ones at their first use."""
+        arrays = getattr(cls._per_thread, "arrays", None)
+        if arrays is None or arrays.ratio.shape != q.shape:
+            arrays = cls._per_thread.arrays = cls(q.shape[-1])
+        arrays.q, arrays.p = q, p
+        torch.div(q, p, out=arrays.ratio)
+        arrays.total_p64 = arrays.ratio64 = None
+        return arrays
+
+    def masses(self, threshold: float, coarse: bool) -> tuple[float, float]:
+        """:meth:`_HostProblem._masses` over the tokens whose float32 ratio lies below τ (their float64 one once
+        :meth:`compare_in_float64` was called). A comparison is fast only into its input's dtype, so the
+        float64 mask is a copy of the float32 one."""
+        torch.lt(self.ratio, threshold, out=self.mask32)
+        if coarse:  # B summed itself, not as Σ p - Σ_{r < τ} p: its error stays relative to B
+            above = torch.ge(self.ratio, threshold, out=self.upper32)  # [V]
+            return float(torch.dot(self.q, self.mask32)), float(torch.dot(self.p, above))
+        if self.total_p64 is None:
+            self.weights64[0].copy_(self.q)
+            self.weights64[1].copy_(self.p)
+            self.total_p64 = float(self.weights64[1].sum())
+        if self.ratio64 is None:
+            self.mask64.copy_(self.mask32)
+        else:
+            torch.lt(self.ratio64, threshold, out=self.mask64)
+        below_q, below_p = torch.mv(self.weights64, self.mask64).tolist()
+        return below_q, self.total_p64 - below_p
+
+    def compare_in_float64(self):
+        """Place the tokens by their float64 ratios from now on (one more pass over V, and two per step)."""
+        self.ratio64 = torch.div(self.weights64[0], self.weights64[1])  # [V]
+
+    def none_between(self, first: float, second: float) -> bool:
+        """Whether no float64 ratio lies between τ = first and ρ = second (either order), so the tokens whose
+        float32 ratio lies below τ are those whose float64 ratio lies below ρ: the float32 ratios within
+        rounding of that interval are counted (exactly: float32 sums of up to 2^24 ones)."""
+        low, high = min(first, second) * (1 - _RATIO_ROUNDING), max(first, second) * (1 + _RATIO_ROUNDING)
+        counts = [float(torch.lt(self.ratio, limit, out=self.mask32).sum()) for limit in (low, high)]
+        return counts[0] == counts[1]
+
+
+def _solution(rho: float, below: float, above: float, count: int) -> tuple[torch.Tensor, ...]:
+    """(ρ, p_acc, β) ``[1]`` float64 at the root ρ of the segment A = below, B = above."""
+    rho_tensor, counts = torch.tensor([rho], dtype=torch.float64), torch.tensor([float(count)], dtype=torch.float64)
+    beta = torch.tensor([below / rho + above], dtype=torch.float64)  # [1]
+    return rho_tensor, _acceptance(rho_tensor, beta, counts), beta
+
+
+def _minus_g(theta: float, beta: float, count: int) -> float:
+    """-g(θ) = θβ - p_acc = θβ + expm1(K' log1p(-β)) with β = β(θ), in Python floats."""
+    return theta * beta + math.expm1(count * _log_rejected(min(beta, 1.0)))
+
+
+def _log_rejected(beta: float) -> float:
+    """log(1 - β), -inf where β ≥ 1 (as torch's log1p gives it)."""
+    return math.log1p(-beta) if beta < 1 else -math.inf
+
+
+def _scalar_segment_root(below: float, above: float, count: int) -> float:
+    """:func:`_segment_root`'s ρ in Python floats for A = below, B = above on the whole of [1, K']: Newton on
+    G(s) from max(1/K', s₀), run until it stands still (G(1/K') ≤ 0 for the sets of any τ ≤ K', so it climbs
+    to the root without crossing it). A float operation costs a hundred times less than a torch one on one
+    number. ρ = 1 where g ≡ 0 (A = B = 0)."""
+    if below <= 0 and above <= 0:
+        return 1.0
+    s = max(1 / count, _bound_start(below, above, count))
+    for _ in range(100):  # a bound only: it stands still within ten steps
+        log_rejected = _log_rejected(below * s + above)
+        minus_g = math.expm1(count * log_rejected) + below + above / s
+        slope = count * below * math.exp((count - 1) * log_rejected) + above / (s * s)
+        if not (slope > 0 and minus_g > 0):
+            break
+        s += minus_g / slope
+    return min(max(1 / s, 1.0), float(count))
+
+
+def _bound_start(below: float, above: float, count: int) -> float:
+    """:func:`_segment_root`'s s₀ = (1 - B - (1 - A/(1-B))^{1/K'}) / A, 0 where it is undefined."""
+    if below <= 0 or above >= 1 or below > 1 - above:
+        return 0.0
+    fraction = below / (1 - above)
+    root = -1.0 if fraction == 1 else math.expm1(math.log1p(-fraction) / count)
+    return (above + root) / -below

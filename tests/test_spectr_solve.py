@@ -136,6 +136,83 @@ def test_the_cpu_solve_agrees_with_the_sort(kind):
         assert cpu_p_acc == pytest.approx(p_acc, abs=1e-14)
 
 
+def _root_between(reference: _Reference, first: float, second: float):
+    """The root of ``reference`` near two estimates of it, by mpmath bisection on a bracket around both."""
+    low, high = mpmath.mpf(min(first, second)) * (1 - mpmath.mpf(1e-9)), mpmath.mpf(max(first, second)) * (1 + mpmath.mpf(1e-9))
+    assert reference.g(low) >= 0 >= reference.g(high)
+    for _ in range(70):
+        middle = (low + high) / 2
+        low, high = (low, middle) if reference.g(middle) <= 0 else (middle, high)
+    return high
+
+
+def _host_problems(vocab: int):
+    """(q, p, K') float32 problems for the CPU walk's solve: random laws near each other and not, exact zeros,
+    ties (q = p on a share of the tokens, and equal ratios), p = 0 < q, and the adversarial pairs."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=generator, dtype=torch.float64) * 3  # [6, V]
+    near = [(row.softmax(-1), (row + torch.randn(vocab, generator=generator, dtype=torch.float64) * s).softmax(-1))
+            for row, s in zip(logits, (0.1, 0.5, 1.0, 2.0, 0.0, 1.0))]  # fmt: skip
+    tied = near[3][0].clone()
+    tied[: vocab // 3] = near[3][1][: vocab // 3]  # q = p on a third of the tokens
+    doubled = near[2][1].clone()
+    doubled[::2] *= 2  # ratios equal in pairs
+    laws = near + [(tied / tied.sum(), near[3][1]), (doubled / doubled.sum(), near[2][1])]
+    laws += [tuple(random_distributions(generator, (2, vocab), sparsity=s)) for s in (0.0, 0.5, 0.9)]
+    for q, p in laws + adversarial_distribution_pairs(vocab):
+        for count in (2, 3, 4):
+            yield q.float(), p.float(), count
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 4000])
+def test_the_set_steps_agree_with_the_sort(vocab, monkeypatch):
+    """The CPU walk's solve (set steps from a rejected θ, float32 then float64 sums) against the full sort of
+    the device path: ρ within 1e-12, or within what float64 resolves of the root; the bucketed fallback rare."""
+    fallbacks, solve = [], spectr._solve_by_buckets
+    monkeypatch.setattr(spectr, "_solve_by_buckets", lambda *args: fallbacks.append(args[2]) or solve(*args))
+    generator, problems = torch.Generator().manual_seed(1), 0
+    for q, p, count in _host_problems(vocab):
+        rho, p_acc, beta = (float(x) for x in spectr.solve_rho(q, p, count))
+        for start in (1.0, 1 + (rho - 1) * float(torch.rand((), generator=generator, dtype=torch.float64))):
+            problem = spectr._HostProblem(q, p, count)
+            problem.lower = start  # as a test rejected at θ = start leaves it (ρ ≥ start)
+            host_rho, host_p_acc, host_beta = (float(x) for x in problem.solve())
+            tolerance = 1e-12 * rho
+            if abs(host_rho - rho) > tolerance:  # a root float64 resolves badly: the host at least as near it
+                reference = _Reference(q.double(), p.double(), count)
+                root = _root_between(reference, host_rho, rho)
+                tolerance = max(abs(rho - root), tolerance + reference.resolution(root)) + abs(root - rho)
+            assert abs(host_rho - rho) <= tolerance, (vocab, count, start, host_rho, rho)
+            mass_rounding = vocab * 2.0**-52  # the sort's prefix sums: B = Σ p - (Σ p up to the segment)
+            assert abs(host_beta - beta) <= tolerance + mass_rounding
+            assert host_p_acc == pytest.approx(p_acc, abs=count * (tolerance + mass_rounding))
+            problems += 1
+    assert len(fallbacks) <= problems // 10, (len(fallbacks), problems)
+
+
+def test_the_comparison_with_the_sort_sees_a_coarse_root(monkeypatch):
+    """Negative control: a solve that takes the float32 sums for exact ones (ρ off by about 1e-7) is caught."""
+    masses = spectr._HostProblem._masses
+    monkeypatch.setattr(spectr._HostProblem, "_masses", lambda problem, threshold, coarse=False: masses(problem, threshold, True))
+    with pytest.raises(AssertionError):
+        test_the_set_steps_agree_with_the_sort(4000, monkeypatch)
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_the_candidate_test_places_theta_against_the_sorted_root(count):
+    """_HostProblem.accepts(x, u) is ρ < θ = q(x)/(u p(x)) for θ on either side of the sorted ρ, close to it too
+    (where the float32 sums are too coarse to decide and float64 decides)."""
+    for q, p, _ in itertools.islice(_host_problems(4000), 0, 60, 3):
+        rho = float(spectr.solve_rho(q, p, count)[0])
+        token = int((q * p).argmax())  # a token both laws give mass to (a candidate has p(x) > 0)
+        if p[token] == 0:
+            continue
+        ratio = float(q[token]) / float(p[token])
+        for theta in (rho * (1 - 1e-3), rho * (1 - 1e-9), rho * (1 + 1e-9), rho * (1 + 1e-3), 1.5, count - 0.5):
+            if abs(theta - rho) > 1e-12 * rho and theta > 0:
+                assert spectr._HostProblem(q, p, count).accepts(token, ratio / theta) == (rho < theta), (theta, rho)
+
+
 # --------------------------------------------------------------------------- the block decision
 
 
@@ -172,14 +249,14 @@ def test_every_path_makes_the_same_decision(num_drafts, other):
 @pytest.mark.parametrize("num_drafts", [2, 4])
 def test_the_host_walk_agrees_where_every_row_drew_the_same_tokens(num_drafts, monkeypatch):
     """Rows that share every token stay alive together, so the host walk tests candidates and solves ρ with
-    K' = K (the bucketed solve, not the K' = 1 shortcut), at a vocabulary with many tokens per bucket."""
-    solve, counts_solved = spectr._solve_by_buckets, []
+    K' = K (the set steps, not the K' = 1 shortcut), at a vocabulary with many tokens per bucket."""
+    solve, counts_solved = spectr._HostProblem.solve, []
 
-    def spied(q, p, count):
-        counts_solved.append(count)
-        return solve(q, p, count)
+    def spied(problem):
+        counts_solved.append(problem.count)
+        return solve(problem)
 
-    monkeypatch.setattr(spectr, "_solve_by_buckets", spied)
+    monkeypatch.setattr(spectr._HostProblem, "solve", spied)
     verifier, disagreements = load_verifier("spectr"), 0
     for kind, seed in itertools.product(("peaked", "near_one_token", "flat_draft"), range(3)):
         target, draft, tokens = random_block(kind, num_drafts, 4, 4096, seed, identical_drafts=True)
@@ -193,13 +270,13 @@ def test_the_host_walk_agrees_where_every_row_drew_the_same_tokens(num_drafts, m
 def test_the_comparison_sees_a_wrong_residual(monkeypatch):
     """Negative control: a CPU path whose residual swaps p_acc and β (a bug this comparison caught)
     disagrees with the device path."""
-    solve = spectr._solve_by_buckets
+    solve = spectr._HostProblem.solve
 
-    def swapped(q, p, count):
-        rho, p_acc, beta = solve(q, p, count)
+    def swapped(problem):
+        rho, p_acc, beta = solve(problem)
         return rho, beta, p_acc
 
-    monkeypatch.setattr(spectr, "_solve_by_buckets", swapped)
+    monkeypatch.setattr(spectr._HostProblem, "solve", swapped)
     assert _disagreements(load_verifier("spectr"), 3, compare_with_base=False) > 0
 
 
