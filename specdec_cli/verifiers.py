@@ -508,8 +508,9 @@ def commit_with_uniform(
     row: torch.Tensor,
 ) -> BlockDecision:
     """:func:`commit_following` with the draw's ``uniform`` ``[]`` float64 already taken (from the stream
-    that :func:`commit_following` names)."""
-    law = torch.where(num_accepted < tokens.shape[0], residual, bonus_law)  # [V]
+    that :func:`commit_following` names). A caller that already knows which law is drawn from (a host walk)
+    passes it as both, and no choice over V is made."""
+    law = residual if residual is bonus_law else torch.where(num_accepted < tokens.shape[0], residual, bonus_law)  # [V]
     token = sample_with(law, uniform).view(1)  # [1]
     committed = torch.cat([tokens, token]).scatter(0, num_accepted.view(1), token)  # [L+1]
     return BlockDecision(committed, num_accepted, row)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from specdec_cli.randomness import Randomness, Stream, stream_table_from, uniforms_from
-from specdec_cli.sampling import sample, sample_with
+from specdec_cli.sampling import sample
 from specdec_cli.verifiers import BlockDecision, commit_with_uniform
 
 TINY = torch.finfo(torch.float64).tiny
@@ -137,9 +137,7 @@ def commit_after(
 def commit_known(num_accepted: int, law: torch.Tensor, draft_tokens: torch.Tensor, draws: torch.Tensor) -> BlockDecision:
     """:func:`commit_after` where the host already knows ``num_accepted`` (the CPU paths, where reads are free):
     the same draw, from ``law`` ``[V]`` (the residual's weights after a rejection, the bonus law after the whole
-    block), without choosing between the two on the device (a promotion of V values to float64)."""
+    block), without choosing between the two on the device."""
     stream = 1 if num_accepted < draft_tokens.shape[0] else 2  # (n, RESIDUAL), or (L, BONUS): single_draft_draws
-    token = sample_with(law, draws[num_accepted, stream]).view(1)  # [1]
     kept = torch.tensor(num_accepted, device=draft_tokens.device)  # []
-    committed = torch.cat([draft_tokens, token]).scatter(0, kept.view(1), token)  # [L+1]
-    return BlockDecision(committed, kept, torch.zeros_like(kept))
+    return commit_with_uniform(kept, draft_tokens, law, law, draws[num_accepted, stream], torch.zeros_like(kept))
