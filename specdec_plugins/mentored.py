@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Callable
 
 import torch
@@ -65,7 +64,8 @@ from torch.nn.functional import pad
 from specdec_cli.verifiers import BlockDecision, Verifier, reads_are_free
 
 from ._laws import (
-    commit_known, excess_or, first_accepted, normalized_or, row_at, single_draft_block, single_draft_draws, uniforms_like,
+    commit_known, excess_or, first_accepted, normalized_or, per_thread, row_at, single_draft_block, single_draft_draws,
+    uniforms_like,
 )
 
 TINY, _LARGEST = torch.finfo(torch.float64).tiny, torch.finfo(torch.float64).max
@@ -169,7 +169,7 @@ def _verify_lazily(q, p, x, bound: float, randomness) -> BlockDecision:
         masses = [law[rows].sum(-1, keepdim=True, dtype=torch.float64) for law in (q, p)]  # [1, 1] each: Σq, Σp
         if u < ratio * float(masses[1]) / float(masses[0]):  # accepted by speculative sampling's exact test
             continue
-        solution = solve(q[rows], p[rows], bound, lazy=True, masses=masses, buffers=_Buffers.shared(1, vocab))
+        solution = solve(q[rows], p[rows], bound, lazy=True, masses=masses, buffers=per_thread(_Buffers, 1, vocab))
         if not u < solution.acceptance_of(tokens[rows]):
             return commit_known(position, solution.residual_on_host(), x, draws)
     return commit_known(draft_length, q[-1], x, draws)
@@ -401,11 +401,7 @@ _ACCEPT_ALL = (0.0, 1.0, 1.0, 0.0, 0.0, 0.0)  # (Q_low, Q_high, P_low, P_high, b
 
 
 class _Buffers:
-    """The CPU path's arrays for rows ``[N, V]``. A block reuses one set per thread (:meth:`shared`): fresh
-    ones of 10 MB at V = 128k cost thousands of page faults (about 5 ms) whenever the allocator has handed
-    the memory back to the system, e.g. between two solves of one block."""
-
-    _per_thread = threading.local()
+    """The CPU path's arrays for rows ``[N, V]``; a block reuses one set per thread (:func:`._laws.per_thread`)."""
 
     def __init__(self, rows: int, vocab: int):
         self.weights = torch.empty(rows, 3, vocab, dtype=torch.float64)  # [N, 3, V]: q, p, q ln(q/p)
@@ -414,14 +410,6 @@ class _Buffers:
         # float32 copies for the first set steps, which only have to come near the root: a float32 step costs
         # half a float64 one, and the float64 steps that follow settle the groups exactly.
         self.coarse = (torch.empty(rows, 3, vocab), torch.empty(rows, vocab), torch.empty(rows, 2, vocab))
-
-    @classmethod
-    def shared(cls, rows: int, vocab: int) -> "_Buffers":
-        """This thread's buffers for ``[rows, vocab]``, made when the shape changes."""
-        buffers = getattr(cls._per_thread, "buffers", None)
-        if buffers is None or buffers.ratio.shape != (rows, vocab):
-            buffers = cls._per_thread.buffers = cls(rows, vocab)
-        return buffers
 
 
 class _Groups:

@@ -34,7 +34,6 @@ floats, regrouped until the sets are the root's own; with one row alive (K' = 1)
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
@@ -43,7 +42,7 @@ from specdec_cli.verifiers import (
     BlockDecision, Verifier, decide_problems, prefix_agreement, problem_members, reads_are_free, walk_reading,
 )  # fmt: skip
 
-from ._laws import TINY, first_accepted, normalized_or, one_hot_mass, ratio_acceptance, uniforms_like
+from ._laws import TINY, first_accepted, normalized_or, one_hot_mass, per_thread, ratio_acceptance, uniforms_like
 from .speculative import SpeculativeSampling
 
 _ONE_DRAFT = SpeculativeSampling()  # built once: torch.compile cannot trace a verifier's construction
@@ -407,10 +406,8 @@ class _HostProblem:
 
 
 class _WorkingArrays:
-    """:class:`_HostProblem`'s arrays for one V, made once per thread and reused by every problem after (the walk
-    holds one problem at a time): fresh ones cost a page fault per 4 KB, about as much as the passes that use them."""
-
-    _per_thread = threading.local()
+    """:class:`_HostProblem`'s arrays for one V, made once per thread and reused by every problem after
+    (:func:`._laws.per_thread`; the walk holds one problem at a time)."""
 
     def __init__(self, vocab: int):
         self.q = self.p = None  # [V] each: the laws, float32
@@ -424,9 +421,7 @@ class _WorkingArrays:
     def filled(cls, q: torch.Tensor, p: torch.Tensor) -> "_WorkingArrays":
         """This thread's arrays for laws q, p ``[V]``: the float32 ones filled (r = 0/0 stays NaN: never below τ,
         and its masses are 0), the float64 ones at their first use."""
-        arrays = getattr(cls._per_thread, "arrays", None)
-        if arrays is None or arrays.ratio.shape != q.shape:
-            arrays = cls._per_thread.arrays = cls(q.shape[-1])
+        arrays = per_thread(cls, q.shape[-1])
         arrays.q, arrays.p = q, p
         torch.div(q, p, out=arrays.ratio)
         arrays.total_p64 = arrays.ratio64 = None
