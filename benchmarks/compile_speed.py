@@ -4,7 +4,9 @@ Every built-in at V = 128256, L = 8 and K = 1, 2, 4 (as many as each takes), on 
 laws with the block's keyed draws, in one process: the eager medians first (on the path a verifier
 takes on this device, where a CPU path may read to skip work, and on the path it takes on a GPU,
 the one compiled), then the first compiled call (tracing, inductor's code generation and one run:
-the compile time), one more compiled call as the warm-up, and the compiled median. The time of a run includes the engine's read of the
+the compile time), one more compiled call as the warm-up, and the compiled median. On a GPU the same again
+with ``mode="reduce-overhead"``: torch.compile's own CUDA graphs around inductor's code (the engine's
+``--compile`` captures the eager kernels instead, :mod:`specdec_cli.graphs`: verifier_speed.py times that). The time of a run includes the engine's read of the
 decision. A verifier whose ``verify_block`` does not trace into one graph is listed with the reason
 dynamo or inductor gave, instead of timed.
 
@@ -30,10 +32,12 @@ from verifier_speed import (  # noqa: E402
 )  # fmt: skip
 
 
-def compile_and_time(verifier, laws, randomness, device: str, repeats: int) -> tuple[float, float]:
-    """(seconds of the first compiled call, median seconds of the compiled call); raises where it cannot compile."""
+def compile_and_time(verifier, laws, randomness, device: str, repeats: int, mode: str | None = None) -> tuple[float, float]:
+    """(seconds of the first compiled call, median seconds of the compiled call); raises where it cannot compile.
+
+    ``mode="reduce-overhead"`` also captures the compiled block in a CUDA graph: each call is one replay."""
     torch._dynamo.reset()  # a fresh cache: each verifier's compile is timed whole, not reused or over the limit
-    compiled = torch.compile(verifier.verify_block, fullgraph=True)
+    compiled = torch.compile(verifier.verify_block, fullgraph=True, mode=mode)
     start = time.perf_counter()
     compiled(*laws, randomness).tokens.tolist()
     compile_seconds = time.perf_counter() - start
@@ -52,14 +56,17 @@ def main() -> None:
     parser = benchmark_arguments(__doc__.splitlines()[0], repeats=15)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--draft-length", type=int, default=8)
+    parser.add_argument("--drafts", default="1,2,4", help="comma list of K")
     args = parser.parse_args()
     start_report(args, "", f"V = {args.vocab}, L = {args.draft_length}; median of {args.repeats} after one warm-up run")
-    print("| verifier | K | ops per block | eager ms | eager ms, GPU path | compiled ms | compiled ÷ eager | compile s |")
-    print("|---|---|---|---|---|---|---|---|")
+    graphs = args.device.startswith("cuda")
+    print("| verifier | K | ops per block | eager ms | eager ms, GPU path | compiled ms | compiled ÷ eager | compile s |"
+          + (" CUDA graph ms | CUDA graph ÷ eager | capture s |" if graphs else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if graphs else ""))
     failures = []
     for name in args.verifiers.split(","):
         params = VERIFIERS[name]
-        for num_drafts in (1, 2, 4):
+        for num_drafts in [int(k) for k in args.drafts.split(",")]:
             if num_drafts > (load_verifier(name, params).max_drafts or num_drafts):
                 continue
             laws = verifier_laws(name, args.vocab, num_drafts, args.draft_length, args.device)
@@ -75,8 +82,13 @@ def main() -> None:
                 failures.append(f"- {name}, K = {num_drafts} ({count.ops} ops, eager {1000 * eager:.2f} ms): "
                                 f"{why_not_compiled(error)}")  # fmt: skip
                 continue
-            print(f"| {name} | {num_drafts} | {count.ops} | {1000 * eager:.2f} | {1000 * eager_gpu_path:.2f} | "
-                  f"{1000 * compiled:.2f} | {compiled / eager:.2f} | {compile_seconds:.1f} |", flush=True)
+            row = (f"| {name} | {num_drafts} | {count.ops} | {1000 * eager:.2f} | {1000 * eager_gpu_path:.2f} | "
+                   f"{1000 * compiled:.2f} | {compiled / eager:.2f} | {compile_seconds:.1f} |")  # fmt: skip
+            if graphs:
+                capture_seconds, replayed = compile_and_time(verifier, laws, randomness, args.device, args.repeats,
+                                                             mode="reduce-overhead")  # fmt: skip
+                row += f" {1000 * replayed:.2f} | {replayed / eager:.2f} | {capture_seconds:.1f} |"
+            print(row, flush=True)
     if failures:
         print("\nnot compiled (`fullgraph=True` refused the trace, or inductor failed):\n")
         print("\n".join(failures))

@@ -6,7 +6,9 @@ of the decision. Laws are random and peaked like a language model's, the drafts 
 (long accepted prefixes); is-lp needs a bounded draft support, so its laws are cut to their 50 most
 likely tokens (as top-k 50 sampling would). Beside the time, the aten operations one
 ``verify_block`` dispatches on the same laws and the host reads among them
-(:mod:`specdec_cli.device_path`): on a GPU at batch 1 the operations are the cost.
+(:mod:`specdec_cli.device_path`): on a GPU at batch 1 the operations are the cost. On a GPU also the
+same block captured in one CUDA graph and replayed, where it has no host read: the launch cost that
+``--compile`` removes there (it replays inductor's kernels from CUDA graphs).
 
 The reference forward is the default recipe's target (SmolLM2-135M) unless ``--target`` names a real
 shape built with random weights (``model_shapes.py``): on a GPU, Llama-3.1-8B is the target a
@@ -32,7 +34,7 @@ import torch
 import transformers
 
 from specdec_cli import BlockDecision, BlockVerifier, SpeculativeDecoder, load_recipe, load_verifier
-from specdec_cli.device_path import BlockCount, count_block
+from specdec_cli.device_path import BlockCount, capture_cuda_graph, count_block
 from specdec_cli.randomness import Draws, Randomness
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -117,6 +119,16 @@ def time_verification(name, params, laws, device, repeats) -> float:
     return median_seconds(fresh_verifier, device, repeats)
 
 
+def time_captured_verification(name, params, laws, device, repeats) -> float | None:
+    """Median seconds of one block replayed from a CUDA graph (the verify step the engine's ``--compile``
+    removes on a GPU) and the engine's read, for a block with no host read (no graph holds one)."""
+    verifier = load_verifier(name, params)
+    randomness = block_randomness(verifier, device)
+    with torch.inference_mode():
+        replay, decision = capture_cuda_graph(lambda: verifier.verify_block(*laws, randomness))
+    return median_seconds(lambda: lambda: (replay(), decision)[1], device, repeats)
+
+
 def count_verification(name, params, laws, device) -> BlockCount:
     """Operations and host reads of one ``verify_block`` on ``laws`` (the engine's read of the decision excluded)."""
     verifier = load_verifier(name, params)
@@ -178,8 +190,10 @@ def main() -> None:
                         help="every row draws row 0's tokens (all rows alive until a correction)")
     args = parser.parse_args()
     start_report(args, f", transformers {transformers.__version__}", f"median of {args.repeats}")
-    print("| verifier | V | K | L | ops per block | host reads | verification ms | ÷ target forward |")
-    print("|---|---|---|---|---|---|---|---|")
+    graphs = args.device.startswith("cuda")
+    print("| verifier | V | K | L | ops per block | host reads | verification ms | ÷ target forward |"
+          + (" CUDA graph ms | ÷ target forward |" if graphs else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if graphs else ""))
     model = load_target(args.target, args.device)
     forwards = {}
     for vocab in [int(v) for v in args.vocab.split(",")]:
@@ -194,8 +208,14 @@ def main() -> None:
                     laws = verifier_laws(name, vocab, num_drafts, draft_length, args.device, args.same_tokens)
                     count = count_verification(name, VERIFIERS[name], laws, args.device)
                     seconds = time_verification(name, VERIFIERS[name], laws, args.device, args.repeats)
-                    print(f"| {name} | {vocab} | {num_drafts} | {draft_length} | {count.ops} | {count.reads} | "
-                          f"{1000 * seconds:.2f} | {seconds / forwards[key]:.3f} |", flush=True)
+                    row = (f"| {name} | {vocab} | {num_drafts} | {draft_length} | {count.ops} | {count.reads} | "
+                           f"{1000 * seconds:.2f} | {seconds / forwards[key]:.3f} |")  # fmt: skip
+                    if graphs and count.reads:
+                        row += " — | — |"  # a host read mid-block: no graph holds it
+                    elif graphs:
+                        replayed = time_captured_verification(name, VERIFIERS[name], laws, args.device, args.repeats)
+                        row += f" {1000 * replayed:.3f} | {replayed / forwards[key]:.4f} |"
+                    print(row, flush=True)
     print(f"\ntarget forward ({args.target}, {next(model.parameters()).dtype}, K rows × L+1 tokens after a "
           "64-token prefix):\n")
     for (num_drafts, draft_length), seconds in sorted(forwards.items()):

@@ -6,6 +6,8 @@ equivalent is the target's sampling law, the verifier's ``verify_block`` and the
 of the decision. The draft's law is computed while drafting in specdec (the draft samples from
 it), so it is timed separately: "specdec + draft law" adds it, for exactly the same inputs as
 transformers'. Both run in this process on the same tensors, interleaved, median of the repeats.
+specdec's verifiers take the keyed draws the engine hands them. On a GPU one more column replays
+specdec's whole step from one CUDA graph (no launch per operation, as ``--compile`` runs it there).
 
     python benchmarks/verify_vs_hf.py > benchmarks/results/verify_vs_hf_cpu.md
     python benchmarks/verify_vs_hf.py --device cuda > benchmarks/results/verify_vs_hf_cuda.md
@@ -25,6 +27,8 @@ import transformers
 from transformers.generation.utils import _speculative_sampling
 
 from specdec_cli import load_verifier
+from specdec_cli.device_path import capture_cuda_graph
+from specdec_cli.randomness import Draws
 from specdec_cli.sampling import SamplingParams, sampling_law
 
 PARAMS = SamplingParams(temperature=1.0)
@@ -41,11 +45,15 @@ def block_inputs(vocab: int, draft_length: int, generator: torch.Generator):
     return target_logits, draft_logits, draft_tokens, torch.cat([prompt, draft_tokens], dim=1)
 
 
-def specdec_block(verifier, target_logits, draft_probs, draft_tokens, generator) -> list[int]:
+def specdec_step(verifier, target_logits, draft_probs, draft_tokens, draws) -> torch.Tensor:
+    """The engine's block from the target's logits: its law, the verification, the decision packed for one read."""
     target_probs, finite = sampling_law(target_logits, PARAMS)  # [1, L+1, V], [1, L+1]
-    decision = verifier.verify_block(target_probs, draft_probs, draft_tokens, generator)
-    packed = torch.cat([decision.tokens, decision.num_accepted.view(1), finite.all().long().view(1)])
-    return packed.tolist()  # the engine's one read of the block
+    decision = verifier.verify_block(target_probs, draft_probs, draft_tokens, draws)
+    return torch.cat([decision.tokens, decision.num_accepted.view(1), finite.all().long().view(1)])  # [L+3]
+
+
+def specdec_block(verifier, target_logits, draft_probs, draft_tokens, draws) -> list[int]:
+    return specdec_step(verifier, target_logits, draft_probs, draft_tokens, draws).tolist()  # the engine's one read
 
 
 def time_once(function, device: str) -> float:
@@ -58,7 +66,7 @@ def time_once(function, device: str) -> float:
 
 def measure(vocab: int, draft_length: int, repeats: int, device: str) -> dict[str, float]:
     generator = torch.Generator().manual_seed(vocab + draft_length)
-    sampler = torch.Generator(device=device).manual_seed(1)
+    draws = Draws.create(1, device=device)  # keyed, as the engine hands them
     torch.manual_seed(1)  # transformers draws from the global generator
     inputs = block_inputs(vocab, draft_length, generator)
     target_logits, draft_logits, draft_tokens, candidate_ids = (tensor.to(device) for tensor in inputs)
@@ -68,11 +76,15 @@ def measure(vocab: int, draft_length: int, repeats: int, device: str) -> dict[st
         "transformers": lambda: _speculative_sampling(candidate_ids, draft_logits, draft_length, target_logits,
                                                       **HF_EXTRA),
         "specdec speculative": lambda: specdec_block(verifiers["speculative"], target_logits, draft_probs,
-                                                     draft_tokens, sampler),
+                                                     draft_tokens, draws),
         "specdec speculative + draft law": lambda: specdec_block(
-            verifiers["speculative"], target_logits, sampling_law(draft_logits, PARAMS)[0], draft_tokens, sampler),
-        "specdec block": lambda: specdec_block(verifiers["block"], target_logits, draft_probs, draft_tokens, sampler),
+            verifiers["speculative"], target_logits, sampling_law(draft_logits, PARAMS)[0], draft_tokens, draws),
+        "specdec block": lambda: specdec_block(verifiers["block"], target_logits, draft_probs, draft_tokens, draws),
     }  # fmt: skip
+    if device.startswith("cuda"):  # the same step replayed from one CUDA graph: its launches are the cost
+        replay, packed = capture_cuda_graph(
+            lambda: specdec_step(verifiers["speculative"], target_logits, draft_probs, draft_tokens, draws))
+        runs["specdec speculative, CUDA graph"] = lambda: (replay(), packed.tolist())
     times: dict[str, list[float]] = {name: [] for name in runs}
     for repeat in range(repeats + 1):
         order = list(runs) if repeat % 2 else list(reversed(runs))  # interleaved, alternating order
@@ -109,14 +121,16 @@ def main() -> None:
     print(f"device: {device_name(args.device)}; torch {torch.__version__}, "
           f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}; "
           f"median of {args.repeats} interleaved repeats; temperature 1, K = 1\n")  # fmt: skip
+    graphs = args.device.startswith("cuda")
     print("| V | L | transformers ms | specdec speculative ms | ÷ transformers | + draft law ms | ÷ transformers "
-          "| specdec block ms | ÷ transformers |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| specdec block ms | ÷ transformers |" + (" speculative, CUDA graph ms | ÷ transformers |" if graphs else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if graphs else ""))
     for vocab in [int(v) for v in args.vocab.split(",")]:
         for draft_length in [int(v) for v in args.draft_length.split(",")]:
             t = measure(vocab, draft_length, args.repeats, args.device)
             hf = t["transformers"]
             cells = [t["specdec speculative"], t["specdec speculative + draft law"], t["specdec block"]]
+            cells += [t["specdec speculative, CUDA graph"]] if graphs else []
             print(f"| {vocab} | {draft_length} | {1000 * hf:.3f} | "
                   + " | ".join(f"{1000 * c:.3f} | {c / hf:.2f}" for c in cells) + " |", flush=True)  # fmt: skip
 

@@ -13,13 +13,17 @@ it takes on a GPU. The tests (tests/test_device_path.py) and the benchmarks shar
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .randomness import Randomness
 from .verifiers import BlockVerifier, device_path as gpu_path_everywhere
+
+T = TypeVar("T")
 
 _aten = torch.ops.aten
 READ_OPERATIONS = frozenset({
@@ -160,3 +164,24 @@ def count_block(
     with torch.inference_mode(), gpu_path_everywhere(), OperationCount() as count:
         verifier.verify_block(target_probs, draft_probs, draft_tokens, randomness)
     return BlockCount(count.ops, count.reads, tuple(count.read_names))
+
+
+def capture_cuda_graph(step: Callable[[], T]) -> tuple[Callable[[], None], T]:
+    """``step`` captured in one CUDA graph: ``(replay, output)``, where ``replay()`` reruns every kernel of
+    ``step`` with one launch and leaves the new result in ``output`` (the same tensors each time).
+
+    ``step`` reads its inputs from tensors that stay in place (copy new values into them between replays).
+    Two runs on a side stream come first, as capture requires (the caching allocator and lazy
+    initialisations must not happen inside it). A host read inside ``step`` aborts the capture with a
+    ``RuntimeError``: capture is the GPU's own proof that a step has none.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return graph.replay, output

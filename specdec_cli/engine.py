@@ -32,6 +32,7 @@ import torch
 from .decoding import Draft, create_verifier, target_sampling
 from .draft_rows import every_config, recipe_draft_rows
 from .errors import NonFiniteLogitsError, SpecdecError, UsageError
+from .graphs import CapturedVerifyStep
 from .inputs import require_text
 from .model_pool import ModelPool
 from .model_session import ModelSession
@@ -106,10 +107,15 @@ class SpeculativeDecoder:
     def _compiled(self) -> tuple[Callable, Callable]:
         """The verify step and the sampling law through ``torch.compile``: each traces into one graph (keyed
         randomness, no reads: :func:`~specdec_cli.decoding.create_verifier` refused a verifier without keyed
-        randomness); on a GPU, mode ``reduce-overhead`` also captures them in CUDA graphs."""
-        mode = "reduce-overhead" if self.target.device.type == "cuda" else None
-        verify_block = None if self.verifier is None else torch.compile(self.verifier.verify_block, mode=mode)
-        return verify_block, torch.compile(sampling_law, mode=mode)
+        randomness). On a GPU the verify step is captured in CUDA graphs instead (:mod:`specdec_cli.graphs`),
+        compiled only where a block reads the host."""
+        compiled_law = torch.compile(sampling_law)
+        if self.verifier is None:
+            return None, compiled_law
+        compiled_verify = torch.compile(self.verifier.verify_block)
+        if self.target.device.type != "cuda":
+            return compiled_verify, compiled_law
+        return CapturedVerifyStep(self.verifier, fallback=compiled_verify), compiled_law
 
     def _draft_groups(self) -> list[_DraftGroup]:
         """Drafts that share a model share one session and one batched forward per position."""

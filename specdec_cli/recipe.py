@@ -70,8 +70,9 @@ class SpeculationConfig:
     kv_cache: bool = True
     """False recomputes every forward from the whole sequence (a reference for testing cache rollback)."""
     compile: bool = False
-    """Run the verify step and the sampling laws through ``torch.compile`` (CUDA graphs on a GPU): worth it
-    where launches dominate; the first blocks pay the compilation."""
+    """Run the sampling laws and the verify step through ``torch.compile``; on a GPU the verify step is
+    captured in CUDA graphs instead (one launch per block): worth it where launches dominate; the first
+    blocks pay the compilation and the capture."""
 
 
 @dataclass(frozen=True)

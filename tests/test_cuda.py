@@ -1,0 +1,135 @@
+"""The checks only a GPU can make (issue #20 §4); skipped where no CUDA device is present.
+
+On the CPU, tests/test_device_path.py counts operations and reads with a dispatch counter. Here the GPU
+itself is the judge:
+(a) the counter sees the same operations and reads on CUDA as on the CPU (no CPU-only branch);
+(b) CUDA's sync-debug mode sees no host synchronisation in a built-in's block (importance sampling: its
+one LP read and the upload of the LP's answer);
+(c) a block captured in a CUDA graph (``torch.cuda.graph``: any sync aborts a capture) and replayed on new
+laws decides as the eager block;
+(d) the engine's ``speculation.compile`` on a GPU (the verify step replayed from CUDA graphs,
+:mod:`specdec_cli.graphs`) decides as the eager engine.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from specdec_cli import SpeculativeDecoder
+from specdec_cli.device_path import capture_cuda_graph, count_block
+from specdec_cli.randomness import Draws
+from specdec_cli.recipe import build_recipe
+from specdec_cli.verifiers import load_verifier
+from tests.conftest import tiny_recipe
+from tests.test_device_path import BLOCK_KINDS, CASES, Case, _blocks, random_block
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+VOCAB = 4096
+GRAPH_CASES = [case for case in CASES if not case.host_lp]
+"""Importance sampling with several drafts reads its LP on the host once per block: no graph holds it."""
+
+
+def _on_cuda(block: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(tensor.cuda() for tensor in block)
+
+
+def _cuda_draws(draws: Draws) -> Draws:
+    return Draws(draws.key.cuda(), draws.block_start.cuda())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_the_device_path_counts_on_cuda_as_on_the_cpu(case):
+    verifier = case.verifier()
+    for kind, block, draws in _blocks(case, 8, VOCAB):
+        on_cpu = count_block(verifier, *block, draws)
+        on_gpu = count_block(verifier, *_on_cuda(block), _cuda_draws(draws))
+        assert (on_gpu.ops, on_gpu.reads) == (on_cpu.ops, on_cpu.reads), kind
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_a_block_synchronises_with_the_host_only_for_the_lp(case):
+    verifier = case.verifier()
+    for kind, block, draws in _blocks(case, 8, VOCAB):
+        block, draws = _on_cuda(block), _cuda_draws(draws)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                verifier.verify_block(*block, draws)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(warning.message) for warning in caught if "called a synchronizing" in str(warning.message)]
+        assert len(syncs) == (2 if case.host_lp else 0), (kind, syncs)
+
+
+def _capture(verifier, block, draws):
+    """The block's verification captured in a CUDA graph over ``block`` and ``draws`` (its static inputs)."""
+    with torch.inference_mode():
+        return capture_cuda_graph(lambda: verifier.verify_block(*block, draws))
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=lambda case: case.id)
+def test_a_block_captured_in_a_cuda_graph_decides_as_eager_on_new_laws(case):
+    verifier = case.verifier()
+    blocks = list(_blocks(case, 8, VOCAB))
+    _, first, first_draws = blocks[0]
+    static, static_draws = _on_cuda(first), _cuda_draws(first_draws)
+    replay, captured = _capture(verifier, static, static_draws)
+    for kind, block, draws in blocks:  # every block kind replayed through the one graph
+        block, draws = _on_cuda(block), _cuda_draws(draws)
+        for buffer, values in zip((*static, static_draws.key, static_draws.block_start),
+                                  (*block, draws.key, draws.block_start)):  # fmt: skip
+            buffer.copy_(values)
+        replay()
+        with torch.inference_mode():
+            eager = verifier.verify_block(*block, draws)
+        accepted = int(eager.num_accepted)
+        assert int(captured.num_accepted) == accepted, kind
+        assert int(captured.row) == int(eager.row), kind
+        assert torch.equal(captured.tokens[: accepted + 1], eager.tokens[: accepted + 1]), kind
+
+
+@pytest.mark.parametrize("verifier", ["speculative", "mentored", "specinfer", "is-truncated"])
+def test_the_compiled_engine_on_cuda_decides_as_the_eager_one(tiny_models, verifier):
+    """is-truncated reads its LP on the host: its blocks take the compiled fallback, not a graph."""
+    num_drafts = 1 if verifier in ("speculative", "mentored") else 2
+    recipe = tiny_recipe(tiny_models, "llama", target={"device": "cuda"}, draft={"device": "cuda"},
+                         verifier={"name": verifier, "params": {"kl": 0.3} if verifier == "mentored" else {}},
+                         speculation={"draft_length": 4, "num_drafts": num_drafts, "compile": True},
+                         generation={"max_new_tokens": 24})  # fmt: skip
+    compiled = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    eager = compiled.with_config(compile=False)
+    prompt_ids = compiled.encode_prompt("a b c")
+    for sample in range(3):
+        assert compiled.generate_ids(prompt_ids, sample)[0] == eager.generate_ids(prompt_ids, sample)[0]
+    graphs = compiled._verify_block._captured.values()  # a block shape each
+    assert graphs and all((graph is None) == (verifier == "is-truncated") for graph in graphs)
+
+
+def test_a_negative_control_block_differs_between_two_keys():
+    """The replay test compares tokens: two keys must be able to give different ones, or it proves nothing."""
+    block = _on_cuda(random_block(BLOCK_KINDS[0], 1, 8, VOCAB, 0, identical_drafts=False))
+    verifier = load_verifier("speculative")
+    with torch.inference_mode():
+        decisions = {tuple(verifier.verify_block(*block, _cuda_draws(Draws.create(key))).tokens.tolist())
+                     for key in range(8)}  # fmt: skip
+    assert len(decisions) > 1
+
+
+def test_the_graph_check_sees_a_sync():
+    """Negative control: a verifier that reads a device value cannot be captured (last in the file: a failed
+    capture may leave the device in a state no later test should inherit)."""
+
+    class Reads(type(load_verifier("speculative"))):
+        def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
+            float(target_probs[0, 0, 0])  # a host read mid-block
+            return super().verify_block(target_probs, draft_probs, draft_tokens, randomness)
+
+    _, block, draws = next(_blocks(Case("speculative", 1), 4, VOCAB))
+    with pytest.raises(RuntimeError):
+        _capture(Reads(), _on_cuda(block), _cuda_draws(draws))
