@@ -61,7 +61,7 @@ def main() -> None:
     start_report(args, "", f"V = {args.vocab}, L = {args.draft_length}; median of {args.repeats} after one warm-up run")
     graphs = args.device.startswith("cuda")
     print("| verifier | K | ops per block | eager ms | eager ms, GPU path | compiled ms | compiled ÷ eager | compile s |"
-          + (" CUDA graph ms | CUDA graph ÷ eager | capture s |" if graphs else ""))
+          + (" reduce-overhead ms | reduce-overhead ÷ eager | capture s |" if graphs else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if graphs else ""))
     failures = []
     for name in args.verifiers.split(","):

@@ -7,8 +7,8 @@ of the decision. Laws are random and peaked like a language model's, the drafts 
 likely tokens (as top-k 50 sampling would). Beside the time, the aten operations one
 ``verify_block`` dispatches on the same laws and the host reads among them
 (:mod:`specdec_cli.device_path`): on a GPU at batch 1 the operations are the cost. On a GPU also the
-same block captured in one CUDA graph and replayed, where it has no host read: the launch cost that
-``--compile`` removes there (it replays inductor's kernels from CUDA graphs).
+same block captured in one CUDA graph and replayed, where it has no host read: the replay alone, which
+``--compile`` runs there (specdec_cli/graphs.py) after copying the block's laws into the graph's inputs.
 
 The reference forward is the default recipe's target (SmolLM2-135M) unless ``--target`` names a real
 shape built with random weights (``model_shapes.py``): on a GPU, Llama-3.1-8B is the target a
@@ -120,8 +120,8 @@ def time_verification(name, params, laws, device, repeats) -> float:
 
 
 def time_captured_verification(name, params, laws, device, repeats) -> float | None:
-    """Median seconds of one block replayed from a CUDA graph (the verify step the engine's ``--compile``
-    removes on a GPU) and the engine's read, for a block with no host read (no graph holds one)."""
+    """Median seconds of one block replayed from a CUDA graph (the replay the engine's ``--compile`` runs on
+    a GPU, without its copies in and out) and the engine's read, for a block with no host read."""
     verifier = load_verifier(name, params)
     randomness = block_randomness(verifier, device)
     with torch.inference_mode():

@@ -7,7 +7,8 @@ of the decision. The draft's law is computed while drafting in specdec (the draf
 it), so it is timed separately: "specdec + draft law" adds it, for exactly the same inputs as
 transformers'. Both run in this process on the same tensors, interleaved, median of the repeats.
 specdec's verifiers take the keyed draws the engine hands them. On a GPU one more column replays
-specdec's whole step from one CUDA graph (no launch per operation, as ``--compile`` runs it there).
+specdec's whole step, target law included, from one CUDA graph (no launch per operation; ``--compile``
+captures the verify step alone and runs the law compiled, without a graph).
 
     python benchmarks/verify_vs_hf.py > benchmarks/results/verify_vs_hf_cpu.md
     python benchmarks/verify_vs_hf.py --device cuda > benchmarks/results/verify_vs_hf_cuda.md

@@ -166,22 +166,32 @@ def count_block(
     return BlockCount(count.ops, count.reads, tuple(count.read_names))
 
 
-def capture_cuda_graph(step: Callable[[], T]) -> tuple[Callable[[], None], T]:
-    """``step`` captured in one CUDA graph: ``(replay, output)``, where ``replay()`` reruns every kernel of
-    ``step`` with one launch and leaves the new result in ``output`` (the same tensors each time).
+def capture_cuda_graph(
+    step: Callable[[], T], device: torch.device | str = "cuda", pool=None
+) -> tuple[Callable[[], None], T]:
+    """``step`` captured in one CUDA graph on ``device``: ``(replay, output)``, where ``replay()`` reruns every
+    kernel of ``step`` with one launch and leaves the new result in ``output`` (the same tensors each time).
 
     ``step`` reads its inputs from tensors that stay in place (copy new values into them between replays).
     Two runs on a side stream come first, as capture requires (the caching allocator and lazy
     initialisations must not happen inside it). A host read inside ``step`` aborts the capture with a
-    ``RuntimeError``: capture is the GPU's own proof that a step has none.
+    ``RuntimeError``: capture is the GPU's own proof that a step has none. ``pool``: a
+    ``torch.cuda.graph_pool_handle()`` shared by graphs that never replay at once. Streams and graph are
+    made on ``device`` (the current device may be another one).
     """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = step()
-    return graph.replay, output
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device)):
+            output = step()
+
+    def replay() -> None:
+        with torch.cuda.device(device):
+            graph.replay()
+
+    return replay, output

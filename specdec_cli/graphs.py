@@ -2,8 +2,8 @@
 
 At batch 1 a GPU verifier costs what it launches (a few hundred operations of 5–20 µs each on the
 host), not what its kernels compute. Captured once in a CUDA graph, a block's operations launch as one:
-on an H100 ``speculative`` at V = 128256 took 1.6–1.8 ms eager and 0.13–0.14 ms replayed
-(benchmarks/results/verifier_speed_cuda.md).
+on an H100 the replay of ``speculative``'s block at V = 128256 took 0.13–0.14 ms against 1.6–1.8 ms
+eager (benchmarks/results/verifier_speed_cuda.md).
 
 The graph replays the eager kernels, so a replayed block decides exactly as the eager one, bit for bit.
 A graph holds fixed shapes and addresses: one is captured per block shape, its inputs are copied into the
@@ -14,6 +14,7 @@ outputs are overwritten by the next call, which the engine's draft laws, kept ac
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,39 +22,44 @@ import torch
 
 from .device_path import capture_cuda_graph, count_block
 from .randomness import Draws
-from .verifiers import BlockDecision, BlockVerifier
+from .verifiers import BlockDecision, BlockVerifier, decision_problem
 
 
 @dataclass(frozen=True)
 class _CapturedBlock:
     inputs: tuple[torch.Tensor, ...]
-    """The graph's own target_probs, draft_probs, draft_tokens, draws key and block start."""
+    """The graph's own target_probs [K, L+1, V], draft_probs [K, L, V], draft_tokens [K, L], key [] and
+    block start []."""
     replay: Callable[[], None]
     decision: BlockDecision
     """Where each replay leaves its decision."""
 
 
 class CapturedVerifyStep:
-    """``verifier.verify_block`` replayed from one CUDA graph per block shape.
+    """``verifier.verify_block`` replayed from one CUDA graph per block shape, every graph in one memory pool
+    (a decision is copied out before any other graph replays).
 
-    A verifier that reads the host during a block (counted on the first block of each shape with
-    :func:`~specdec_cli.device_path.count_block`) cannot be captured, nor can randomness other than keyed
-    ``Draws``: such blocks run ``fallback`` (the verify step compiled without graphs).
+    Blocks run ``fallback`` (the verify step compiled without graphs) where no graph can hold them: a
+    verifier that does not declare itself ``capturable``, randomness other than keyed ``Draws``, a block
+    that reads the host (counted on the first block of each shape with
+    :func:`~specdec_cli.device_path.count_block`), a decision the engine would refuse, or a capture
+    that fails (an upload from the host, say).
     """
 
     def __init__(self, verifier: BlockVerifier, fallback: Callable[..., BlockDecision]) -> None:
         self.verifier = verifier
         self.fallback = fallback
-        self._captured: dict[tuple, _CapturedBlock | None] = {}
+        self._captured: dict[tuple, _CapturedBlock | None] = {}  # by the inputs' (shape, dtype, device)
+        self._pool = None
 
     def __call__(self, target_probs, draft_probs, draft_tokens, randomness) -> BlockDecision:
-        if not isinstance(randomness, Draws) or not isinstance(randomness.offset, int) or randomness.offset:
+        if not self._may_capture(randomness):
             return self.fallback(target_probs, draft_probs, draft_tokens, randomness)
         inputs = (target_probs, draft_probs, draft_tokens, randomness.key, randomness.block_start)
-        shape = tuple((tensor.shape, tensor.dtype) for tensor in inputs)
-        if shape not in self._captured:
-            self._captured[shape] = self._capture(inputs)
-        captured = self._captured[shape]
+        signature = tuple((tensor.shape, tensor.dtype, tensor.device) for tensor in inputs)
+        if signature not in self._captured:
+            self._captured[signature] = self._capture(inputs)
+        captured = self._captured[signature]
         if captured is None:
             return self.fallback(target_probs, draft_probs, draft_tokens, randomness)
         with torch.inference_mode():
@@ -63,14 +69,31 @@ class CapturedVerifyStep:
             decision = captured.decision
             return BlockDecision(decision.tokens.clone(), decision.num_accepted.clone(), decision.row.clone())
 
+    def _may_capture(self, randomness) -> bool:
+        keyed = isinstance(randomness, Draws) and isinstance(randomness.offset, int) and randomness.offset == 0
+        return self.verifier.capturable and keyed
+
     def _capture(self, inputs: tuple[torch.Tensor, ...]) -> _CapturedBlock | None:
-        """The graph of one block shape, or None where the block reads the host (no graph can hold a read)."""
+        """The graph of one block shape, or None where no graph can hold the block (see the class)."""
+        device = inputs[0].device
         with torch.inference_mode():
             own = tuple(tensor.clone() for tensor in inputs)
             target_probs, draft_probs, draft_tokens, key, block_start = own
             draws = Draws(key, block_start)
             if count_block(self.verifier, target_probs, draft_probs, draft_tokens, draws).reads:
                 return None
-            replay, decision = capture_cuda_graph(
-                lambda: self.verifier.verify_block(target_probs, draft_probs, draft_tokens, draws))  # fmt: skip
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.current_stream(device)
+            try:
+                replay, decision = capture_cuda_graph(
+                    lambda: self.verifier.verify_block(target_probs, draft_probs, draft_tokens, draws),
+                    device, self._pool)  # fmt: skip
+            except RuntimeError as error:  # what a capture refuses and eager allows (an upload from the host)
+                torch.cuda.set_stream(stream)  # a failed capture can leave its own stream current
+                warnings.warn(f"verifier '{self.verifier.name}': its block could not be captured in a CUDA graph "
+                              f"({str(error).splitlines()[0]}); it runs compiled instead", stacklevel=2)  # fmt: skip
+                return None
+        if decision_problem(decision, draft_tokens.shape[1] + 1, device) is not None:
+            return None  # the fallback returns it again, and the engine names what is wrong
         return _CapturedBlock(own, replay, decision)

@@ -168,6 +168,11 @@ class BlockVerifier(ABC):
     handed (every built-in does): the engine then passes the block's keyed draws. False (the default, for
     plugins written against a stateful generator): it passes a ``torch.Generator`` seeded from the sample
     and the block, so such a plugin's draws too do not depend on what ran before."""
+    capturable: ClassVar[bool] = False
+    """True when :meth:`verify_block` is a pure function of its tensors: no Python state it updates, no host
+    value it reads or uploads. ``--compile`` on a GPU may then capture it in a CUDA graph and replay it
+    (:mod:`specdec_cli.graphs`), which runs no Python at all; every built-in is. False (the default): it
+    is compiled, never captured."""
     kl_bound_parameter: ClassVar[str | None] = None
     """The constructor parameter that bounds KL(q ‖ output law) in nats, for a lossy scheme that has one:
     ``--kl`` sets it, and ``bench`` and ``acceptance`` sweep it (one configuration per bound)."""

@@ -357,6 +357,7 @@ class ImportanceSampling(Verifier):
     lossless = True
     max_drafts = None
     keyed_randomness = True
+    capturable = True
 
     @property
     def solved(self) -> dict:

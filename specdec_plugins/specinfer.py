@@ -33,6 +33,7 @@ class SpecInfer(Verifier):
     lossless = True
     max_drafts = None
     keyed_randomness = True
+    capturable = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
         accepts, residual = _accepts_and_residual(target_probs, draft_probs, draft_tokens)  # [..., K], [..., V]

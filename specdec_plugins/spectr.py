@@ -64,6 +64,7 @@ class SpecTr(Verifier):
     max_drafts = None
     identical_drafts = True
     keyed_randomness = True
+    capturable = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
         p = _identical_law(draft_probs)  # [..., V]

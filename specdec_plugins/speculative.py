@@ -35,6 +35,7 @@ class SpeculativeSampling(Verifier):
     lossless = True
     max_drafts = 1
     keyed_randomness = True
+    capturable = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
         q, p = target_probs, draft_probs[..., 0, :]  # [..., V]

@@ -20,9 +20,12 @@ import torch
 
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.device_path import capture_cuda_graph, count_block
+from specdec_cli.graphs import CapturedVerifyStep
 from specdec_cli.randomness import Draws
 from specdec_cli.recipe import build_recipe
-from specdec_cli.verifiers import load_verifier
+from specdec_cli.registry import VerifierFault
+from specdec_cli.verifiers import VerifierRegistry, load_verifier
+from specdec_plugins.speculative import SpeculativeSampling
 from tests.conftest import tiny_recipe
 from tests.test_device_path import BLOCK_KINDS, CASES, Case, _blocks, random_block
 
@@ -80,6 +83,7 @@ def test_a_block_captured_in_a_cuda_graph_decides_as_eager_on_new_laws(case):
     _, first, first_draws = blocks[0]
     static, static_draws = _on_cuda(first), _cuda_draws(first_draws)
     replay, captured = _capture(verifier, static, static_draws)
+    eager_decisions = set()
     for kind, block, draws in blocks:  # every block kind replayed through the one graph
         block, draws = _on_cuda(block), _cuda_draws(draws)
         for buffer, values in zip((*static, static_draws.key, static_draws.block_start),
@@ -89,26 +93,86 @@ def test_a_block_captured_in_a_cuda_graph_decides_as_eager_on_new_laws(case):
         with torch.inference_mode():
             eager = verifier.verify_block(*block, draws)
         accepted = int(eager.num_accepted)
+        eager_decisions.add((accepted, *eager.tokens[: accepted + 1].tolist()))
         assert int(captured.num_accepted) == accepted, kind
         assert int(captured.row) == int(eager.row), kind
         assert torch.equal(captured.tokens[: accepted + 1], eager.tokens[: accepted + 1]), kind
+    assert len(eager_decisions) > 1  # a replay that ignored its new inputs would fail above
 
 
-@pytest.mark.parametrize("verifier", ["speculative", "mentored", "specinfer", "is-truncated"])
-def test_the_compiled_engine_on_cuda_decides_as_the_eager_one(tiny_models, verifier):
-    """is-truncated reads its LP on the host: its blocks take the compiled fallback, not a graph."""
-    num_drafts = 1 if verifier in ("speculative", "mentored") else 2
+def test_a_captured_step_hands_out_decisions_the_next_replay_does_not_overwrite():
+    step = CapturedVerifyStep(load_verifier("speculative"), fallback=None)
+    blocks = [(_on_cuda(block), _cuda_draws(draws)) for _, block, draws in _blocks(Case("speculative", 1), 8, VOCAB)]
+    first = step(*blocks[0][0], blocks[0][1])
+    kept = first.tokens.clone(), first.num_accepted.clone()
+    for block, draws in blocks[1:]:
+        step(*block, draws)
+    assert torch.equal(first.tokens, kept[0]) and torch.equal(first.num_accepted, kept[1])
+    assert list(step._captured.values())[0] is not None
+
+
+class _Uploads(SpeculativeSampling):
+    """Uploads a host value mid-block: fine eager, refused by a capture (or baked into the graph)."""
+
+    name = "uploads"
+
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        scale = torch.tensor(1.0, dtype=target_probs.dtype, device=target_probs.device)  # []
+        return super().verify_block(target_probs * scale, draft_probs, draft_tokens, randomness)
+
+
+class _NotCapturable(SpeculativeSampling):
+    name, capturable = "not-capturable", False
+
+
+class _Raises(SpeculativeSampling):
+    name = "raises"
+
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        raise ValueError("this plugin's own complaint")
+
+
+class _Registry(VerifierRegistry):
+    PLUGINS = {plugin.name: plugin for plugin in (_Uploads, _NotCapturable, _Raises)}
+
+    def names(self):
+        return sorted([*super().names(), *self.PLUGINS])
+
+    def load_class(self, name):
+        return self.PLUGINS.get(name) or super().load_class(name)
+
+
+def _cuda_decoder(tiny_models, verifier: str, num_drafts: int = 1, **params) -> SpeculativeDecoder:
     recipe = tiny_recipe(tiny_models, "llama", target={"device": "cuda"}, draft={"device": "cuda"},
-                         verifier={"name": verifier, "params": {"kl": 0.3} if verifier == "mentored" else {}},
+                         verifier={"name": verifier, "params": params},
                          speculation={"draft_length": 4, "num_drafts": num_drafts, "compile": True},
                          generation={"max_new_tokens": 24})  # fmt: skip
-    compiled = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    return SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=_Registry())
+
+
+@pytest.mark.parametrize(("verifier", "num_drafts", "captured"), [
+    ("speculative", 1, True), ("mentored", 1, True), ("specinfer", 2, True),
+    ("is-truncated", 2, False),  # reads its LP on the host: the compiled fallback, no graph
+    ("uploads", 1, None),  # a graph, or the fallback where the capture refuses the upload
+    ("not-capturable", 1, False),
+])  # fmt: skip
+def test_the_compiled_engine_on_cuda_decides_as_the_eager_one(tiny_models, verifier, num_drafts, captured):
+    compiled = _cuda_decoder(tiny_models, verifier, num_drafts, **({"kl": 0.3} if verifier == "mentored" else {}))
     eager = compiled.with_config(compile=False)
     prompt_ids = compiled.encode_prompt("a b c")
+    compiled.warm_up(prompt_ids)
+    graphs = list(compiled._verify_block._captured.values())  # a block shape each; none if not capturable
+    assert graphs or not compiled.verifier.capturable, "the warm-up captures (or refuses) this decoder's own graphs"
     for sample in range(3):
         assert compiled.generate_ids(prompt_ids, sample)[0] == eager.generate_ids(prompt_ids, sample)[0]
-    graphs = compiled._verify_block._captured.values()  # a block shape each
-    assert graphs and all((graph is None) == (verifier == "is-truncated") for graph in graphs)
+    if captured is not None:
+        assert all((graph is not None) == captured for graph in graphs)
+
+
+def test_a_plugin_error_under_compile_on_cuda_is_its_one_line_fault(tiny_models):
+    decoder = _cuda_decoder(tiny_models, "raises")
+    with pytest.raises(VerifierFault, match="verifier 'raises' raised ValueError: this plugin's own complaint"):
+        decoder.generate_ids(decoder.encode_prompt("a b c"), 0)
 
 
 def test_a_negative_control_block_differs_between_two_keys():
