@@ -108,14 +108,16 @@ class SpeculativeDecoder:
         """The verify step and the sampling law through ``torch.compile``: each traces into one graph (keyed
         randomness, no reads: :func:`~specdec_cli.decoding.create_verifier` refused a verifier without keyed
         randomness). On a GPU the verify step is captured in CUDA graphs instead (:mod:`specdec_cli.graphs`),
-        compiled only where a block reads the host."""
+        compiled only where a block reads the host; on the CPU a verifier with a reading CPU path stays eager."""
         compiled_law = torch.compile(sampling_law)
         if self.verifier is None:
             return None, compiled_law
         compiled_verify = torch.compile(self.verifier.verify_block)
-        if self.target.device.type != "cuda":
-            return compiled_verify, compiled_law
-        return CapturedVerifyStep(self.verifier, fallback=compiled_verify), compiled_law
+        if self.target.device.type == "cuda":
+            return CapturedVerifyStep(self.verifier, fallback=compiled_verify), compiled_law
+        if self.verifier.reading_cpu_path:  # compiled, it would leave its CPU path for a costlier one
+            return self.verifier.verify_block, compiled_law
+        return compiled_verify, compiled_law
 
     def _draft_groups(self) -> list[_DraftGroup]:
         """Drafts that share a model share one session and one batched forward per position."""

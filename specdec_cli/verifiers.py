@@ -173,6 +173,10 @@ class BlockVerifier(ABC):
     value it reads or uploads. ``--compile`` on a GPU may then capture it in a CUDA graph and replay it
     (:mod:`specdec_cli.graphs`), which runs no Python at all; every built-in is. False (the default): it
     is compiled, never captured."""
+    reading_cpu_path: ClassVar[bool] = False
+    """True when :meth:`verify_block` takes a CPU path that reads the device to skip work (see
+    :func:`reads_are_free`). torch.compile cannot trace the reads and sends it down the device path, which
+    on a CPU costs more: ``--compile`` on the CPU then leaves its verify step eager."""
     kl_bound_parameter: ClassVar[str | None] = None
     """The constructor parameter that bounds KL(q ‖ output law) in nats, for a lossy scheme that has one:
     ``--kl`` sets it, and ``bench`` and ``acceptance`` sweep it (one configuration per bound)."""

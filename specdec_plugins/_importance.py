@@ -358,6 +358,7 @@ class ImportanceSampling(Verifier):
     max_drafts = None
     keyed_randomness = True
     capturable = True
+    reading_cpu_path = True
 
     @property
     def solved(self) -> dict:

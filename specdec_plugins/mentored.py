@@ -89,6 +89,7 @@ class MentoredDecoding(Verifier):
     kl_bound_parameter = "kl"
     keyed_randomness = True
     capturable = True
+    reading_cpu_path = True
 
     def __init__(self, *, kl: float = 0.0, tolerance: float | None = None):
         """``tolerance`` is accepted and ignored: the bound is now met exactly (kept so recipes still load)."""

@@ -34,6 +34,7 @@ class SpecInfer(Verifier):
     max_drafts = None
     keyed_randomness = True
     capturable = True
+    reading_cpu_path = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
         accepts, residual = _accepts_and_residual(target_probs, draft_probs, draft_tokens)  # [..., K], [..., V]

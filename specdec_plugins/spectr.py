@@ -65,6 +65,7 @@ class SpecTr(Verifier):
     identical_drafts = True
     keyed_randomness = True
     capturable = True
+    reading_cpu_path = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
         p = _identical_law(draft_probs)  # [..., V]

@@ -50,6 +50,15 @@ def test_the_compiled_steps_decide_as_the_eager_ones(tiny_models):
     assert compiled.generate_ids(prompt_ids, 3)[0] == eager.generate_ids(prompt_ids, 3)[0]  # each compile takes long
 
 
+@pytest.mark.parametrize(("verifier", "compiled"), [("speculative", True), ("block", True), ("mentored", False),
+                                                    ("specinfer", False), ("spectr", False), ("is-lp", False)])
+def test_compile_on_the_cpu_leaves_a_reading_cpu_path_eager(tiny_models, verifier, compiled):
+    """Compiled, mentored took 80× its eager time per block on the CPU (benchmarks/results/compile_speed_cpu.md):
+    the compiler sends a verifier down its device path, which on a CPU costs more than its reading path."""
+    decoder = _decoder(tiny_models, verifier, compile_steps=True)
+    assert (decoder._verify_block != decoder.verifier.verify_block) == compiled
+
+
 def test_a_generator_plugin_gets_a_generator_seeded_by_sample_and_block(tiny_models):
     decoder = _decoder(tiny_models, GeneratorPlugin.name, compile_steps=False)
     prompt_ids = decoder.encode_prompt("a b c")
