@@ -6,9 +6,9 @@ takes on this device, where a CPU path may read to skip work, and on the path it
 the one compiled), then the first compiled call (tracing, inductor's code generation and one run:
 the compile time), one more compiled call as the warm-up, and the compiled median. On a GPU the same again
 with ``mode="reduce-overhead"``: torch.compile's own CUDA graphs around inductor's code (the engine's
-``--compile`` captures the eager kernels instead, :mod:`specdec_cli.graphs`: verifier_speed.py times that). The time of a run includes the engine's read of the
-decision. A verifier whose ``verify_block`` does not trace into one graph is listed with the reason
-dynamo or inductor gave, instead of timed.
+``--compile`` captures the eager kernels instead, :mod:`specdec_cli.graphs`: verifier_speed.py times
+that). The time of a run includes the engine's read of the decision. A verifier whose ``verify_block``
+does not trace into one graph is listed with the reason dynamo or inductor gave, instead of timed.
 
     python benchmarks/compile_speed.py --repeats 15 --threads 1 > benchmarks/results/compile_speed_cpu.md
 """
@@ -32,7 +32,9 @@ from verifier_speed import (  # noqa: E402
 )  # fmt: skip
 
 
-def compile_and_time(verifier, laws, randomness, device: str, repeats: int, mode: str | None = None) -> tuple[float, float]:
+def compile_and_time(
+    verifier, laws, randomness, device: str, repeats: int, mode: str | None = None
+) -> tuple[float, float]:
     """(seconds of the first compiled call, median seconds of the compiled call); raises where it cannot compile.
 
     ``mode="reduce-overhead"`` also captures the compiled block in a CUDA graph: each call is one replay."""

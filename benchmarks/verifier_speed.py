@@ -119,7 +119,7 @@ def time_verification(name, params, laws, device, repeats) -> float:
     return median_seconds(fresh_verifier, device, repeats)
 
 
-def time_captured_verification(name, params, laws, device, repeats) -> float | None:
+def time_captured_verification(name, params, laws, device, repeats) -> float:
     """Median seconds of one block replayed from a CUDA graph (the replay the engine's ``--compile`` runs on
     a GPU, without its copies in and out) and the engine's read, for a block with no host read."""
     verifier = load_verifier(name, params)
