@@ -121,8 +121,8 @@ def _plausible(cost: DraftCost, decoder: SpeculativeDecoder) -> bool:
     if not timedelta(0) <= age <= _MAX_AGE:
         return False
     target = decoder.target.model
-    like_the_target = all(d.model.model.dtype == target.dtype and _size(d.model.model) < _size(target)
-                          for d in decoder.drafts)  # fmt: skip
+    like_the_target = all(model.model.dtype == target.dtype and _size(model.model) < _size(target)
+                          for model in _draft_models(decoder))  # fmt: skip
     return not (like_the_target and cost.draft_s > cost.target_block_s)
 
 
@@ -154,13 +154,18 @@ def draft_cost_note(cost: DraftCost, draft_length: int, bfloat16_draft: bool) ->
 def note_for(decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool = False) -> str | None:
     """:func:`draft_cost_note` for a speculative decoder (None for the target alone, when the draft pays,
     or when no trustworthy figure could be measured). ``recalibrate``: measure again, whatever is cached."""
-    if decoder.verifier is None:
+    if decoder.verifier is None or not _draft_models(decoder):  # a drafter without a model costs no forward
         return None
     cost = draft_cost(decoder, prompt_ids, recalibrate)
     if cost is None:
         return None
-    bfloat16_draft = any(d.model.model.dtype == torch.bfloat16 for d in decoder.drafts)
+    bfloat16_draft = any(model.model.dtype == torch.bfloat16 for model in _draft_models(decoder))
     return draft_cost_note(cost, decoder.draft_length, bfloat16_draft)
+
+
+def _draft_models(decoder: SpeculativeDecoder) -> list:
+    """The loaded models the decoder's drafters draft with."""
+    return [draft.model for draft in decoder.drafts if draft.model is not None]
 
 
 def _machine(decoder: SpeculativeDecoder) -> str:
@@ -172,7 +177,7 @@ def _machine(decoder: SpeculativeDecoder) -> str:
 
 def _key(decoder: SpeculativeDecoder, machine: str) -> str:
     config = decoder.config
-    models = [decoder.target.name, *(d.model.name for d in decoder.drafts)]
-    dtypes = [str(decoder.target.model.dtype), *(str(d.model.model.dtype) for d in decoder.drafts)]
+    models = [decoder.target.name, *(model.name for model in _draft_models(decoder))]
+    dtypes = [str(decoder.target.model.dtype), *(str(model.model.dtype) for model in _draft_models(decoder))]
     parts = [machine, torch.__version__, *models, *dtypes, config.speculation.draft_length, config.speculation.num_drafts]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]

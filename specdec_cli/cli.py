@@ -15,6 +15,7 @@ from rich.console import Console
 from . import __version__
 from .commands.acceptance import acceptance
 from .commands.bench import bench
+from .commands.drafters import drafters
 from .commands.generate import generate
 from .commands.verifiers import verifiers
 from .errors import SpecdecError
@@ -40,6 +41,7 @@ app.command()(generate)
 app.command()(acceptance)
 app.command()(bench)
 app.command()(verifiers)
+app.command()(drafters)
 
 
 def _show_version(value: bool) -> None:

@@ -8,9 +8,11 @@ call without loading anything again (:meth:`~specdec_cli.engine.SpeculativeDecod
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .draft_rows import DraftRows
+from .drafter_registry import DEFAULT_DRAFTER
 from .errors import UsageError
 from .models import LoadedModel
 from .recipe import DecodingConfig
@@ -20,12 +22,15 @@ from .verifiers import BlockVerifier, VerifierRegistry
 
 @dataclass(frozen=True, eq=False)
 class Draft:
-    """A loaded draft model and its own sampling settings (None: the decoding config's)."""
+    """A loaded draft entry: its model (None for a drafter that takes none), its own sampling settings (None: the
+    decoding config's), and the drafter that drafts with them (its entry-point name and parameters)."""
 
-    model: LoadedModel
+    model: LoadedModel | None
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    drafter: str = DEFAULT_DRAFTER
+    params: dict[str, Any] = field(default_factory=dict)
 
     def sampling(self, config: DecodingConfig) -> SamplingParams:
         """This draft's sampling law under ``config``."""

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from .drafter_registry import DrafterRegistry
 from .recipe import DraftConfig, GenerationConfig, Recipe
 
 
@@ -34,17 +35,26 @@ class DraftRows:
 
 
 def draft_law(draft: DraftConfig, generation: GenerationConfig) -> Hashable:
-    """What decides the law of a recipe's draft: its model (the config without its sampling
-    settings) and its sampling settings, a left-out one taking the target's (``generation``)."""
-    model = dataclasses.replace(draft, temperature=None, top_k=None, top_p=None)
+    """What decides the law of a recipe's draft: its drafter, parameters and model (the entry without its
+    sampling settings) and its sampling settings, a left-out one taking the target's (``generation``)."""
+    model = tuple((f.name, repr(getattr(draft, f.name))) for f in dataclasses.fields(draft)
+                  if f.name not in ("temperature", "top_k", "top_p"))  # fmt: skip
     sampling = tuple(generation_value if own is None else own for own, generation_value in (
         (draft.temperature, generation.temperature), (draft.top_k, generation.top_k), (draft.top_p, generation.top_p)))
     return model, sampling
 
 
-def every_config(config_laws: Sequence[Hashable], num_drafts: int) -> DraftRows:
-    """A block's rows: ``num_drafts`` samples of each draft config (how the engine drafts)."""
-    return DraftRows.of([law for law in config_laws for _ in range(num_drafts)])
+def rows_per_config(deterministic: bool, num_drafts: int) -> int:
+    """Rows a draft config fills: ``num_drafts`` samples, or one for a deterministic drafter (whose K
+    samples would be one row K times)."""
+    return 1 if deterministic else num_drafts
+
+
+def every_config(config_laws: Sequence[Hashable], num_drafts: int, deterministic: Sequence[bool] = ()) -> DraftRows:
+    """A block's rows: :func:`rows_per_config` of each draft config (how the engine drafts); ``deterministic``:
+    one flag per config (none given: no config is)."""
+    flags = list(deterministic) or [False] * len(config_laws)
+    return DraftRows.of([law for law, single in zip(config_laws, flags) for _ in range(rows_per_config(single, num_drafts))])
 
 
 def round_robin(config_laws: Sequence[Hashable], num_drafts: int) -> DraftRows:
@@ -52,7 +62,9 @@ def round_robin(config_laws: Sequence[Hashable], num_drafts: int) -> DraftRows:
     return DraftRows.of([config_laws[k % len(config_laws)] for k in range(num_drafts)])
 
 
-def recipe_draft_rows(recipe: Recipe) -> DraftRows:
-    """The rows a recipe's blocks verify, known before any model loads."""
+def recipe_draft_rows(recipe: Recipe, drafters: DrafterRegistry | None = None) -> DraftRows:
+    """The rows a recipe's blocks verify at most, known before any model loads (a block whose drafter proposes
+    nothing verifies fewer)."""
+    drafters = drafters or DrafterRegistry()
     laws = [draft_law(draft, recipe.generation) for draft in recipe.drafts]
-    return every_config(laws, recipe.speculation.num_drafts)
+    return every_config(laws, recipe.speculation.num_drafts, [drafters.entry_deterministic(d) for d in recipe.drafts])

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 from .decoding import Draft, create_verifier, target_sampling
-from .draft_rows import every_config, recipe_draft_rows
+from .draft_rows import DraftRows, recipe_draft_rows, rows_per_config
+from .drafter_registry import DrafterRegistry
+from .drafting import DraftRequest, Drafter, DraftSetup, Proposal, block_length, empty_proposal, proposal_problem
 from .errors import NonFiniteLogitsError, SpecdecError, UsageError
 from .graphs import CapturedVerifyStep
 from .inputs import require_text
@@ -39,7 +41,7 @@ from .model_session import ModelSession
 from .models import LoadedModel, shared_vocab_size
 from .recipe import AUTOREGRESSIVE, DecodingConfig, Recipe
 from .randomness import Draws, Randomness, Stream, block_generator, sample_key
-from .sampling import SamplingParams, non_finite_message, sample, sample_with, sampling_law
+from .sampling import non_finite_message, sample, sampling_law
 from .stats import GenerationResult, SampleStats
 from .timing import RegionTimer
 from .registry import error_line
@@ -55,22 +57,6 @@ class PromptTypeError(UsageError, TypeError):
     """Prompts that are not text (a TypeError too, as Python callers expect)."""
 
 
-@dataclass
-class _DraftGroup:
-    """One draft model's session and the sampling settings of each of its rows (drafts × num_drafts)."""
-
-    session: ModelSession
-    row_params: list[SamplingParams]
-    name: str
-
-    def rows_by_params(self) -> list[tuple[SamplingParams, list[int]]]:
-        """Rows that share sampling settings, so each settings' law is computed in one call."""
-        grouped: dict[SamplingParams, list[int]] = {}
-        for row, params in enumerate(self.row_params):
-            grouped.setdefault(params, []).append(row)
-        return list(grouped.items())
-
-
 class SpeculativeDecoder:
     """Generates with a target, zero or more drafts and a verifier; returns results with stats.
 
@@ -82,7 +68,7 @@ class SpeculativeDecoder:
 
     def __init__(
         self, target: LoadedModel, drafts: Sequence[Draft], config: DecodingConfig,
-        registry: VerifierRegistry | None = None,
+        registry: VerifierRegistry | None = None, drafter_registry: DrafterRegistry | None = None,
     ):  # fmt: skip
         problems = config.problems()
         if problems:
@@ -91,15 +77,16 @@ class SpeculativeDecoder:
         self.drafts = list(drafts)
         self.config = config
         self.registry = registry or VerifierRegistry()
-        self.vocab_size = shared_vocab_size(target, [d.model for d in self.drafts])
+        self.drafter_registry = drafter_registry or DrafterRegistry()
+        self.vocab_size = shared_vocab_size(target, [d.model for d in self.drafts if d.model is not None])
         self.target_params = target_sampling(config)
         self.target_session = ModelSession(target, self.vocab_size, config.speculation.kv_cache)
-        self.draft_groups = self._draft_groups() if config.speculative else []
-        rows = every_config([draft.law(config) for draft in self.drafts], config.speculation.num_drafts)
+        self.drafters = self._drafters() if config.speculative else []
+        rows = DraftRows.of([law for drafter in self.drafters for law in drafter.row_laws()])
         self.verifier = create_verifier(config, rows, self.registry)
         self._verify_block, self._sampling_law = self._compiled() if config.speculation.compile else (
             getattr(self.verifier, "verify_block", None), sampling_law)  # fmt: skip
-        self.draft_length = config.speculation.draft_length if self.draft_groups else 0
+        self.draft_length = config.speculation.draft_length if self.drafters else 0
         self.eos_ids = target.eos_ids
         self.eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=target.device)  # [eos ids]
         self.device = target.device
@@ -119,48 +106,57 @@ class SpeculativeDecoder:
             return self.verifier.verify_block, compiled_law
         return compiled_verify, compiled_law
 
-    def _draft_groups(self) -> list[_DraftGroup]:
-        """Drafts that share a model share one session and one batched forward per position."""
-        groups: dict[int, _DraftGroup] = {}
+    def _drafters(self) -> list[Drafter]:
+        """Each draft entry's drafter, set up; entries whose drafters can share work are joined (drafts of one
+        model share its session and one batched forward per position)."""
+        by_class: dict[type, list[Drafter]] = {}
         for draft in self.drafts:
-            key = id(draft.model.model)
-            if key not in groups:
-                session = ModelSession(draft.model, self.vocab_size, self.config.speculation.kv_cache)
-                groups[key] = _DraftGroup(session, [], draft.model.name)
-            groups[key].row_params.extend([draft.sampling(self.config)] * self.config.speculation.num_drafts)
-        return list(groups.values())
+            drafter = self.drafter_registry.create(draft.drafter, draft.params)
+            rows = rows_per_config(type(drafter).deterministic, self.config.speculation.num_drafts)
+            drafter.setup(DraftSetup(draft.model, self.target, draft.sampling(self.config), rows, self.vocab_size,
+                                     self.target.device, self.config.speculation.kv_cache))  # fmt: skip
+            by_class.setdefault(type(drafter), []).append(drafter)
+        return [joined for cls, drafters in by_class.items() for joined in cls.joined(drafters)]
 
     def with_config(self, **changes: Any) -> "SpeculativeDecoder":
         """The same models under a changed config: ``with_config(verifier="block", draft_length=8)``."""
-        return SpeculativeDecoder(self.target, self.drafts, self.config.replace(**changes), self.registry)
+        return SpeculativeDecoder(self.target, self.drafts, self.config.replace(**changes), self.registry,
+                                  self.drafter_registry)  # fmt: skip
 
     @property
     def num_draft_rows(self) -> int:
-        """Drafts per position in a block: K × the drafts (0 for the target alone)."""
-        return sum(len(group.row_params) for group in self.draft_groups)
+        """Drafts per position in a block at most: every drafter's rows (0 for the target alone)."""
+        return sum(drafter.rows for drafter in self.drafters)
 
     # ----------------------------------------------------------------------- building
 
     @classmethod
     def from_recipe(
         cls, recipe: Recipe, *, autoregressive: bool = False, pool: ModelPool | None = None,
-        registry: VerifierRegistry | None = None,
+        registry: VerifierRegistry | None = None, drafters: DrafterRegistry | None = None,
     ) -> "SpeculativeDecoder":  # fmt: skip
-        """The one way a recipe becomes a decoder: check its settings and verifier, then take its models
-        from ``pool`` (each loaded once per pool). Drafts are not loaded to decode autoregressively."""
-        registry = registry or VerifierRegistry()
-        config = cls.check_recipe(recipe, registry, autoregressive)  # before the slow loads
+        """The one way a recipe becomes a decoder: check its settings, drafters and verifier, then take its
+        models from ``pool`` (each loaded once per pool). Drafts are not loaded to decode autoregressively."""
+        registry, drafters = registry or VerifierRegistry(), drafters or DrafterRegistry()
+        config = cls.check_recipe(recipe, registry, autoregressive, drafters)  # before the slow loads
         pool = pool if pool is not None else ModelPool()
         target = pool.target(recipe.target)
-        return cls(target, pool.drafts(recipe.drafts if config.speculative else (), target), config, registry)
+        loaded = pool.drafts(recipe.drafts if config.speculative else (), target, drafters)
+        return cls(target, loaded, config, registry, drafters)
 
     @staticmethod
-    def check_recipe(recipe: Recipe, registry: VerifierRegistry, autoregressive: bool = False) -> DecodingConfig:
-        """The recipe's decoding config, once its verifier has taken the recipe's drafts (no model loads)."""
+    def check_recipe(
+        recipe: Recipe, registry: VerifierRegistry, autoregressive: bool = False, drafters: DrafterRegistry | None = None
+    ) -> DecodingConfig:
+        """The recipe's decoding config, once every draft entry suits its drafter and the verifier has taken
+        the rows they fill (no model loads)."""
         config = recipe.decoding_config()
         if autoregressive:
             config = config.replace(verifier=AUTOREGRESSIVE)
-        create_verifier(config, recipe_draft_rows(recipe), registry)
+        drafters = drafters or DrafterRegistry()
+        if config.speculative:
+            drafters.check_entries(recipe.drafts)
+        create_verifier(config, recipe_draft_rows(recipe, drafters), registry)
         return config
 
     # ----------------------------------------------------------------------- generation
@@ -246,8 +242,9 @@ class SpeculativeDecoder:
         stats: SampleStats,
     ) -> tuple[list[int], list[bool], SampleStats]:  # fmt: skip
         draws = Draws.create(key, 0, self.device)  # its block start is moved on the device, block by block
-        for session in self._sessions():
-            session.start(prompt_ids)
+        self.target_session.start(prompt_ids)
+        for drafter in self.drafters:
+            self._call_drafter(drafter, "start", drafter.start, prompt_ids)
         committed = self.target.decoder_start_ids if self.target.is_encoder_decoder else list(prompt_ids)
         start = len(committed)
         timer = RegionTimer(self.device)
@@ -265,7 +262,7 @@ class SpeculativeDecoder:
             new_tokens = block.tokens
             accepted = [i < block.num_accepted for i in range(len(new_tokens))]
             # The verifier decided every committed position but a bonus token (which follows all L accepted).
-            stats.record_block(draft_length, min(len(new_tokens), draft_length), sum(accepted))
+            stats.record_block(block.drafted, min(len(new_tokens), block.drafted), sum(accepted))
             committed += new_tokens
             mask += accepted
             if on_block is not None:
@@ -292,14 +289,11 @@ class SpeculativeDecoder:
             drafts = f"--num-drafts ({self.config.speculation.num_drafts}) or --draft-length ({self.draft_length})"
             if not stats.blocks:  # the prompt's encoding or prefill, with the first block's draft rows
                 advice = f"reading the prompt; shorten the prompt ({stats.prompt_tokens} tokens)"
-                advice += f", or lower {drafts}" if self.draft_groups else ""
+                advice += f", or lower {drafts}" if self.drafters else ""
             else:
                 advice = f"while generating; lower --max-new-tokens ({self.config.generation.max_new_tokens})"
-                advice += f", {drafts}" if self.draft_groups else ""
+                advice += f", {drafts}" if self.drafters else ""
             raise SpecdecError(f"out of memory{_requested_memory(error)} {advice}") from error
-
-    def _sessions(self) -> list[ModelSession]:
-        return [self.target_session] + [g.session for g in self.draft_groups]
 
     def _verifier_randomness(self, draws: Draws, key: int, block_start: int) -> Randomness:
         """The block's keyed draws, or for a plugin that draws from a stateful generator one seeded from the
@@ -317,55 +311,54 @@ class SpeculativeDecoder:
         """
         draws, verifier_randomness = randomness
         with timer.region("draft"):
-            draft_tokens, draft_probs, drafts_finite = self._draft(committed, draft_length, draws, stats, timer)
-            # draft_tokens [K, L], draft_probs [K, L, vocab], drafts_finite [groups]; K = 1, L = 0 without drafts
+            drafted = self._draft(committed, draft_length, draws, stats, timer)
         with timer.region("target"):
-            target_probs, target_finite = self._score(committed, draft_tokens, timer)  # [K, L+1, vocab], []
+            target_probs, target_finite = self._score(committed, drafted.tokens, timer)  # [K, n+1, vocab], []
             stats.target_forwards += 1
         with timer.region("verify"):
-            if draft_length:
-                decision = self._decide(target_probs, draft_probs, draft_tokens, verifier_randomness)
-                departs = departs_from_drafts(decision, draft_tokens)  # []
+            if drafted.length:
+                decision = self._decide(target_probs, drafted.laws, drafted.tokens, verifier_randomness)
+                departs = departs_from_drafts(decision, drafted.tokens)  # []
             else:
                 decision = _target_token(target_probs, draws)
                 departs = torch.zeros_like(target_finite)  # []: the engine drew the token itself
             count = self._count_to_eos(decision)  # []
-            matches = [_longest_match(group_tokens, decision.tokens, count)
-                       for group_tokens in self._group_slices(draft_tokens)]  # fmt: skip
+            matches = [_longest_match(rows, decision.tokens, count) for rows in drafted.by_drafter()]
             flags = [decision.num_accepted, decision.row, count, target_finite.long(), departs.long()]
             packed = torch.cat([
-                decision.tokens, torch.stack(flags), drafts_finite.long(), *(torch.stack(match) for match in matches),
+                decision.tokens, torch.stack(flags), drafted.finite.long(), *(torch.stack(match) for match in matches),
             ])  # fmt: skip
             values = packed.tolist()  # the one device read of the block
-            block = self._commit(values, len(decision.tokens), committed)
+            block = self._commit(values, drafted, committed)
         return block
 
-    def _commit(self, values: list[int], block_size: int, committed: list[int]) -> "_Committed":
+    def _commit(self, values: list[int], drafted: "_Drafted", committed: list[int]) -> "_Committed":
         """Unpack the block's read, stop on non-finite logits or a decision no verifier may make, and crop
         every cache to what was committed."""
+        block_size = drafted.length + 1
         tokens = values[:block_size]
         num_accepted, row, count, target_finite, departs = values[block_size : block_size + 5]
-        groups = len(self.draft_groups)
-        drafts_finite = values[block_size + 5 : block_size + 5 + groups]
-        matches = values[block_size + 5 + groups :]
+        drafts_finite = values[block_size + 5 : block_size + 5 + len(self.drafters)]
+        matches = iter(values[block_size + 5 + len(self.drafters) :])
         if not target_finite:
             raise NonFiniteLogitsError(non_finite_message("target"))
-        for group, finite in zip(self.draft_groups, drafts_finite):
+        for drafter, finite in zip(self.drafters, drafts_finite):
             if not finite:
-                raise NonFiniteLogitsError(non_finite_message(f"draft {group.name}"))
-        if block_size > 1:  # a verifier decided (a block without draft tokens is the engine's own draw)
-            problem = decision_value_problem(tokens, num_accepted, row, bool(departs), self.num_draft_rows,
+                raise NonFiniteLogitsError(non_finite_message(f"draft {drafter.label}"))
+        if drafted.length:  # a verifier decided (a block without draft tokens is the engine's own draw)
+            problem = decision_value_problem(tokens, num_accepted, row, bool(departs), drafted.tokens.shape[0],
                                              self.vocab_size)  # fmt: skip
             if problem is not None:
                 raise self.registry.fault(self.verifier.name, problem)
         # Rows cache the committed prefix then their own drafts; the last committed token stays uncached.
         reusable = len(committed) + min(num_accepted, count - 1)
         self.target_session.keep(row, min(self.target_session.cached_length, reusable))
-        for index, group in enumerate(self.draft_groups):
-            group_row, agreeing = matches[2 * index : 2 * index + 2] if matches else (0, 0)
-            group.session.keep(group_row, min(group.session.cached_length, len(committed) + min(agreeing, count - 1)))
+        for drafter, rows in zip(self.drafters, drafted.sizes):
+            drafter_row, agreeing = (next(matches), next(matches)) if rows else (0, 0)
+            self._call_drafter(drafter, "keep", drafter.keep, drafter_row, len(committed) + min(agreeing, count - 1))
         new_tokens = tokens[:count]
-        return _Committed(new_tokens, min(num_accepted, count), any(t in self.eos_ids for t in new_tokens))
+        eos = any(t in self.eos_ids for t in new_tokens)
+        return _Committed(new_tokens, min(num_accepted, count), eos, drafted.length)
 
     def _decide(
         self, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
@@ -398,13 +391,6 @@ class SpeculativeDecoder:
         is_eos = torch.isin(decision.tokens, self.eos_tensor) & (positions < count)  # [L+1]
         return torch.where(is_eos.any(), is_eos.to(torch.uint8).argmax() + 1, count)
 
-    def _group_slices(self, draft_tokens: torch.Tensor) -> list[torch.Tensor]:
-        """Each draft group's rows of ``draft_tokens`` ``[K, L]`` (none when nothing was drafted)."""
-        if draft_tokens.shape[1] == 0:
-            return []
-        sizes = [len(group.row_params) for group in self.draft_groups]
-        return list(draft_tokens.split(sizes))
-
     def _score(
         self, committed: list[int], draft_tokens: torch.Tensor, timer: RegionTimer
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,39 +405,87 @@ class SpeculativeDecoder:
 
     def _draft(
         self, committed: list[int], draft_length: int, draws: Draws, stats: SampleStats, timer: RegionTimer
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draft tokens ``[K, L]``, the laws they were sampled from ``[K, L, vocab]``, finite flags ``[groups]``."""
+    ) -> "_Drafted":
+        """Every drafter's proposal as the block's rows. Drafters that run no model are asked first: their
+        shortest non-empty proposal is the block's length (:func:`~specdec_cli.drafting.block_length`), which
+        the model drafters then draft, so no draft forward is paid for a position that is not verified."""
         if not draft_length:
-            empty = torch.empty(1, 0, dtype=torch.long, device=self.device)  # [1, 0]
-            flags = torch.ones(len(self.draft_groups), dtype=torch.bool, device=self.device)  # [groups]
-            return empty, torch.empty(1, 0, self.vocab_size, device=self.device), flags
-        tokens, laws, finite = [], [], []
-        # Row k's token at offset t is (stream DRAFT, t, lane k) whatever group it belongs to: one table per block.
+            empty = [empty_proposal(drafter.rows, self.vocab_size, self.device) for drafter in self.drafters]
+            return _Drafted.of(empty, self.vocab_size, self.device)
+        # Row k's token at offset t is (stream DRAFT, t, lane k), whichever drafter fills it: one table per block.
         uniforms = draws.uniforms(Stream.DRAFT, draft_length, self.num_draft_rows)  # [L, K]
-        first_row = 0
-        for group in self.draft_groups:
-            rows = len(group.row_params)
-            session = group.session
-            session.fan_out(rows)
-            group_tokens = torch.empty(rows, draft_length, dtype=torch.long, device=self.device)  # [K_j, L]
-            group_laws = torch.empty(rows, draft_length, self.vocab_size, device=self.device)  # [K_j, L, vocab]
-            group_finite = torch.ones((), dtype=torch.bool, device=self.device)  # []
-            step_input = session.pending(committed)  # [K_j, pending]
-            rows_by_params = group.rows_by_params()
-            for t in range(draft_length):
-                logits = session.forward(step_input, 1, timer)[:, -1].to(self.device)  # [K_j, vocab]
-                stats.draft_forwards += 1
-                for params, same in rows_by_params:
-                    law, row_finite = self._sampling_law(logits[same], params)  # [rows, vocab], [rows]
-                    group_laws[same, t] = law
-                    group_finite &= row_finite.all()
-                group_tokens[:, t] = sample_with(group_laws[:, t], uniforms[t, first_row : first_row + rows])
-                step_input = group_tokens[:, t : t + 1].to(session.device)  # [K_j, 1]
-            first_row += rows
-            tokens.append(group_tokens)
-            laws.append(group_laws)
-            finite.append(group_finite)
-        return torch.cat(tokens), torch.cat(laws), torch.stack(finite)
+        lanes = _lanes([drafter.rows for drafter in self.drafters])
+        proposals: list[Proposal] = [None] * len(self.drafters)  # type: ignore[list-item]
+        length = draft_length
+        for runs_model in (False, True):
+            for index, drafter in enumerate(self.drafters):
+                if drafter.uses_model == runs_model:
+                    request = DraftRequest(committed, length, uniforms[:length, lanes[index]], self._sampling_law, timer)
+                    proposals[index] = self._propose(drafter, request)
+            if not runs_model:
+                length = block_length([p.length for p in proposals if p is not None], draft_length)
+        stats.draft_forwards += sum(proposal.forwards for proposal in proposals)
+        return _Drafted.of(proposals, self.vocab_size, self.device)
+
+    def _propose(self, drafter: Drafter, request: DraftRequest) -> Proposal:
+        """``drafter``'s proposal, its shapes, types and devices checked on the host (no device read)."""
+        proposal = self._call_drafter(drafter, "propose", drafter.propose, request)
+        problem = proposal_problem(proposal, drafter.rows, request.max_length, self.vocab_size, self.device)
+        if problem is not None:
+            raise self.drafter_registry.fault(drafter.name, problem)
+        return proposal
+
+    def _call_drafter(self, drafter: Drafter, what: str, method: Callable[..., Any], *args: Any) -> Any:
+        """``method(*args)`` of ``drafter``: a plugin's exception is its fault, named in one line with the original
+        chained for ``--debug``; running out of memory is not, and reaches :meth:`_memory_guard`."""
+        try:
+            return method(*args)
+        except SpecdecError:
+            raise
+        except Exception as error:
+            if _is_allocation_error(error):
+                raise
+            raise self.drafter_registry.fault(drafter.name, f"raised {error_line(error)} in {what}") from error
+
+
+@dataclass
+class _Drafted:
+    """A block's draft rows: those of the drafters that proposed, cut to the block's length."""
+
+    tokens: torch.Tensor  # [K', n]: K' rows of the drafters that proposed (one empty row [1, 0] when none did)
+    laws: torch.Tensor  # [K', n, vocab]
+    finite: torch.Tensor  # [drafters] bool: each drafter's laws came from finite logits
+    sizes: list[int]  # rows each drafter has in the block (0: it proposed nothing)
+
+    @classmethod
+    def of(cls, proposals: list[Proposal], vocab_size: int, device: torch.device) -> "_Drafted":
+        """The rows of the non-empty ``proposals``, each cut to the shortest of them."""
+        finite = torch.stack([proposal.finite for proposal in proposals]) if proposals else torch.ones(
+            0, dtype=torch.bool, device=device)  # [drafters]  # fmt: skip
+        present = [proposal for proposal in proposals if proposal.length]
+        sizes = [proposal.tokens.shape[0] if proposal.length else 0 for proposal in proposals]
+        if not present:
+            empty = empty_proposal(1, vocab_size, device)
+            return cls(empty.tokens, empty.laws, finite, sizes)
+        length = min(proposal.length for proposal in present)
+        tokens = torch.cat([proposal.tokens[:, :length] for proposal in present])  # [K', n]
+        return cls(tokens, torch.cat([proposal.laws[:, :length] for proposal in present]), finite, sizes)
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    def by_drafter(self) -> list[torch.Tensor]:
+        """The rows ``[K_j, n]`` of each drafter in the block (none when nothing was drafted)."""
+        if not self.length:
+            return []
+        return list(self.tokens.split([size for size in self.sizes if size]))
+
+
+def _lanes(rows: list[int]) -> list[slice]:
+    """The uniforms' lanes of each drafter: its rows' places among all drafters' rows."""
+    ends = list(itertools.accumulate(rows))
+    return [slice(end - count, end) for end, count in zip(ends, rows)]
 
 
 @dataclass
@@ -461,6 +495,8 @@ class _Committed:
     tokens: list[int]
     num_accepted: int
     eos: bool
+    drafted: int
+    """Tokens each row proposed in the block (what the verifier decided on)."""
 
 
 def _target_token(target_probs: torch.Tensor, draws: Draws) -> BlockDecision:

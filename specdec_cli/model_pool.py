@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .decoding import Draft
+from .drafter_registry import DrafterRegistry
 from .models import LoadedModel, check_same_tokenizer, derive_early_exit_draft, load_model
 from .recipe import DraftConfig, ModelConfig
 
@@ -31,19 +32,25 @@ class ModelPool:
     def target(self, spec: ModelConfig) -> LoadedModel:
         return self._get(_model_key(spec), lambda: self._loader(spec, "target"))
 
-    def draft(self, spec: DraftConfig, target: LoadedModel) -> LoadedModel:
-        """A draft model: derived from ``target``'s first layers (early exit), or loaded and checked
-        to share the target's tokenizer."""
-        if spec.early_exit is not None:
-            key = ("early_exit", id(target.model), spec.early_exit)
-            return self._get(key, lambda: derive_early_exit_draft(target, spec.early_exit))
+    def draft(self, spec: ModelConfig, target: LoadedModel) -> LoadedModel:
+        """A draft model, loaded and checked to share the target's tokenizer."""
         loaded = self._get(_model_key(spec), lambda: self._loader(spec, "draft"))
         check_same_tokenizer(target, loaded)
         return loaded
 
-    def drafts(self, specs: Sequence[DraftConfig], target: LoadedModel) -> list[Draft]:
-        """The drafts of ``specs`` for ``target``, each with its own sampling settings."""
-        return [Draft(self.draft(spec, target), spec.temperature, spec.top_k, spec.top_p) for spec in specs]
+    def early_exit(self, target: LoadedModel, layers: int) -> LoadedModel:
+        """A draft derived from ``target``'s first ``layers`` decoder layers (its weights shared)."""
+        return self._get(("early_exit", id(target.model), layers), lambda: derive_early_exit_draft(target, layers))
+
+    def drafts(self, specs: Sequence[DraftConfig], target: LoadedModel, drafters: DrafterRegistry) -> list[Draft]:
+        """The drafts of ``specs`` for ``target``: each entry's drafter, its model (loaded by the drafter, for a
+        drafter that takes one) and its own sampling settings."""
+        drafts = []
+        for spec in specs:
+            name, params = drafters.entry_drafter(spec)
+            model = drafters.create(name, params).load_model(self, spec, target)
+            drafts.append(Draft(model, spec.temperature, spec.top_k, spec.top_p, drafter=name, params=params))
+        return drafts
 
     def models(self) -> list[LoadedModel]:
         """Every model loaded so far, in loading order."""

@@ -46,8 +46,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DraftConfig(ModelConfig):
-    """A draft model, plus its own sampling settings (``None`` = the target's)."""
+    """A draft entry: its drafter, that drafter's parameters, its model (for a drafter that takes one), and its
+    own sampling settings (``None`` = the target's). A bare ``model:`` drafts with the model drafter."""
 
+    drafter: str | None = None
+    """A drafter plugin's name (``specdec drafters``); None: ``model``, or ``early-exit`` where ``early_exit`` is set."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The drafter's parameters (its constructor's keyword arguments)."""
     early_exit: int | None = None
     """Derive the draft from the target's first N layers (its final norm and head kept): no second checkpoint."""
     temperature: float | None = None
@@ -428,8 +433,7 @@ def validate(recipe: Recipe) -> None:
         if draft.early_exit is not None:
             checks.append((draft.early_exit >= 1, f"drafts.{i}.early_exit", "must be >= 1 (number of target layers)"))
             checks.append((draft.model is None, f"drafts.{i}", "give either 'model' or 'early_exit', not both"))
-        else:
-            checks.append((draft.model is not None, f"drafts.{i}.model", "is required unless the draft sets early_exit"))
+        # What else an entry needs depends on its drafter: DrafterRegistry.entry_problem, before any model loads.
     problems += [(path, message) for ok, path, message in checks if not ok]
     for path, message in problems:
         raise RecipeError(f"{path}: {message}")

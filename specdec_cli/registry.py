@@ -1,9 +1,11 @@
-"""Finding verifier plugins: the entry-point group ``specdec.verifiers``.
+"""Finding plugins: verifiers (entry-point group ``specdec.verifiers``) and drafters (``specdec.drafters``).
 
-This module imports neither torch nor any plugin until a verifier class is asked for, so listing
+This module imports neither torch nor any plugin until a plugin class is asked for, so listing
 the installed verifiers (``specdec verifiers``) and reading a results folder (``bench --report``)
-start at once: :meth:`VerifierRegistry.describe` keeps what it learned from the plugin classes in a
-cache, keyed by the installed entry points and the files of their modules.
+start at once: :meth:`PluginRegistry.describe` keeps what it learned from the plugin classes in a
+cache, keyed by the installed entry points and the files of their modules. :class:`PluginRegistry`
+finds, loads and describes plugins of one group; :class:`VerifierRegistry` adds what core asks of
+verifiers, and :class:`~specdec_cli.drafter_registry.DrafterRegistry` of drafters.
 
 Plugins are third-party code, and a broken one must not take the command down with it: whatever a
 module raises on import (``sys.exit`` included), a class that breaks the contract, or two packages
@@ -45,20 +47,24 @@ DESCRIPTION_TYPES: dict[str, tuple[type, ...]] = {
 """What :meth:`VerifierRegistry.describe` gives for a verifier that loads; a cache entry of another shape is rebuilt."""
 
 
-class VerifierParameterError(UsageError, TypeError):
-    """An unknown or ill-typed verifier parameter (a TypeError too, as Python callers expect)."""
+class PluginParameterError(UsageError, TypeError):
+    """An unknown or ill-typed plugin parameter (a TypeError too, as Python callers expect)."""
 
 
-class VerifierParameterValueError(VerifierParameterError, ValueError):
-    """A verifier's own ValueError about a parameter's value, as one line (still a ValueError)."""
+class PluginParameterValueError(PluginParameterError, ValueError):
+    """A plugin's own ValueError about a parameter's value, as one line (still a ValueError)."""
 
 
-class VerifierFault(SpecdecError):
-    """A verifier that broke its contract at run time (an exception, or a decision it cannot have made): exit 1."""
+class PluginFault(SpecdecError):
+    """A plugin that broke its contract at run time (an exception, or a result it cannot have made): exit 1."""
+
+
+# What verifiers raise, under the names their callers already catch.
+VerifierParameterError, VerifierParameterValueError, VerifierFault = PluginParameterError, PluginParameterValueError, PluginFault
 
 
 def parameter_defaults(cls: type) -> dict[str, Any]:
-    """A verifier class's parameters and their defaults, from its constructor's signature."""
+    """A plugin class's parameters and their defaults, from its constructor's signature."""
     signature = inspect.signature(cls.__init__)
     return {
         name: p.default
@@ -92,20 +98,27 @@ class PluginEntry:
         return self.distribution.lower().replace("_", "-").replace(".", "-") == BUILT_IN_DISTRIBUTION
 
 
-class VerifierRegistry:
-    """The one way verifiers are found: entry points of the group ``specdec.verifiers``.
+class PluginRegistry:
+    """The one way plugins of one kind are found: entry points of the group ``group``.
 
     Names are case-insensitive. :meth:`entry_points` lists what is installed and :meth:`load_class` is
     the one place a plugin class is loaded; tests and embedders override them. A name declared by the
     built-in distribution is always the built-in; a plugin that fails to load (or whose name is taken)
-    is kept with its error, so ``specdec verifiers`` can show it and using it names the failure.
+    is kept with its error, so the listing command can show it and using it names the failure.
+    A subclass names its ``kind`` ("verifier"), ``group``, ``contract_module`` (the file of its base
+    class, which decides what a description holds), and says what it checks and describes of a class.
     """
 
-    group = ENTRY_POINT_GROUP
+    group: str
+    kind: str
+    contract_module: str
+    parameters_hint: str
+    """How a user changes a plugin's parameters, ending the line of a parameter error."""
+    description_types: dict[str, tuple[type, ...]]
 
     def __init__(self) -> None:
         self._claims: _Claims | None = None
-        self._classes: dict[str, type[BlockVerifier]] = {}
+        self._classes: dict[str, type] = {}
         self._failures: dict[str, str] = {}
         self._notes: dict[str, str] = {}
         self._descriptions: dict[str, dict[str, Any]] | None = None
@@ -123,11 +136,11 @@ class VerifierRegistry:
 
     def _resolved(self) -> _Claims:
         if self._claims is None:
-            self._claims = _resolve(self.entry_points())
+            self._claims = _resolve(self.entry_points(), self.kind)
         return self._claims
 
     def names(self) -> list[str]:
-        """The installed verifiers that load (loading each once)."""
+        """The installed plugins that load (loading each once)."""
         return sorted(name for name in self._resolved().winners if self._loads(name))
 
     def _loads(self, name: str) -> bool:
@@ -143,25 +156,25 @@ class VerifierRegistry:
         self.names()
         return {**self._resolved().failures, **self._failures}
 
-    def load_class(self, name: str) -> type[BlockVerifier]:
-        """The class of installed verifier ``name`` (its entry-point name, lower case), loaded once."""
+    def load_class(self, name: str) -> type:
+        """The class of installed plugin ``name`` (its entry-point name, lower case), loaded once."""
         if name not in self._classes:
             claims = self._resolved()
             if name not in claims.winners:
                 reason = claims.failures.get(name)
                 if reason is None:
                     raise UsageError(self._unknown(name))
-                raise UsageError(f"verifier '{name}' cannot be used: {reason}")
+                raise UsageError(f"{self.kind} '{name}' cannot be used: {reason}")
             if name not in self._failures:
                 self._load(name, claims.winners[name])
             if name in self._failures:
-                raise UsageError(f"verifier '{name}' is installed but failed to load: {self._failures[name]}")
+                raise UsageError(f"{self.kind} '{name}' is installed but failed to load: {self._failures[name]}")
         return self._classes[name]
 
     def _load(self, name: str, entry: PluginEntry) -> None:
         """Import ``entry`` and check its class against the contract, recording a failure instead of raising."""
-        loaded, problem = _import(entry)
-        problem = problem or _contract_problem(loaded)
+        loaded, problem = _import(entry, self.group)
+        problem = problem or self.contract_problem(loaded)
         if problem is not None:
             self._failures[name] = problem
             return
@@ -173,15 +186,102 @@ class VerifierRegistry:
                                                        "__qualname__": loaded.__qualname__})  # fmt: skip
         self._classes[name] = loaded
 
+    def contract_problem(self, loaded: Any) -> str | None:
+        """What makes ``loaded`` unusable as a plugin of this kind, in the words of its author's fix, or None."""
+        raise NotImplementedError
+
     def package(self, name: str) -> str:
-        """'distribution version' that provides verifier ``name`` (or the module of a class registered otherwise)."""
+        """'distribution version' that provides plugin ``name`` (or the module of a class registered otherwise)."""
         entry = self._resolved().winners.get(name)
         return entry.package if entry is not None else f"module {self.load_class(name).__module__}"
 
-    def fault(self, name: str, what: str) -> VerifierFault:
-        """The error for verifier ``name`` doing ``what`` ("returned None instead of a BlockDecision") at run time."""
-        return VerifierFault(f"verifier '{name}' {what}; the plugin is at fault ({self.package(name)}): "
-                             "report it to its author")  # fmt: skip
+    def fault(self, name: str, what: str) -> PluginFault:
+        """The error for plugin ``name`` doing ``what`` ("returned None instead of a BlockDecision") at run time."""
+        return PluginFault(f"{self.kind} '{name}' {what}; the plugin is at fault ({self.package(name)}): "
+                           "report it to its author")  # fmt: skip
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """name → what core and the CLI read from each installed plugin's class (the keys of
+        ``description_types``), without importing the plugins when the cache is current; a plugin
+        that fails to load has only its ``error``."""
+        if self._descriptions is None:
+            # A registry whose loading a test or an embedder overrides describes other classes: its own key.
+            stamp = _files_stamp(self.entry_points(), f"{type(self).__module__}.{type(self).__qualname__}",
+                                 self.contract_module)  # fmt: skip
+            path = cache_dir() / f"{self.kind}s-{stamp.key}.json"
+            self._descriptions = _read_descriptions(path, self.description_types)
+            if self._descriptions is None:
+                self._descriptions = {name: self._description(name) for name in self.names()}
+                self._descriptions |= {name: {"error": error} for name, error in self.failures().items()}
+                if stamp.settled:
+                    write_cache_file(path, json.dumps(self._descriptions))
+        return self._descriptions
+
+    def _description(self, name: str) -> dict[str, Any]:
+        cls = self.load_class(name)
+        return {**self.class_description(cls), "parameters": plain_parameters(cls), "package": self.package(name),
+                "note": self._notes.get(name)}  # fmt: skip
+
+    def class_description(self, cls: type) -> dict[str, Any]:
+        """What a description holds of ``cls`` besides its parameters, package and note."""
+        raise NotImplementedError
+
+    def canonical(self, name: str) -> str:
+        """The installed plugin's entry-point name for ``name`` (case-insensitive), or a UsageError."""
+        key = name.strip().lower()
+        if key not in self.names() and key not in self.failures():
+            raise UsageError(self._unknown(name))
+        return key
+
+    def _unknown(self, name: str) -> str:
+        installed = ", ".join(self.names()) or "none"
+        return f"unknown {self.kind} '{name}'; installed {self.kind}s: {installed} (see `specdec {self.kind}s`)"
+
+    def plugin_class(self, name: str) -> type:
+        """The class of the installed plugin ``name`` (case-insensitive)."""
+        return self.load_class(self.canonical(name))
+
+    def names_where(self, wanted: Callable[[type], bool]) -> list[str]:
+        """Installed plugins whose class satisfies ``wanted`` (for suggestions in messages)."""
+        return [name for name in self.names() if wanted(self.load_class(name))]
+
+    def create(self, name: str, params: dict[str, Any] | None = None) -> Any:
+        """An instance of ``name``; a plugin's own ValueError or TypeError about its parameters becomes
+        one line for the user (PluginParameterError), naming the plugin; any other exception from
+        its constructor is the plugin's fault (PluginFault, the original chained for ``--debug``)."""
+        key = self.canonical(name)
+        cls = self.load_class(key)
+        try:
+            return cls(**(params or {}))
+        except SpecdecError:
+            raise
+        except (ValueError, TypeError) as error:
+            reason = str(error).removeprefix(f"{key}: ")
+            wrapper = PluginParameterValueError if isinstance(error, ValueError) else PluginParameterError
+            raise wrapper(f"{self.kind} '{key}': {reason} (given {params or {}}; {self.parameters_hint})") from error
+        except Exception as error:
+            raise self.fault(key, f"failed to start: {error_line(error)}") from error
+
+
+class VerifierRegistry(PluginRegistry):
+    """Verifiers: entry points of the group ``specdec.verifiers``, and what core asks of their classes."""
+
+    group = ENTRY_POINT_GROUP
+    kind = "verifier"
+    contract_module = "verifiers.py"
+    parameters_hint = "fix verifier.params in the recipe, or --set verifier.params.NAME=VALUE"
+    description_types = DESCRIPTION_TYPES
+
+    def contract_problem(self, loaded: Any) -> str | None:
+        return _verifier_contract_problem(loaded)
+
+    def class_description(self, cls: type) -> dict[str, Any]:
+        return {"lossless": cls.lossless, "max_drafts": cls.max_drafts, "identical_drafts": cls.identical_drafts,
+                "token_level": cls.token_level, "kl_bound_parameter": cls.kl_bound_parameter}  # fmt: skip
+
+    def verifier_class(self, name: str) -> type[BlockVerifier]:
+        """The class of the installed verifier ``name`` (case-insensitive)."""
+        return self.plugin_class(name)
 
     def refusal(self, name: str, rows: DraftRows) -> str | None:
         """Why verifier ``name`` cannot take these draft rows (None if it can): its class's
@@ -193,48 +293,6 @@ class VerifierRegistry:
             raise
         except Exception as error:
             raise self.fault(self.canonical(name), f"raised {error_line(error)} in reason_to_refuse") from error
-
-    def describe(self) -> dict[str, dict[str, Any]]:
-        """name → what core and the CLI read from each installed verifier's class (the keys of
-        :data:`DESCRIPTION_TYPES`), without importing the plugins when the cache is current; a plugin
-        that fails to load has only its ``error``."""
-        if self._descriptions is None:
-            # A registry whose loading a test or an embedder overrides describes other classes: its own key.
-            stamp = _files_stamp(self.entry_points(), f"{type(self).__module__}.{type(self).__qualname__}")
-            path = cache_dir() / f"verifiers-{stamp.key}.json"
-            self._descriptions = _read_descriptions(path)
-            if self._descriptions is None:
-                self._descriptions = {name: self._description(name) for name in self.names()}
-                self._descriptions |= {name: {"error": error} for name, error in self.failures().items()}
-                if stamp.settled:
-                    write_cache_file(path, json.dumps(self._descriptions))
-        return self._descriptions
-
-    def _description(self, name: str) -> dict[str, Any]:
-        cls = self.load_class(name)
-        parameters = {key: value if _plain(value) else repr(value) for key, value in parameter_defaults(cls).items()}
-        return {"lossless": cls.lossless, "max_drafts": cls.max_drafts, "identical_drafts": cls.identical_drafts,
-                "token_level": cls.token_level, "kl_bound_parameter": cls.kl_bound_parameter,
-                "parameters": parameters, "package": self.package(name), "note": self._notes.get(name)}  # fmt: skip
-
-    def canonical(self, name: str) -> str:
-        """The installed verifier's entry-point name for ``name`` (case-insensitive), or a UsageError."""
-        key = name.strip().lower()
-        if key not in self.names() and key not in self.failures():
-            raise UsageError(self._unknown(name))
-        return key
-
-    def _unknown(self, name: str) -> str:
-        installed = ", ".join(self.names()) or "none"
-        return f"unknown verifier '{name}'; installed verifiers: {installed} (see `specdec verifiers`)"
-
-    def verifier_class(self, name: str) -> type[BlockVerifier]:
-        """The class of the installed verifier ``name`` (case-insensitive)."""
-        return self.load_class(self.canonical(name))
-
-    def names_where(self, wanted: Callable[[type[BlockVerifier]], bool]) -> list[str]:
-        """Installed verifiers whose class satisfies ``wanted`` (for suggestions in messages)."""
-        return [name for name in self.names() if wanted(self.load_class(name))]
 
     def params_for(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         """The entries of ``params`` (a recipe's verifier.params) that verifier ``name`` takes.
@@ -254,25 +312,15 @@ class VerifierRegistry:
                              f"verifiers with one: {bounded}")  # fmt: skip
         return {**params, parameter: bound}
 
-    def create(self, name: str, params: dict[str, Any] | None = None) -> BlockVerifier:
-        """An instance of ``name``; a plugin's own ValueError or TypeError about its parameters becomes
-        one line for the user (VerifierParameterError), naming the verifier; any other exception from
-        its constructor is the plugin's fault (VerifierFault, the original chained for ``--debug``)."""
-        key = self.canonical(name)
-        cls = self.load_class(key)
-        try:
-            return cls(**(params or {}))
-        except SpecdecError:
-            raise
-        except (ValueError, TypeError) as error:
-            reason = str(error).removeprefix(f"{key}: ")
-            wrapper = VerifierParameterValueError if isinstance(error, ValueError) else VerifierParameterError
-            raise wrapper(
-                f"verifier '{key}': {reason} (given {params or {}}; fix verifier.params in the recipe, "
-                "or --set verifier.params.NAME=VALUE)"
-            ) from error
-        except Exception as error:
-            raise self.fault(key, f"failed to start: {error_line(error)}") from error
+
+REQUIRED = "<required>"
+"""How a description shows a parameter without a default."""
+
+
+def plain_parameters(cls: type) -> dict[str, Any]:
+    """A plugin class's parameters and defaults, each default as JSON can hold it (others as their repr)."""
+    return {key: REQUIRED if value is inspect.Parameter.empty else value if _plain(value) else repr(value)
+            for key, value in parameter_defaults(cls).items()}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -283,7 +331,7 @@ class _Claims:
     failures: dict[str, str]
 
 
-def _resolve(entries: list[PluginEntry]) -> _Claims:
+def _resolve(entries: list[PluginEntry], kind: str) -> _Claims:
     """The built-in distribution keeps its names; a name two third-party packages declare is nobody's.
     One class declared twice (a project installed under an old name as well) is no conflict."""
     by_name: dict[str, list[PluginEntry]] = {}
@@ -298,7 +346,7 @@ def _resolve(entries: list[PluginEntry]) -> _Claims:
             winners[name] = first
             for other in others:
                 failures[f"{name} ({other.package})"] = (
-                    f"'{other.name}' from {other.package} conflicts with the built-in verifier of "
+                    f"'{other.name}' from {other.package} conflicts with the built-in {kind} of "
                     f"{first.distribution}; rename its entry point")  # fmt: skip
         elif others:
             packages = " and ".join(f"{e.package} ({e.value})" for e in (first, *others))
@@ -316,11 +364,11 @@ def _distribution(dist: importlib.metadata.Distribution | None) -> tuple[str, st
     return metadata["Name"], metadata["Version"]
 
 
-def _import(entry: PluginEntry) -> tuple[Any, str | None]:
+def _import(entry: PluginEntry, group: str) -> tuple[Any, str | None]:
     """(what ``entry`` names, None), or (None, why it cannot be had): whatever a plugin's module raises on
     import, even ``sys.exit`` (a BaseException, which stevedore lets through), must not end the command."""
     try:
-        return importlib.metadata.EntryPoint(entry.name, entry.value, ENTRY_POINT_GROUP).load(), None
+        return importlib.metadata.EntryPoint(entry.name, entry.value, group).load(), None
     except KeyboardInterrupt:
         raise
     except SystemExit as error:
@@ -329,18 +377,26 @@ def _import(entry: PluginEntry) -> tuple[Any, str | None]:
         return None, error_line(error)
 
 
-def _contract_problem(loaded: Any) -> str | None:
+def class_problem(loaded: Any, base: type, flags: tuple[str, ...]) -> str | None:
+    """What makes ``loaded`` unusable as a concrete subclass of ``base`` that sets each of ``flags`` to a bool, or None."""
+    if not (isinstance(loaded, type) and issubclass(loaded, base)):
+        kind = "a class" if isinstance(loaded, type) else f"a {type(loaded).__name__}"
+        return f"it names {kind}, not a {base.__name__} subclass ({base.__module__})"
+    if inspect.isabstract(loaded):
+        return f"its class leaves abstract methods unimplemented: {', '.join(sorted(loaded.__abstractmethods__))}"
+    for flag in flags:
+        if not isinstance(getattr(loaded, flag, None), bool):
+            return f"its class does not set {flag} to True or False"
+    return None
+
+
+def _verifier_contract_problem(loaded: Any) -> str | None:
     """What makes ``loaded`` unusable as a verifier class, in the words of its author's fix, or None."""
     from .verifiers import BlockVerifier  # imports torch, which loading any plugin did already
 
-    if not (isinstance(loaded, type) and issubclass(loaded, BlockVerifier)):
-        kind = "a class" if isinstance(loaded, type) else f"a {type(loaded).__name__}"
-        return f"it names {kind}, not a BlockVerifier subclass (specdec_cli.verifiers)"
-    if inspect.isabstract(loaded):
-        return f"its class leaves abstract methods unimplemented: {', '.join(sorted(loaded.__abstractmethods__))}"
-    for flag in ("lossless", "identical_drafts", "token_level"):
-        if not isinstance(getattr(loaded, flag, None), bool):
-            return f"its class does not set {flag} to True or False"
+    problem = class_problem(loaded, BlockVerifier, ("lossless", "identical_drafts", "token_level"))
+    if problem is not None:
+        return problem
     if not hasattr(loaded, "max_drafts"):
         return "its class does not set max_drafts (drafts per position it takes: an int >= 1, or None for any)"
     drafts = loaded.max_drafts
@@ -360,12 +416,12 @@ class _Stamp:
     """No file was modified within :data:`SETTLE_NS`: a later edit will change its modification time."""
 
 
-def _files_stamp(entries: list[PluginEntry], registry: str) -> _Stamp:
+def _files_stamp(entries: list[PluginEntry], registry: str, contract_module: str) -> _Stamp:
     """The cache key of the descriptions: a plugin installed, removed, upgraded or edited (any file of
     its top-level package, where its class may live in a submodule) gives another key. This module and
-    the verifier contract count too, since they decide what a description holds."""
+    the plugins' contract (``contract_module``) count too, since they decide what a description holds."""
     tops = sorted({entry.value.split(":")[0].split(".")[0] for entry in entries})
-    files = [Path(__file__), Path(__file__).with_name("verifiers.py"), *(f for top in tops for f in _module_files(top))]
+    files = [Path(__file__), Path(__file__).with_name(contract_module), *(f for top in tops for f in _module_files(top))]
     stats = []
     for file in files:
         try:
@@ -392,20 +448,20 @@ def _module_files(top: str) -> list[Path]:
     return [Path(spec.origin)] if spec.has_location and spec.origin else []
 
 
-def _read_descriptions(path: Path) -> dict[str, dict[str, Any]] | None:
+def _read_descriptions(path: Path, types: dict[str, tuple[type, ...]]) -> dict[str, dict[str, Any]] | None:
     """The cached descriptions, or None when the file is missing, unreadable or of another shape."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and all(map(_described, data.values())) else None
+    return data if isinstance(data, dict) and all(_described(info, types) for info in data.values()) else None
 
 
-def _described(info: Any) -> bool:
+def _described(info: Any, types: dict[str, tuple[type, ...]]) -> bool:
     if isinstance(info, dict) and set(info) == {"error"}:
         return isinstance(info["error"], str)
-    return (isinstance(info, dict) and set(info) == set(DESCRIPTION_TYPES)
-            and all(isinstance(info[key], types) for key, types in DESCRIPTION_TYPES.items()))  # fmt: skip
+    return (isinstance(info, dict) and set(info) == set(types)
+            and all(isinstance(info[key], kinds) for key, kinds in types.items()))  # fmt: skip
 
 
 def _plain(value: Any) -> bool:

@@ -259,7 +259,7 @@ def test_block_keeps_the_target_law_through_the_cli(tiny_models, write_recipe, r
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
     prompt_ids = decoder.encode_prompt("a b c d")
     laws = {role: exact_sequence_law(model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
-            for role, model in (("target", decoder.target.model), ("draft", decoder.draft_groups[0].session.model))}  # fmt: skip
+            for role, model in (("target", decoder.target.model), ("draft", decoder.drafters[0].session.model))}  # fmt: skip
     assert chi_square_p_value(counts, laws["target"]) > 1e-3
     assert chi_square_p_value(counts, laws["draft"]) < 1e-6  # the check has power
 

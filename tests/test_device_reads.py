@@ -81,7 +81,7 @@ def test_the_counter_sees_a_read(conversions):
 @pytest.mark.parametrize("broken", ["target", "draft"])
 def test_non_finite_logits_are_caught_in_the_block_read(tiny_models, broken, temperature):
     decoder = _decoder(tiny_models, "llama", "speculative", 1, temperature=temperature)
-    model = decoder.target.model if broken == "target" else decoder.draft_groups[0].session.model
+    model = decoder.target.model if broken == "target" else decoder.drafters[0].session.model
     with torch.no_grad():
         model.lm_head.weight[:, 0] = float("nan")
     with pytest.raises(NonFiniteLogitsError, match=f"the {broken}.* produced NaN or infinite logits"):

@@ -48,7 +48,7 @@ def test_first_tokens_follow_the_target_law(tiny_models, family, draft_length):
     assert chi_square_p_value(counts, law) > 1e-3
     # The test has power: the draft's own law is clearly rejected by the same check.
     draft_law = exact_sequence_law(
-        decoder.draft_groups[0].session.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID}
+        decoder.drafters[0].session.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID}
     )
     assert chi_square_p_value(counts, draft_law) < 1e-6
 
@@ -151,7 +151,7 @@ def test_early_exit_draft_shares_the_target_weights(tiny_models):
     recipe = tiny_recipe(tiny_models, "llama")
     recipe["draft"] = {"early_exit": 1}
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
-    draft = decoder.draft_groups[0].session.model
+    draft = decoder.drafters[0].session.model
     target = decoder.target.model
     assert draft.config.num_hidden_layers == 1
     assert draft.model.layers[0].self_attn.q_proj.weight is target.model.layers[0].self_attn.q_proj.weight
@@ -171,7 +171,7 @@ def test_early_exit_on_an_encoder_decoder_cuts_the_decoder(tiny_models):
     recipe = tiny_recipe(tiny_models, "t5")
     recipe["draft"] = {"early_exit": 1}
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
-    draft, target = decoder.draft_groups[0].session.model, decoder.target.model
+    draft, target = decoder.drafters[0].session.model, decoder.target.model
     assert len(draft.decoder.block) == 1 < len(target.decoder.block)
     assert len(draft.encoder.block) == len(target.encoder.block)
     assert draft.decoder.block[0].layer[0].SelfAttention.q.weight is target.decoder.block[0].layer[0].SelfAttention.q.weight
@@ -230,9 +230,9 @@ def test_engine_acceptance_matches_the_verifiers_closed_form(tiny_models, name, 
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         target = decoder.target.model(ids).logits[0, -1, : decoder.vocab_size]
-        draft = decoder.draft_groups[0].session.model(ids).logits[0, -1, : decoder.vocab_size]
+        draft = decoder.drafters[0].session.model(ids).logits[0, -1, : decoder.vocab_size]
     q = probs_from_logits(target, decoder.target_params).double()
-    p = torch.stack([probs_from_logits(draft, params) for params in decoder.draft_groups[0].row_params]).double()
+    p = torch.stack([probs_from_logits(draft, params) for params in decoder.drafters[0].row_params]).double()
     expected = float(decoder.verifier.acceptance_probability(q, p))
     samples = 3000
     accepted = sum(decoder.generate_ids(prompt_ids, seed)[2].accepted_per_position[:1] == [1] for seed in range(samples))

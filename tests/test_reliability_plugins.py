@@ -52,8 +52,9 @@ def rogue_deciding(decide: Decide) -> type[Rogue]:
     return type("Rogue", (Rogue,), {"decide": staticmethod(decide), "__module__": __name__})
 
 
-class RegistryWith(VerifierRegistry):
-    """The installed verifiers plus ``extra`` (name → class), through the registry's overridable loading."""
+class WithExtra:
+    """A registry's installed plugins plus ``extra`` (name → class), through the registry's overridable loading
+    (mixed in before a registry class)."""
 
     def __init__(self, extra: dict[str, type]):
         super().__init__()
@@ -64,6 +65,10 @@ class RegistryWith(VerifierRegistry):
 
     def load_class(self, name):
         return self.extra[name] if name in self.extra else super().load_class(name)
+
+
+class RegistryWith(WithExtra, VerifierRegistry):
+    """The installed verifiers plus ``extra``."""
 
 
 def _long(value: int) -> torch.Tensor:

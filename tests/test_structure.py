@@ -40,7 +40,7 @@ def test_a_pool_loads_each_model_once_across_decoders(tiny_models):
     SpeculativeDecoder.from_recipe(built, pool=pool)
     SpeculativeDecoder.from_recipe(built, pool=pool, autoregressive=True)
     assert len(loader.loads) == 2 and len(pool.models()) == 2
-    assert len(first.draft_groups) == 1 and first.num_draft_rows == 2  # one batched forward for both configs
+    assert len(first.drafters) == 1 and first.num_draft_rows == 2  # one batched forward for both configs
 
 
 @pytest.mark.parametrize("changes", [

@@ -57,7 +57,7 @@ class AcceptanceAnalysis:
         """The pair's mean KL(q ‖ p) on the first prompt, when the KL bounds were derived from it."""
         pool = pool if pool is not None else ModelPool()
         self.decoder = SpeculativeDecoder.from_recipe(recipe, autoregressive=True, pool=pool, registry=self.registry)
-        self.drafts = pool.drafts(recipe.drafts, self.decoder.target)
+        self.drafts = pool.drafts(recipe.drafts, self.decoder.target, self.decoder.drafter_registry)
         _check_memory(recipe.generation.max_new_tokens, max(request.num_drafts), self.decoder.vocab_size,
                       self.decoder.device)  # fmt: skip
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from ..acceptance import report
 from ..acceptance.results import PROMPT_RECORDS, AcceptanceReport, AcceptanceRequest, PromptAcceptance
 from ..draft_rows import draft_law, round_robin
+from ..drafter_registry import DrafterRegistry
 from ..errors import SpecdecError, UsageError
 from ..inputs import check_plot_path, subset
 from ..recipe import Recipe
@@ -69,6 +70,7 @@ def acceptance(
         top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat, draft_temperatures=temperatures or None,
     )  # fmt: skip
     resolved = options.resolve()
+    _check_model_drafts(resolved)
     common.check_at_least_one(limit, "--limit")
     counts = tuple(common.parse_list(num_drafts, int, "--num-drafts"))
     bounds = common.parse_list(kl, float, "--kl")
@@ -78,6 +80,17 @@ def acceptance(
     texts = subset(_prompts([*(prompt_args or []), *(prompts or [])], prompt_file, field), limit, shuffle, shuffle_seed)
     check_plot_path(plot)
     _run(resolved, request, texts, left_out, output, as_json, plot)
+
+
+def _check_model_drafts(recipe: Recipe) -> None:
+    """acceptance scores the laws of draft models at positions the target generates: a drafter without a model
+    has no law there to score (a UsageError naming the entry)."""
+    registry = DrafterRegistry()
+    for index, entry in enumerate(recipe.drafts):
+        name, _ = registry.entry_drafter(entry)
+        if not registry.plugin_class(name).uses_model:
+            raise UsageError(f"drafts.{index}: acceptance scores draft models' laws, and drafter '{name}' has no model; "
+                             "measure it end to end with `specdec generate --drafter NAME --verifier speculative,none`")
 
 
 def _run(recipe: Recipe, request: AcceptanceRequest, texts: list[str], left_out: list[str], output: Path | None,

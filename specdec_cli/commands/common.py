@@ -20,6 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from ..drafter_registry import DrafterRegistry
 from ..errors import SpecdecError, UsageError
 from ..inputs import has_suffix, json_object_lines, read_stdin, read_text, text_value
 from ..recipe import AUTOREGRESSIVE, Recipe, apply_overrides, build_recipe, read_recipe_file, set_path
@@ -51,6 +52,11 @@ VerifierOption = Annotated[
     Optional[str],
     typer.Option(metavar="NAME[,NAME…]", help="Verifier, or a comma list to compare on the same prompts: "
                  f"speculative,block,none (none: the target alone). {from_recipe(DEFAULT_RECIPE.verifier.name)}"),
+]
+DrafterOption = Annotated[
+    Optional[str],
+    typer.Option(metavar="NAME", help="Draft with this drafter (see `specdec drafters`): the recipe's entries for it, "
+                 "or one with its defaults (prompt-lookup needs no model). Default: the recipe's drafts."),
 ]
 KlOption = Annotated[
     Optional[float],
@@ -127,6 +133,8 @@ class RecipeOptions:
     recipe: str | None = None
     sets: list[str] = field(default_factory=list)
     verifier: str | None = None
+    drafter: str | None = None
+    """Keep only the recipe's draft entries of this drafter (one with its defaults where there is none)."""
     kl: float | None = None
     num_drafts: int | None = None
     draft_length: int | None = None
@@ -173,6 +181,8 @@ class RecipeOptions:
             if value is not None:
                 set_path(data, path, value)
         recipe = build_recipe(apply_overrides(data, list(self.sets)))
+        if self.drafter is not None:
+            recipe = dataclasses.replace(recipe, drafts=DrafterRegistry().entries_of(recipe.drafts, self.drafter))
         if self.kl is None or recipe.verifier.name.strip().lower() == AUTOREGRESSIVE:
             return recipe
         # --kl sets whichever parameter the verifier declares as its KL bound.

@@ -43,6 +43,7 @@ def generate(
     field: common.FieldOption = None,
     recipe: common.RecipeOption = None,
     verifier: common.VerifierOption = None,
+    drafter: common.DrafterOption = None,
     kl: common.KlOption = None,
     num_drafts: common.NumDraftsOption = None,
     draft_length: common.DraftLengthOption = None,
@@ -78,7 +79,7 @@ def generate(
     comparing = len(names) > 1
     options = common.RecipeOptions(
         recipe=recipe, sets=common.with_compile(sets, compile_steps), verifier=None if comparing else (names or [None])[0],
-        kl=None if comparing else kl, num_drafts=num_drafts, draft_length=draft_length, max_new_tokens=max_new_tokens,
+        drafter=drafter, kl=None if comparing else kl, num_drafts=num_drafts, draft_length=draft_length, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat,
     )  # fmt: skip
     resolved = options.resolve()

@@ -1,0 +1,74 @@
+"""Finding drafter plugins: the entry-point group ``specdec.drafters`` (torch-free, like the verifiers')."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from .errors import UsageError
+from .recipe import DraftConfig
+from .registry import PluginRegistry, class_problem
+
+DRAFTER_GROUP = "specdec.drafters"
+DEFAULT_DRAFTER = "model"
+"""What a draft entry that names no drafter drafts with (a bare ``model:``, as every recipe before drafters)."""
+EARLY_EXIT_DRAFTER = "early-exit"
+"""What a draft entry with ``early_exit: N`` and no drafter drafts with (its ``layers`` parameter is N)."""
+
+DRAFTER_DESCRIPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "deterministic": (bool,), "uses_model": (bool,), "summary": (str,), "parameters": (dict,), "package": (str,),
+    "note": (str, type(None)),
+}  # fmt: skip
+
+
+class DrafterRegistry(PluginRegistry):
+    """Drafters: entry points of the group ``specdec.drafters``."""
+
+    group = DRAFTER_GROUP
+    kind = "drafter"
+    contract_module = "drafting.py"
+    parameters_hint = "fix the draft entry's params in the recipe, or --set drafts.N.params.NAME=VALUE"
+    description_types = DRAFTER_DESCRIPTION_TYPES
+
+    def contract_problem(self, loaded: Any) -> str | None:
+        from .drafting import Drafter  # imports torch, which loading any plugin did already
+
+        return class_problem(loaded, Drafter, ("deterministic", "uses_model"))
+
+    def class_description(self, cls: type) -> dict[str, Any]:
+        summary = (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
+        return {"deterministic": cls.deterministic, "uses_model": cls.uses_model, "summary": summary}
+
+    def entry_drafter(self, entry: DraftConfig) -> tuple[str, dict[str, Any]]:
+        """(drafter name, parameters) of a draft entry: a bare ``model:`` is the model drafter, a bare
+        ``early_exit: N`` the early-exit drafter with ``layers: N`` (the recipes from before drafters)."""
+        if entry.drafter is not None:
+            return self.canonical(entry.drafter), dict(entry.params)
+        if entry.early_exit is not None:
+            return EARLY_EXIT_DRAFTER, {"layers": entry.early_exit, **entry.params}
+        return DEFAULT_DRAFTER, dict(entry.params)
+
+    def entry_deterministic(self, entry: DraftConfig) -> bool:
+        """Whether the entry's drafter is deterministic (fills one row)."""
+        return self.plugin_class(self.entry_drafter(entry)[0]).deterministic
+
+    def check_entries(self, entries: tuple[DraftConfig, ...]) -> None:
+        """Each entry's drafter is installed, takes its parameters and its model fields: a UsageError naming the
+        entry otherwise (before any model loads)."""
+        for index, entry in enumerate(entries):
+            name, params = self.entry_drafter(entry)
+            problem = self.create(name, params).entry_problem(entry)
+            if problem is not None:
+                raise UsageError(f"drafts.{index}: {problem}")
+
+    def entries_of(self, entries: tuple[DraftConfig, ...], name: str) -> tuple[DraftConfig, ...]:
+        """``entries`` narrowed to drafter ``name`` (``--drafter``): its entries, or one entry of it with its defaults
+        where there is none, unless it drafts with a model, which an entry must name (a UsageError then)."""
+        key = self.canonical(name)
+        kept = tuple(entry for entry in entries if self.entry_drafter(entry)[0] == key)
+        if kept:
+            return kept
+        if self.plugin_class(key).uses_model:
+            raise UsageError(f"--drafter {key} drafts with a model that the recipe does not name; add a draft entry "
+                             f"for it (drafts: [{{drafter: {key}, ...}}]), or choose another drafter")  # fmt: skip
+        return (DraftConfig(drafter=key),)

@@ -1,0 +1,31 @@
+"""The early-exit drafter: the target's own first N layers (its final norm and head kept) draft.
+
+Self-speculative decoding without a second checkpoint (Zhang et al., "Draft & Verify", ACL 2024,
+draft by skipping layers; here the skipped layers are the last ones, as in LayerSkip, Elhoushi et al.,
+ACL 2024, without its training). A draft entry ``early_exit: N`` is ``{drafter: early-exit, params:
+{layers: N}}``; the layers' weights are the target's, shared, not copied.
+"""
+
+from __future__ import annotations
+
+from .model_drafter import ModelDrafter
+
+
+class EarlyExitDrafter(ModelDrafter):
+    """The target's first N layers (the entry's ``early_exit: N``) sample each row's tokens."""
+
+    name = "early-exit"
+
+    def __init__(self, *, layers: int):
+        """``layers``: how many of the target's first decoder layers draft (``early_exit: N`` in a draft entry)."""
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"early-exit: layers must be a whole number >= 1 (target layers), got {layers!r}")
+        self.layers = layers
+
+    def entry_problem(self, entry):
+        if entry.model is not None:
+            return "the early-exit drafter drafts with the target's own layers; remove 'model' from the entry"
+        return None
+
+    def load_model(self, pool, entry, target):
+        return pool.early_exit(target, self.layers)

@@ -1,0 +1,90 @@
+"""The model drafter: a second language model samples each row's tokens, one batched forward per position.
+
+Leviathan et al., "Fast Inference from Transformers via Speculative Decoding" (ICML 2023), §2.3: the
+draft samples L tokens autoregressively from its own law p, which it reports beside them. Several draft
+entries with one model share one drafter (:meth:`ModelDrafter.joined`): their rows go through one
+forward per position, each entry's rows sampled under its own settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from specdec_cli.drafting import DraftRequest, Drafter, DraftSetup, Proposal
+from specdec_cli.model_session import ModelSession
+from specdec_cli.sampling import SamplingParams, sample_with
+
+
+class ModelDrafter(Drafter):
+    """A draft model (the entry's ``model:``) samples each row's tokens from its own law."""
+
+    name = "model"
+    uses_model = True
+
+    def entry_problem(self, entry):
+        if entry.model is None:
+            return "the model drafter needs 'model' (hub id, local directory or .gguf file), or 'early_exit: N'"
+        return None
+
+    def load_model(self, pool, entry, target):
+        return pool.draft(entry, target)
+
+    def setup(self, setup: DraftSetup) -> None:
+        super().setup(setup)
+        self.session = ModelSession(setup.model, setup.vocab_size, setup.kv_cache)
+        self.row_params: list[SamplingParams] = [setup.sampling] * setup.rows  # [rows]: each row's settings
+
+    @property
+    def rows(self) -> int:
+        return len(self.row_params)
+
+    @property
+    def label(self) -> str:
+        return self.config.model.name
+
+    def row_laws(self) -> list[Hashable]:
+        return [(id(self.config.model.model), params) for params in self.row_params]
+
+    @classmethod
+    def joined(cls, drafters: Sequence[Drafter]) -> list[Drafter]:
+        """One drafter per model: entries that share a model share its session and its forwards."""
+        by_model: dict[int, ModelDrafter] = {}
+        for drafter in drafters:
+            first = by_model.setdefault(id(drafter.config.model.model), drafter)
+            if first is not drafter:
+                first.row_params = first.row_params + drafter.row_params
+        return list(by_model.values())
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.session.start(prompt_ids)
+
+    def keep(self, row: int, length: int) -> None:
+        self.session.keep(row, min(self.session.cached_length, length))
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        rows, length, vocab, device = self.rows, request.max_length, self.config.vocab_size, self.config.device
+        session = self.session
+        session.fan_out(rows)
+        tokens = torch.empty(rows, length, dtype=torch.long, device=device)  # [rows, L]
+        laws = torch.empty(rows, length, vocab, device=device)  # [rows, L, V]
+        finite = torch.ones((), dtype=torch.bool, device=device)  # []
+        step_input = session.pending(request.context)  # [rows, pending]
+        rows_by_params = self._rows_by_params()
+        for t in range(length):
+            logits = session.forward(step_input, 1, request.timer)[:, -1].to(device)  # [rows, V]
+            for params, same in rows_by_params:
+                law, row_finite = request.sampling_law(logits[same], params)  # [rows', V], [rows']
+                laws[same, t] = law
+                finite &= row_finite.all()
+            tokens[:, t] = sample_with(laws[:, t], request.uniforms[t])
+            step_input = tokens[:, t : t + 1].to(session.device)  # [rows, 1]
+        return Proposal(tokens, laws, finite, forwards=length)
+
+    def _rows_by_params(self) -> list[tuple[SamplingParams, list[int]]]:
+        """Rows that share sampling settings, so each settings' law is computed in one call."""
+        grouped: dict[SamplingParams, list[int]] = {}
+        for row, params in enumerate(self.row_params):
+            grouped.setdefault(params, []).append(row)
+        return list(grouped.items())

@@ -1,0 +1,71 @@
+"""The prompt-lookup drafter: the tokens that followed the latest earlier occurrence of the context's last n-gram.
+
+Saxena, "Prompt Lookup Decoding" (2023; transformers' ``prompt_lookup_num_tokens``): on input-grounded
+tasks (summarising, editing, answering over a document) the output copies spans of the prompt, so the
+tokens after an earlier occurrence of the last n tokens are likely next. It needs no model: its draft
+is a function of the context, reported as one-hot laws, so every lossless verifier stays exact. It tries
+n = ``max_ngram`` down to ``min_ngram`` and takes the most recent occurrence of the longest n-gram that
+has one; on a miss it proposes nothing, and the block costs one target forward, as the target alone.
+
+Each n-gram's latest end position is kept in a dictionary, extended by the tokens committed since the
+last block: a proposal costs O(new tokens × n-gram sizes), not a scan of the context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec_cli.drafting import DraftRequest, Drafter, Proposal, empty_proposal, one_hot_laws
+
+
+class PromptLookup(Drafter):
+    """Copies what followed the latest earlier occurrence of the last n-gram of prompt and output (no model)."""
+
+    name = "prompt-lookup"
+    deterministic = True
+
+    def __init__(self, *, min_ngram: int = 1, max_ngram: int = 3, num_tokens: int | None = None):
+        """``min_ngram``..``max_ngram``: the n-gram sizes tried, longest first; ``num_tokens``: tokens proposed at
+        most (None: the block's draft length)."""
+        for parameter, value in (("min_ngram", min_ngram), ("max_ngram", max_ngram), ("num_tokens", num_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"prompt-lookup: {parameter} must be a whole number >= 1, got {value!r}")
+        if min_ngram > max_ngram:
+            raise ValueError(f"prompt-lookup: min_ngram ({min_ngram}) must not exceed max_ngram ({max_ngram})")
+        self.sizes = range(max_ngram, min_ngram - 1, -1)  # longest first
+        self.num_tokens = num_tokens
+        self._prompt: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram → end position of its latest occurrence
+        self._indexed = 0  # n-grams ending before this position of the haystack are in the index
+
+    def start(self, prompt_ids: list[int]) -> None:
+        # An encoder-decoder's context holds only the decoder's ids: the prompt is searched too.
+        self._prompt = list(prompt_ids) if self.config.target.is_encoder_decoder else []
+        self._index, self._indexed = {}, 0
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        haystack = self._prompt + request.context
+        limit = min(request.max_length, self.num_tokens or request.max_length)
+        end = self._latest_match(haystack)
+        found = haystack[end + 1 : end + 1 + limit] if end is not None else []
+        if not found:
+            return empty_proposal(1, self.config.vocab_size, self.config.device)
+        tokens = torch.tensor([found], dtype=torch.long, device=self.config.device)  # [1, n]
+        return Proposal(tokens, one_hot_laws(tokens, self.config.vocab_size),
+                        torch.ones((), dtype=torch.bool, device=self.config.device))  # fmt: skip
+
+    def _latest_match(self, haystack: list[int]) -> int | None:
+        """The end position of the latest occurrence, before the last position, of the haystack's final n-gram
+        (the longest n that has one), or None."""
+        last = len(haystack) - 1
+        for end in range(self._indexed, last):  # every n-gram that ends before the last position
+            for size in self.sizes:
+                if end + 1 >= size:
+                    self._index[tuple(haystack[end + 1 - size : end + 1])] = end
+        self._indexed = max(self._indexed, last)
+        for size in self.sizes:
+            if last + 1 >= size:
+                end = self._index.get(tuple(haystack[last + 1 - size :]))
+                if end is not None:
+                    return end
+        return None

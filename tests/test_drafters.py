@@ -1,0 +1,287 @@
+"""Drafters as plugins (issue 21): prompt lookup's matching, its exactness through the lossless verifiers end to
+end (with a negative control), model and prompt-lookup rows in one block, variable draft length, a misbehaving
+drafter plugin, and the recipe entries and flags that choose drafters."""
+
+from __future__ import annotations
+
+import json
+import random
+import types
+from collections import Counter
+
+import pytest
+import torch
+
+from specdec_cli import SpeculativeDecoder
+from specdec_cli.drafter_registry import DrafterRegistry
+from specdec_cli.drafting import DraftRequest, DraftSetup, Proposal, block_length
+from specdec_cli.errors import SpecdecError, UsageError
+from specdec_cli.recipe import build_recipe
+from specdec_cli.sampling import SamplingParams, sampling_law
+from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
+from specdec_plugins.prompt_lookup import PromptLookup
+from tests.conftest import tiny_recipe
+from tests.test_cli import _one_error_line, run  # noqa: F401
+from tests.test_reliability_plugins import WithExtra
+
+PROMPT = "a b c d a b c"  # repeats, so that prompt lookup finds matches from the first block
+LOOKUP = {"drafter": "prompt-lookup"}
+
+
+class RegistryWith(WithExtra, DrafterRegistry):
+    """The installed drafters plus ``extra`` (name → class)."""
+
+
+def _decoder(models, drafts: list[dict] | None = None, family: str = "llama", drafters=None, **sections):
+    recipe = tiny_recipe(models, family, **sections)
+    if drafts is not None:
+        recipe.pop("draft")
+        recipe["drafts"] = [{**draft, "model": str(models[f"{family}-draft"])} if draft.get("model") == "draft" else draft
+                            for draft in drafts]  # fmt: skip
+    return SpeculativeDecoder.from_recipe(build_recipe(recipe), drafters=drafters)
+
+
+# --------------------------------------------------------------------------- prompt lookup's matching
+
+
+def _lookup(**params) -> PromptLookup:
+    drafter = PromptLookup(**params)
+    target = types.SimpleNamespace(is_encoder_decoder=False)
+    drafter.setup(DraftSetup(None, target, SamplingParams(), 1, 10, torch.device("cpu")))
+    drafter.start([])
+    return drafter
+
+
+def _proposed(drafter: PromptLookup, context: list[int], max_length: int = 3) -> list[int]:
+    request = DraftRequest(context, max_length, torch.rand(max_length, 1, dtype=torch.float64), sampling_law)
+    proposal = drafter.propose(request)
+    assert proposal.laws.shape == (1, proposal.length, 10)
+    assert torch.equal(proposal.laws.argmax(-1), proposal.tokens) and torch.all(proposal.laws.sum(-1) == 1)
+    return proposal.tokens[0].tolist()
+
+
+@pytest.mark.parametrize("context, expected", [
+    ([5, 6, 7, 8, 5, 6], [7, 8, 5]),  # the 2-gram (5, 6) occurred before; no 3-gram did
+    ([1, 2, 3, 1, 2, 4, 1, 2], [4, 1, 2]),  # the latest occurrence, not the first
+    ([1, 2, 3, 9, 2, 3], [9, 2, 3]),  # the longest n-gram first: (2, 3) before (3)
+    ([1, 2, 3], []),  # a miss proposes nothing
+    ([4], []),
+    ([7, 7], [7]),  # only what the context holds after the match
+])  # fmt: skip
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence(context, expected):
+    assert _proposed(_lookup(), context) == expected
+
+
+def _reference(context: list[int], sizes: range, limit: int) -> list[int]:
+    """The latest earlier occurrence of the longest final n-gram, by scanning the whole context."""
+    last = len(context) - 1
+    for size in sizes:
+        suffix = context[last + 1 - size :] if last + 1 >= size else None
+        for end in range(last - 1, size - 2, -1):
+            if suffix is not None and context[end + 1 - size : end + 1] == suffix:
+                return context[end + 1 : end + 1 + limit]
+    return []
+
+
+@pytest.mark.parametrize("min_ngram, max_ngram, num_tokens", [(1, 3, None), (2, 4, 2), (1, 1, 5)])
+def test_prompt_lookups_index_agrees_with_a_scan_of_the_whole_context(min_ngram, max_ngram, num_tokens):
+    generator = random.Random(0)
+    for _ in range(20):
+        drafter = _lookup(min_ngram=min_ngram, max_ngram=max_ngram, num_tokens=num_tokens)
+        context = [generator.randrange(4) for _ in range(3)]
+        for _ in range(30):  # the context grows block by block, as the engine commits
+            limit = min(5, num_tokens or 5)
+            assert _proposed(drafter, context, 5) == _reference(context, range(max_ngram, min_ngram - 1, -1), limit)
+            context += [generator.randrange(4) for _ in range(generator.randrange(1, 4))]
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"min_ngram": 0}, "min_ngram must be a whole number >= 1"),
+    ({"max_ngram": 2.5}, "max_ngram must be a whole number >= 1"),
+    ({"num_tokens": True}, "num_tokens must be a whole number >= 1"),
+    ({"min_ngram": 3, "max_ngram": 2}, "min_ngram (3) must not exceed max_ngram (2)"),
+])  # fmt: skip
+def test_prompt_lookup_refuses_bad_parameters(params, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        PromptLookup(**params)
+
+
+def test_the_block_verifies_the_shortest_proposal_of_the_drafters_without_a_model():
+    assert block_length([3, 0, 2], 4) == 2
+    assert block_length([0, 0], 4) == 4  # every lookup missed: the model drafters draft L
+    assert block_length([], 4) == 4
+
+
+# --------------------------------------------------------------------------- exactness end to end
+
+
+class LyingLookup(PromptLookup):
+    """Negative control: prompt lookup's tokens, reported as drawn from the uniform law (they were not)."""
+
+    name = "lying-lookup"
+
+    def propose(self, request):
+        proposal = super().propose(request)
+        return Proposal(proposal.tokens, torch.full_like(proposal.laws, 1 / self.config.vocab_size), proposal.finite)
+
+
+def _first_tokens(decoder: SpeculativeDecoder, depth: int, samples: int) -> tuple[Counter, float, dict]:
+    prompt_ids = decoder.encode_prompt(PROMPT)
+    counts: Counter = Counter()
+    accepted = drafted = 0
+    for seed in range(samples):
+        tokens, _, stats = decoder.generate_ids(prompt_ids, seed)
+        counts[tuple(tokens)] += 1
+        accepted, drafted = accepted + stats.accepted_tokens, drafted + stats.drafted_tokens
+        assert stats.draft_forwards <= stats.drafted_tokens  # prompt lookup runs no forward
+    law = exact_sequence_law(decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
+    return counts, accepted / max(drafted, 1), law
+
+
+@pytest.mark.parametrize("verifier, num_drafts", [("speculative", 1), ("spectr", 2)])
+def test_prompt_lookup_keeps_the_target_law(tiny_models, verifier, num_drafts):
+    depth = 3
+    decoder = _decoder(tiny_models, [LOOKUP], verifier={"name": verifier}, speculation={"num_drafts": num_drafts},
+                       generation={"max_new_tokens": depth})  # fmt: skip
+    assert decoder.num_draft_rows == 1  # a deterministic drafter fills one row, whatever K
+    counts, acceptance, law = _first_tokens(decoder, depth, 1000)
+    assert 0.05 < acceptance < 0.95, "lookups must be accepted sometimes and rejected sometimes"
+    assert chi_square_p_value(counts, law) > 1e-3
+
+
+def test_a_drafter_that_misreports_its_law_is_caught(tiny_models):
+    depth = 3
+    registry = RegistryWith({"lying-lookup": LyingLookup})
+    decoder = _decoder(tiny_models, [{"drafter": "lying-lookup"}], drafters=registry,
+                       generation={"max_new_tokens": depth})  # fmt: skip
+    counts, _, law = _first_tokens(decoder, depth, 1000)
+    assert chi_square_p_value(counts, law) < 1e-6
+
+
+@pytest.mark.parametrize("verifier", ["specinfer", "is-truncated"])
+def test_model_and_prompt_lookup_rows_in_one_block_keep_the_target_law(tiny_models, verifier):
+    depth = 3
+    decoder = _decoder(tiny_models, [{"model": "draft", "device": "cpu"}, LOOKUP], verifier={"name": verifier},
+                       generation={"max_new_tokens": depth})  # fmt: skip
+    assert decoder.num_draft_rows == 2
+    counts, acceptance, law = _first_tokens(decoder, depth, 1000)
+    assert 0.05 < acceptance < 0.95
+    assert chi_square_p_value(counts, law) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("prompt", ["a b c d a b c", "e e a", "d c b a e d c b a"])
+def test_greedy_with_prompt_lookup_equals_the_target_alone(tiny_models, family, prompt):
+    decoder = _decoder(tiny_models, [LOOKUP], family, generation={"max_new_tokens": 30, "temperature": 0.0})
+    prompt_ids = decoder.encode_prompt(prompt)
+    tokens, _, stats = decoder.generate_ids(prompt_ids, key=0)
+    alone, _, _ = decoder.with_config(verifier="none").generate_ids(prompt_ids, key=0)
+    assert tokens == alone
+    assert stats.draft_forwards == 0 and stats.accepted_tokens > 0
+
+
+def test_a_missing_lookup_leaves_the_block_to_the_model_rows(tiny_models):
+    """Rows that proposed nothing leave the block; with a model drafter beside them the block goes on with L
+    tokens of its rows, and only as many draft forwards as tokens verified are paid."""
+    decoder = _decoder(tiny_models, [{"model": "draft", "device": "cpu"}, LOOKUP], verifier={"name": "specinfer"},
+                       speculation={"draft_length": 3}, generation={"max_new_tokens": 24})  # fmt: skip
+    prompt_ids = decoder.encode_prompt("a b c d e")  # no token repeats: the first lookup misses
+    _, _, stats = decoder.generate_ids(prompt_ids, key=0)
+    assert stats.drafted_per_position[0] == stats.blocks  # every block verified some tokens
+    assert stats.draft_forwards == stats.drafted_tokens  # one forward per verified draft position, never more
+
+
+# --------------------------------------------------------------------------- a drafter plugin that misbehaves
+
+
+class Broken(PromptLookup):
+    name = "broken"
+    returns: object = None
+
+    def propose(self, request):
+        if isinstance(self.returns, Exception):
+            raise self.returns
+        return self.returns(super().propose(request)) if callable(self.returns) else self.returns
+
+
+@pytest.mark.parametrize("returns, message", [
+    (None, "returned NoneType instead of a Proposal"),
+    (lambda p: Proposal(p.tokens.float(), p.laws, p.finite), "returned tokens of shape"),
+    (lambda p: Proposal(p.tokens, p.laws[..., :3], p.finite), "returned laws of shape"),
+    (lambda p: Proposal(torch.zeros(1, 9, dtype=torch.long), torch.zeros(1, 9, 8), p.finite), "with n <= 3"),
+    (RuntimeError("index out of range\nmore"), "raised RuntimeError: index out of range in propose"),
+])  # fmt: skip
+def test_a_misbehaving_drafter_stops_with_one_line_naming_the_plugin(tiny_models, returns, message):
+    broken = type("Broken", (Broken,), {"returns": staticmethod(returns) if callable(returns) else returns})
+    decoder = _decoder(tiny_models, [{"drafter": "broken"}], drafters=RegistryWith({"broken": broken}),
+                       generation={"max_new_tokens": 8})  # fmt: skip
+    with pytest.raises(SpecdecError, match="drafter 'broken' ") as caught:
+        decoder.generate_ids(decoder.encode_prompt(PROMPT), key=0)
+    assert message in str(caught.value) and "the plugin is at fault" in str(caught.value)
+
+
+# --------------------------------------------------------------------------- recipes and flags
+
+
+def test_drafters_lists_the_built_ins(run):
+    code, out, _ = run(["drafters", "--json"])
+    listed = {row["name"]: row for row in json.loads(out)["drafters"]}
+    assert code == 0 and {"model", "early-exit", "prompt-lookup"} <= set(listed)
+    assert listed["prompt-lookup"]["deterministic"] and not listed["prompt-lookup"]["uses_model"]
+    assert listed["early-exit"]["parameters"] == {"layers": "<required>"}
+
+
+def test_a_bare_model_and_a_bare_early_exit_keep_their_meaning():
+    registry = DrafterRegistry()
+    recipe = build_recipe({"target": {"model": "t"}, "drafts": [{"model": "d"}, {"early_exit": 2}]})
+    assert [registry.entry_drafter(entry) for entry in recipe.drafts] == [("model", {}), ("early-exit", {"layers": 2})]
+
+
+def test_generate_with_drafter_prompt_lookup(run, tiny_models, write_recipe):
+    recipe = write_recipe(tiny_recipe(tiny_models))
+    code, out, err = run(["generate", "-r", str(recipe), "--drafter", "prompt-lookup", "--json", PROMPT])
+    assert code == 0, err
+    sample = json.loads(out)["samples"][0]
+    assert sample["stats"]["draft_forwards"] == 0 and json.loads(out)["recipe"]["drafts"][0]["drafter"] == "prompt-lookup"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"drafts": [{"drafter": "prompt-lookup", "params": {"max_ngram": 0}}]},
+     "drafter 'prompt-lookup': max_ngram must be a whole number >= 1"),
+    ({"drafts": [{"drafter": "prompt-lookup", "model": "x"}]}, "drafts.0: drafter 'prompt-lookup' takes no model"),
+    ({"drafts": [{"drafter": "nope"}]}, "unknown drafter 'nope'; installed drafters: early-exit, model, prompt-lookup"),
+    ({"drafts": [{"drafter": "model"}]}, "drafts.0: the model drafter needs 'model'"),
+    ({"drafts": [{"drafter": "early-exit", "params": {"layers": 0}}]}, "layers must be a whole number >= 1"),
+    ({"drafts": [{"model": "D"}, {"drafter": "prompt-lookup"}], "verifier": {"name": "spectr"}},
+     "identical"),
+])  # fmt: skip
+def test_a_bad_draft_entry_is_one_line_before_any_model_loads(run, tiny_models, write_recipe, change, message):
+    recipe = tiny_recipe(tiny_models)
+    recipe.pop("draft")
+    recipe.update(change)
+    for draft in recipe["drafts"]:
+        if draft.get("model") == "D":
+            draft["model"] = str(tiny_models["llama-draft"])
+    code, _, err = run(["generate", "-r", str(write_recipe(recipe)), PROMPT])
+    assert code == 2
+    _one_error_line(err, message)
+
+
+def test_drafter_flag_needs_an_entry_for_a_drafter_with_a_model(run, tiny_models, write_recipe):
+    recipe = write_recipe(tiny_recipe(tiny_models))
+    code, _, err = run(["generate", "-r", str(recipe), "--drafter", "early-exit", PROMPT])
+    assert code == 2
+    _one_error_line(err, "--drafter early-exit drafts with a model that the recipe does not name")
+
+
+def test_acceptance_refuses_a_drafter_without_a_model(run, tiny_models, write_recipe):
+    recipe = tiny_recipe(tiny_models)
+    recipe["draft"] = LOOKUP
+    code, _, err = run(["acceptance", "-r", str(write_recipe(recipe)), PROMPT])
+    assert code == 2
+    _one_error_line(err, "drafts.0: acceptance scores draft models' laws, and drafter 'prompt-lookup' has no model")
+
+
+def test_a_model_drafter_error_is_a_usage_error():
+    with pytest.raises(UsageError, match="drafts.0: the model drafter needs 'model'"):
+        DrafterRegistry().check_entries(build_recipe({"target": {"model": "t"}, "drafts": [{"drafter": "model"}]}).drafts)
