@@ -1,7 +1,8 @@
 """Smoke checks of an installed wheel (run by .ci/wheel-smoke inside a fresh virtual environment).
 
-Every command's --help, `specdec verifiers` listing the seven built-ins with no load failure, and a
-tiny `generate` on a model built from a config: each must work from the wheel alone.
+Every command's --help, `specdec verifiers` and `specdec drafters` listing their built-ins with no load
+failure, and a tiny `generate` on a model built from a config (with the model drafter and with prompt
+lookup): each must work from the wheel alone.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-BUILT_INS = {"speculative", "mentored", "specinfer", "spectr", "is-lp", "is-truncated", "block"}
-COMMANDS = ["generate", "acceptance", "bench", "verifiers"]
+BUILT_INS = {"verifiers": {"speculative", "mentored", "specinfer", "spectr", "is-lp", "is-truncated", "block"},
+             "drafters": {"model", "early-exit", "prompt-lookup"}}
+COMMANDS = ["generate", "acceptance", "bench", "verifiers", "drafters"]
 
 
 def specdec(*args: str) -> str:
@@ -34,10 +36,11 @@ def main() -> None:
     specdec("--help")
     for command in COMMANDS:
         specdec(command, "--help")
-    listed = json.loads(specdec("verifiers", "--json"))
-    names = {row["name"] for row in listed["verifiers"]}
-    if listed["failed"] or not BUILT_INS <= names:
-        sys.exit(f"FAILED: verifiers: missing {sorted(BUILT_INS - names)}, failed {listed['failed']}")
+    for kind, built_ins in BUILT_INS.items():
+        listed = json.loads(specdec(kind, "--json"))
+        names = {row["name"] for row in listed[kind]}
+        if listed["failed"] or not built_ins <= names:
+            sys.exit(f"FAILED: {kind}: missing {sorted(built_ins - names)}, failed {listed['failed']}")
     with tempfile.TemporaryDirectory() as folder:
         tiny_generate(Path(folder))
 
@@ -60,6 +63,7 @@ def tiny_generate(folder: Path) -> None:
     if not sample["token_ids"]:
         sys.exit("FAILED: the tiny generate produced no tokens")
     specdec("generate", "-r", str(recipe), "--max-new-tokens", "8", "--verifier", "speculative,block,none", "hello")
+    specdec("generate", "-r", str(recipe), "--max-new-tokens", "8", "--drafter", "prompt-lookup", "hello hello")
 
 
 if __name__ == "__main__":

@@ -179,5 +179,7 @@ def _key(decoder: SpeculativeDecoder, machine: str) -> str:
     config = decoder.config
     models = [decoder.target.name, *(model.name for model in _draft_models(decoder))]
     dtypes = [str(decoder.target.model.dtype), *(str(model.model.dtype) for model in _draft_models(decoder))]
+    drafters = [(draft.drafter, draft.params) for draft in decoder.drafts]  # prompt lookup changes the acceptance
     parts = [machine, torch.__version__, *models, *dtypes, config.speculation.draft_length, config.speculation.num_drafts]
+    parts += drafters if any(draft.model is None for draft in decoder.drafts) else []  # old keys stay valid
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]

@@ -42,11 +42,14 @@ class DrafterRegistry(PluginRegistry):
     def entry_drafter(self, entry: DraftConfig) -> tuple[str, dict[str, Any]]:
         """(drafter name, parameters) of a draft entry: a bare ``model:`` is the model drafter, a bare
         ``early_exit: N`` the early-exit drafter with ``layers: N`` (the recipes from before drafters)."""
-        if entry.drafter is not None:
-            return self.canonical(entry.drafter), dict(entry.params)
-        if entry.early_exit is not None:
-            return EARLY_EXIT_DRAFTER, {"layers": entry.early_exit, **entry.params}
-        return DEFAULT_DRAFTER, dict(entry.params)
+        name = self.canonical(entry.drafter) if entry.drafter is not None else (
+            EARLY_EXIT_DRAFTER if entry.early_exit is not None else DEFAULT_DRAFTER)  # fmt: skip
+        if name != EARLY_EXIT_DRAFTER or entry.early_exit is None:
+            return name, dict(entry.params)
+        layers = entry.params.get("layers", entry.early_exit)
+        if layers != entry.early_exit:
+            raise UsageError(f"a draft entry sets early_exit: {entry.early_exit} and params.layers: {layers}; keep one")
+        return name, {**entry.params, "layers": entry.early_exit}
 
     def entry_deterministic(self, entry: DraftConfig) -> bool:
         """Whether the entry's drafter is deterministic (fills one row)."""

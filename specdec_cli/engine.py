@@ -110,13 +110,17 @@ class SpeculativeDecoder:
         """Each draft entry's drafter, set up; entries whose drafters can share work are joined (drafts of one
         model share its session and one batched forward per position)."""
         by_class: dict[type, list[Drafter]] = {}
-        for draft in self.drafts:
+        order: dict[int, int] = {}  # id of a drafter → its entry's place in the recipe
+        for index, draft in enumerate(self.drafts):
             drafter = self.drafter_registry.create(draft.drafter, draft.params)
+            order[id(drafter)] = index
             rows = rows_per_config(type(drafter).deterministic, self.config.speculation.num_drafts)
             drafter.setup(DraftSetup(draft.model, self.target, draft.sampling(self.config), rows, self.vocab_size,
                                      self.target.device, self.config.speculation.kv_cache))  # fmt: skip
             by_class.setdefault(type(drafter), []).append(drafter)
-        return [joined for cls, drafters in by_class.items() for joined in cls.joined(drafters)]
+        joined = [kept for cls, drafters in by_class.items() for kept in cls.joined(drafters)]
+        # Each joined drafter keeps the place of its first entry: rows, and their keyed lanes, stay in recipe order.
+        return sorted(joined, key=lambda drafter: order[id(drafter)])
 
     def with_config(self, **changes: Any) -> "SpeculativeDecoder":
         """The same models under a changed config: ``with_config(verifier="block", draft_length=8)``."""

@@ -102,7 +102,14 @@ class Recipe:
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The recipe as plain data; a draft entry leaves out a drafter and parameters it does not set, so a
+        recipe written before drafters reads as it did (results folders compare these to resume)."""
+        data = dataclasses.asdict(self)
+        for draft in data["drafts"]:
+            for key, unset in (("drafter", None), ("params", {})):
+                if draft[key] == unset:
+                    del draft[key]
+        return data
 
     def decoding_config(self) -> "DecodingConfig":
         """The recipe's settings apart from its models."""

@@ -285,3 +285,42 @@ def test_acceptance_refuses_a_drafter_without_a_model(run, tiny_models, write_re
 def test_a_model_drafter_error_is_a_usage_error():
     with pytest.raises(UsageError, match="drafts.0: the model drafter needs 'model'"):
         DrafterRegistry().check_entries(build_recipe({"target": {"model": "t"}, "drafts": [{"drafter": "model"}]}).drafts)
+
+
+def test_a_recipe_without_drafters_writes_what_it_wrote_before():
+    """Results folders compare the written recipe to resume: an entry that names no drafter writes no drafter keys."""
+    written = build_recipe({"target": {"model": "t"}, "drafts": [{"model": "d"}, LOOKUP]}).to_dict()
+    assert "drafter" not in written["drafts"][0] and "params" not in written["drafts"][0]
+    assert written["drafts"][1]["drafter"] == "prompt-lookup"
+
+
+def test_drafters_keep_the_recipes_order_when_entries_share_a_model(tiny_models):
+    draft = {"model": "draft", "device": "cpu"}
+    decoder = _decoder(tiny_models, [draft, {"early_exit": 1}, {**draft, "temperature": 0.5}],
+                       verifier={"name": "specinfer"})  # fmt: skip
+    assert [drafter.name for drafter in decoder.drafters] == ["model", "early-exit"]
+    assert decoder.drafters[0].rows == 2  # the two entries of one model share its session
+
+
+@pytest.mark.parametrize("entry, expected", [
+    ({"drafter": "early-exit", "early_exit": 1}, ("early-exit", {"layers": 1})),
+    ({"drafter": "early-exit", "params": {"layers": 2}}, ("early-exit", {"layers": 2})),
+])  # fmt: skip
+def test_early_exit_takes_its_layers_from_either_key(entry, expected):
+    recipe = build_recipe({"target": {"model": "t"}, "drafts": [entry]})
+    assert DrafterRegistry().entry_drafter(recipe.drafts[0]) == expected
+
+
+def test_early_exit_refuses_two_different_layer_counts():
+    recipe = build_recipe({"target": {"model": "t"}, "drafts": [{"drafter": "early-exit", "early_exit": 1,
+                                                                  "params": {"layers": 2}}]})  # fmt: skip
+    with pytest.raises(UsageError, match="sets early_exit: 1 and params.layers: 2; keep one"):
+        DrafterRegistry().entry_drafter(recipe.drafts[0])
+
+
+def test_acceptance_names_a_draft_entry_without_its_model(run, tiny_models, write_recipe):
+    recipe = tiny_recipe(tiny_models)
+    recipe["draft"] = {"temperature": 0.5}
+    code, _, err = run(["acceptance", "-r", str(write_recipe(recipe)), PROMPT])
+    assert code == 2
+    _one_error_line(err, "drafts.0: the model drafter needs 'model'")

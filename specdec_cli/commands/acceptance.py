@@ -86,6 +86,7 @@ def _check_model_drafts(recipe: Recipe) -> None:
     """acceptance scores the laws of draft models at positions the target generates: a drafter without a model
     has no law there to score (a UsageError naming the entry)."""
     registry = DrafterRegistry()
+    registry.check_entries(recipe.drafts)  # an entry without the model its drafter needs is one line, as in generate
     for index, entry in enumerate(recipe.drafts):
         name, _ = registry.entry_drafter(entry)
         if not registry.plugin_class(name).uses_model:
