@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..draft_rows import recipe_draft_rows
+from ..drafter_registry import DrafterRegistry
 from ..errors import UsageError
 from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig
 from ..registry import VerifierRegistry
@@ -25,6 +26,9 @@ class GridCell:
     draft_length: int
     temperature: float
     draft_temperatures: tuple[float, ...] | None
+    drafter: str | None = None
+    """Draft with this drafter only (``--drafter``: the recipe's entries of it, or one with its defaults); None:
+    the recipe's drafts."""
 
     @classmethod
     def baseline(cls, temperature: float) -> "GridCell":
@@ -43,7 +47,8 @@ class GridCell:
             return f"baseline T={self.temperature:g}"
         name = self.verifier if self.kl is None else f"{self.verifier} D={self.kl:g}"
         drafts = "" if self.draft_temperatures is None else " dT=" + ",".join(f"{t:g}" for t in self.draft_temperatures)
-        return f"{name} K={self.num_drafts} L={self.draft_length} T={self.temperature:g}{drafts}"
+        drafter = "" if self.drafter is None else f" drafter={self.drafter}"  # keys from before drafters stay
+        return f"{name} K={self.num_drafts} L={self.draft_length} T={self.temperature:g}{drafts}{drafter}"
 
     @property
     def baseline_key(self) -> str:
@@ -59,6 +64,8 @@ class GridCell:
             if not base.drafts:
                 raise UsageError("--draft-temperatures needs a draft in the recipe to copy")
             drafts = tuple(dataclasses.replace(base.drafts[0], temperature=t) for t in self.draft_temperatures)
+        if self.drafter is not None:
+            drafts = DrafterRegistry().entries_of(drafts, self.drafter)
         params = registry.params_for(self.verifier, base.verifier.params)
         if self.kl is not None:
             params = registry.with_kl_bound(self.verifier, params, self.kl)
@@ -79,21 +86,23 @@ class Grid:
     draft_lengths: tuple[int, ...]
     temperatures: tuple[float, ...]
     draft_temperatures: tuple[tuple[float, ...] | None, ...] = (None,)
+    drafters: tuple[str | None, ...] = (None,)
 
     def cells(self, registry: VerifierRegistry, base: Recipe) -> tuple[list[GridCell], list[str]]:
         """Baselines first, then every combination whose verifier takes the cell's draft rows (counted
         from the cell's own recipe over ``base``, as the engine counts them); and why the others were left out."""
         cells = [GridCell.baseline(t) for t in self.temperatures]
         skipped = []
+        drafters = [None if name is None else DrafterRegistry().canonical(name) for name in self.drafters]
         for name in self.verifiers:
             name = registry.canonical(name)
             verifier_class = registry.load_class(name)
             bounds: tuple[float | None, ...] = self.kl if verifier_class.kl_bound_parameter and self.kl else (None,)
-            for kl, k, length, temperature, draft_temps in itertools.product(
-                bounds, self.num_drafts, self.draft_lengths, self.temperatures, self.draft_temperatures
+            for kl, k, length, temperature, draft_temps, drafter in itertools.product(
+                bounds, self.num_drafts, self.draft_lengths, self.temperatures, self.draft_temperatures, drafters
             ):
                 cell = GridCell(verifier=name, kl=kl, num_drafts=k, draft_length=length, temperature=temperature,
-                                draft_temperatures=draft_temps)  # fmt: skip
+                                draft_temperatures=draft_temps, drafter=drafter)  # fmt: skip
                 rows = recipe_draft_rows(cell.recipe(base, registry))
                 reason = registry.refusal(name, rows)
                 if reason is not None:

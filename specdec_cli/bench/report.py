@@ -167,7 +167,7 @@ def csv_text(results: BenchResults) -> str:
     names = [name for name, _, _ in _columns(results) if name != SPREAD]
     spread_fields = ("median", "q1", "q3", "min", "max")
     writer.writerow(["configuration", "verifier", "kl", "num_drafts", "draft_length", "temperature",
-                     "draft_temperatures"] + [f"{n}_{s}" for n in names for s in ("mean", "std")]
+                     "draft_temperatures", "drafter"] + [f"{n}_{s}" for n in names for s in ("mean", "std")]
                     + [f"speedup_per_example_{field}" for field in spread_fields]
                     + ["mixed_conditions", "failed"])  # fmt: skip
     for result in results.cells:
@@ -180,7 +180,7 @@ def csv_text(results: BenchResults) -> str:
         cell = result.cell
         temps = ",".join(map(str, cell.draft_temperatures)) if cell.draft_temperatures else ""
         writer.writerow([cell.key, cell.verifier, cell.kl, cell.num_drafts, cell.draft_length, cell.temperature,
-                         temps] + values + [result.mixed_conditions, result.failure or ""])  # fmt: skip
+                         temps, cell.drafter or ""] + values + [result.mixed_conditions, result.failure or ""])  # fmt: skip
     return buffer.getvalue()
 
 

@@ -54,6 +54,9 @@ def bench(
     recipe: common.RecipeOption = None,
     verifiers: Annotated[Optional[str], typer.Option("--verifier", metavar="NAME[,NAME…]", help=(
         f"Comma list of verifiers (grid). {common.from_recipe(common.DEFAULT_RECIPE.verifier.name)}"))] = None,
+    drafters: Annotated[Optional[str], typer.Option("--drafter", metavar="NAME[,NAME…]", help=(
+        "Comma list of drafters (grid; see `specdec drafters`): each cell drafts with the recipe's entries of it, or "
+        "one with its defaults. [dim]\\[default: the recipe's drafts][/dim]"))] = None,
     kl: Annotated[Optional[str], typer.Option("--kl", metavar="NATS[,NATS…]", help=(
         "Comma list of KL bounds D in nats, for verifiers with one (grid)."))] = None,
     num_drafts: Annotated[Optional[str], typer.Option("--num-drafts", metavar="K[,K…]", help=(
@@ -91,7 +94,7 @@ def bench(
         task=task, lang_pair=lang_pair, source_file=source, reference_file=reference, dataset=dataset,
         source_field=source_field, reference_field=reference_field, limit=limit, shuffle=shuffle, seed=shuffle_seed,
     ))  # fmt: skip
-    grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures)
+    grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures, drafters)
     hint = "name the reference field with --reference-field NAME" if dataset else "give --reference FILE"
     plan = _Plan(base=base, task=get_task(task), lang_pair=lang_pair, template=template, examples=examples, grid=grid,
                  seeds=_values(seeds, int, "--seeds") or [base.seed], reference_hint=hint)  # fmt: skip
@@ -109,7 +112,7 @@ def _report(folder: Path, as_json: bool, plot: Path | None) -> None:
     _plot(results, output)
 
 
-def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures) -> Grid:
+def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures, drafters) -> Grid:
     """The grid from the comma-list flags (``str | None`` each); an absent flag takes the recipe's value."""
     return Grid(
         verifiers=tuple(_values(verifiers, str, "--verifier") or [base.verifier.name]),
@@ -118,6 +121,7 @@ def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, dr
         draft_lengths=tuple(_values(draft_length, int, "--draft-length") or [base.speculation.draft_length]),
         temperatures=tuple(_values(temperature, float, "--temperature") or [base.generation.temperature]),
         draft_temperatures=_draft_temperature_sets(draft_temperatures),
+        drafters=tuple(_values(drafters, str, "--drafter")) or (None,),
     )
 
 
