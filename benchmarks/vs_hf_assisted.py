@@ -71,10 +71,6 @@ def main() -> None:
     prompts = [line.strip() for line in PROMPTS.read_text().splitlines() if line.strip()][: args.prompts]
     encoded = [speculative.encode_prompt(p) for p in prompts]
 
-    def run_specdec(decoder, ids, seed):
-        _, _, stats = decoder.generate_ids(ids, seed)
-        return stats.new_tokens, stats.target_forwards, stats.forward_time_s
-
     def run_hf(assistant, ids, seed):
         torch.manual_seed(seed)
         before = counter.calls
@@ -87,11 +83,25 @@ def main() -> None:
         "specdec target alone": lambda ids, seed: run_specdec(alone, ids, seed),
         "transformers target alone": lambda ids, seed: run_hf(None, ids, seed),
     }
+    totals = run_interleaved(configs, encoded, args.rounds)
+    report(totals, len(prompts), args)
+
+
+def run_specdec(decoder: SpeculativeDecoder, ids: list[int], seed: int) -> tuple[int, int, float]:
+    """One specdec generation as a configuration of :func:`run_interleaved` counts it."""
+    _, _, stats = decoder.generate_ids(ids, seed)
+    return stats.new_tokens, stats.target_forwards, stats.forward_time_s
+
+
+def run_interleaved(configs: dict, encoded: list[list[int]], rounds: int) -> dict:
+    """Every configuration on every prompt, ``rounds`` times, in alternating order prompt by prompt, after one
+    untimed warm-up each → name → totals (tokens, target forwards, seconds, forward seconds, per-prompt rates).
+    A configuration is ``(ids, seed) -> (new tokens, target forwards, forward seconds or None)``."""
     totals = {name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "forward_s": 0.0, "rates": []} for name in configs}
     with torch.inference_mode():
         for run in configs.values():
             run(encoded[0], 12345)  # warm-up, excluded
-        for round_index in range(args.rounds):
+        for round_index in range(rounds):
             for index, ids in enumerate(encoded):
                 names = list(configs) if (round_index + index) % 2 == 0 else list(reversed(configs))
                 for name in names:
@@ -104,7 +114,22 @@ def main() -> None:
                     total["seconds"] += seconds
                     total["forward_s"] += forward_s or 0.0
                     total["rates"].append(tokens / seconds)
-    report(totals, len(prompts), args)
+    return totals
+
+
+def print_table(totals: dict) -> None:
+    """One row per configuration (engine overhead for specdec's)."""
+    print("| configuration | tokens | tokens/s | median tokens/s per prompt | tokens per target forward | engine overhead |")
+    print("|---|---|---|---|---|---|")
+    for name, total in totals.items():
+        overhead = f"{1 - total['forward_s'] / total['seconds']:.3f}" if name.startswith("specdec") else "—"
+        print(f"| {name} | {total['tokens']} | {total['tokens'] / total['seconds']:.2f} | "
+              f"{statistics.median(total['rates']):.2f} | {total['tokens'] / total['forwards']:.2f} | {overhead} |")
+
+
+def rate_ratio(totals: dict, first: str, second: str) -> float:
+    """Tokens/s of configuration ``first`` over ``second``."""
+    return (totals[first]["tokens"] / totals[first]["seconds"]) / (totals[second]["tokens"] / totals[second]["seconds"])
 
 
 def report(totals: dict, num_prompts: int, args: argparse.Namespace) -> None:
@@ -113,18 +138,10 @@ def report(totals: dict, num_prompts: int, args: argparse.Namespace) -> None:
           f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}")
     print(f"{num_prompts} chat prompts from examples/prompts.txt × {args.rounds} rounds, max_new_tokens "
           f"{args.max_new_tokens}, temperature 1, full vocabulary, L = γ = 4; float32 target, bfloat16 draft\n")
-    print("| configuration | tokens | tokens/s | median tokens/s per prompt | tokens per target forward | engine overhead |")
-    print("|---|---|---|---|---|---|")
-    for name, total in totals.items():
-        overhead = f"{1 - total['forward_s'] / total['seconds']:.3f}" if name.startswith("specdec") else "—"
-        print(f"| {name} | {total['tokens']} | {total['tokens'] / total['seconds']:.2f} | "
-              f"{statistics.median(total['rates']):.2f} | {total['tokens'] / total['forwards']:.2f} | {overhead} |")
-    ratio = (totals["specdec speculative"]["tokens"] / totals["specdec speculative"]["seconds"]) / (
-        totals["transformers assisted"]["tokens"] / totals["transformers assisted"]["seconds"]
-    )
+    print_table(totals)
+    ratio = rate_ratio(totals, "specdec speculative", "transformers assisted")
     print(f"\nspecdec speculative ÷ transformers assisted, tokens/s: {ratio:.2f}")
-    raw = {name: {k: v for k, v in total.items()} for name, total in totals.items()}
-    print("\nraw:\n```json\n" + json.dumps(raw, indent=1) + "\n```")
+    print("\nraw:\n```json\n" + json.dumps(totals, indent=1) + "\n```")
 
 
 if __name__ == "__main__":
