@@ -11,7 +11,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .draft_rows import DraftRows
+from .draft_rows import DraftRows, drafter_key
 from .drafter_registry import DEFAULT_DRAFTER
 from .errors import UsageError
 from .models import LoadedModel
@@ -42,9 +42,10 @@ class Draft:
         )
 
     def law(self, config: DecodingConfig) -> Hashable:
-        """The key of this draft's law for :class:`~specdec_cli.draft_rows.DraftRows`: drafts that share a
-        loaded model and sampling settings draw from one law."""
-        return id(self.model.model), self.sampling(config)
+        """The key of this draft's law for :class:`~specdec_cli.draft_rows.DraftRows`: its drafter and parameters,
+        the loaded model (drafts whose entries name one model share one loaded object) and sampling settings."""
+        model = None if self.model is None else id(self.model.model)
+        return drafter_key(self.drafter, self.params), model, self.sampling(config)
 
 
 def target_sampling(config: DecodingConfig) -> SamplingParams:

@@ -12,11 +12,13 @@ Torch-free, so that reading a results folder or listing a grid stays fast.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .drafter_registry import DrafterRegistry
-from .recipe import DraftConfig, GenerationConfig, Recipe
+from .recipe import DraftConfig, GenerationConfig, ModelConfig, Recipe
 
 
 @dataclass(frozen=True)
@@ -34,14 +36,20 @@ class DraftRows:
         return cls(count=len(row_laws), identical_laws=len(set(row_laws)) <= 1)
 
 
-def draft_law(draft: DraftConfig, generation: GenerationConfig) -> Hashable:
-    """What decides the law of a recipe's draft: its drafter, parameters and model (the entry without its
-    sampling settings) and its sampling settings, a left-out one taking the target's (``generation``)."""
-    model = tuple((f.name, repr(getattr(draft, f.name))) for f in dataclasses.fields(draft)
-                  if f.name not in ("temperature", "top_k", "top_p"))  # fmt: skip
+def drafter_key(name: str, params: dict[str, Any]) -> Hashable:
+    """A drafter and its parameters as one key: with the model and the sampling settings, what decides a draft's
+    law (:func:`draft_law` for a recipe's entry, ``Draft.law`` for a loaded one: the same drafter and parameters
+    give equal keys in both)."""
+    return name, json.dumps(params, sort_keys=True, default=repr)
+
+
+def draft_law(draft: DraftConfig, generation: GenerationConfig, drafters: DrafterRegistry | None = None) -> Hashable:
+    """What decides the law of a recipe's draft: its drafter and parameters (``drafters`` resolves them), the
+    model it loads, and its sampling settings, a left-out one taking the target's (``generation``)."""
+    model = tuple((f.name, getattr(draft, f.name)) for f in dataclasses.fields(ModelConfig))
     sampling = tuple(generation_value if own is None else own for own, generation_value in (
         (draft.temperature, generation.temperature), (draft.top_k, generation.top_k), (draft.top_p, generation.top_p)))
-    return model, sampling
+    return drafter_key(*(drafters or DrafterRegistry()).entry_drafter(draft)), model, sampling
 
 
 def rows_per_config(deterministic: bool, num_drafts: int) -> int:
@@ -66,5 +74,5 @@ def recipe_draft_rows(recipe: Recipe, drafters: DrafterRegistry | None = None) -
     """The rows a recipe's blocks verify at most, known before any model loads (a block whose drafter proposes
     nothing verifies fewer)."""
     drafters = drafters or DrafterRegistry()
-    laws = [draft_law(draft, recipe.generation) for draft in recipe.drafts]
+    laws = [draft_law(draft, recipe.generation, drafters) for draft in recipe.drafts]
     return every_config(laws, recipe.speculation.num_drafts, [drafters.entry_deterministic(d) for d in recipe.drafts])

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
-from .errors import UsageError
+from .errors import SpecdecError, UsageError
 from .recipe import DraftConfig
-from .registry import PluginRegistry, class_problem
+from .registry import PluginRegistry, class_problem, error_line
 
 DRAFTER_GROUP = "specdec.drafters"
 DEFAULT_DRAFTER = "model"
@@ -60,7 +61,8 @@ class DrafterRegistry(PluginRegistry):
         entry otherwise (before any model loads)."""
         for index, entry in enumerate(entries):
             name, params = self.entry_drafter(entry)
-            problem = self.create(name, params).entry_problem(entry)
+            drafter = self.create(name, params)
+            problem = self.guarded(name, "entry_problem", drafter.entry_problem, entry)
             if problem is not None:
                 raise UsageError(f"drafts.{index}: {problem}")
 
@@ -75,3 +77,15 @@ class DrafterRegistry(PluginRegistry):
             raise UsageError(f"--drafter {key} drafts with a model that the recipe does not name; add a draft entry "
                              f"for it (drafts: [{{drafter: {key}, ...}}]), or choose another drafter")  # fmt: skip
         return (DraftConfig(drafter=key),)
+
+    def guarded(self, name: str, what: str, method: Callable[..., Any], *args: Any) -> Any:
+        """``method(*args)`` of drafter ``name``: an exception of the plugin's own is its fault, one line naming it
+        (the original chained for ``--debug``); running out of memory is not."""
+        try:
+            return method(*args)
+        except (SpecdecError, MemoryError):
+            raise
+        except Exception as error:
+            if any(words in str(error).lower() for words in ("out of memory", "can't allocate memory")):
+                raise
+            raise self.fault(name, f"raised {error_line(error)} in {what}") from error

@@ -8,8 +8,10 @@ fills). Per sample, :meth:`Drafter.start` gives it the prompt. Per block, :meth:
 asks it for up to L tokens in each of its rows, with the laws they were drawn from
 (:class:`Proposal`), and :meth:`Drafter.keep` tells it how much of each of its rows was committed.
 
-Exactness needs one thing of a drafter: the law it reports at each position is the law its token
-was drawn from, given the committed context and the row's earlier tokens. A deterministic drafter
+Exactness needs two things of a drafter: the law it reports at each position is the law its token
+was drawn from, given the committed context and the row's earlier tokens; and the rows it fills for one
+draft entry are independent samples of one law, which only the entry decides (its drafter, parameters,
+model and sampling settings: two entries equal in these draw from one law, which SpecTr relies on). A deterministic drafter
 (prompt lookup) reports a one-hot law; it then fills one row, since K copies of a function of the
 context would be one row K times. A drafter may propose fewer than L tokens, or none; the block
 then verifies what was proposed (:func:`block_length`).
@@ -18,7 +20,7 @@ then verifies what was proposed (:func:`block_length`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -113,22 +115,17 @@ class Drafter(ABC):
 
     def setup(self, setup: DraftSetup) -> None:
         """Keep what it needs of ``setup``; called once, before the first sample."""
-        self.config = setup
+        self.draft_setup = setup
 
     @property
     def rows(self) -> int:
         """Rows it fills each block."""
-        return self.config.rows
+        return self.draft_setup.rows
 
     @property
     def label(self) -> str:
         """How messages name it ("draft NAME produced non-finite logits")."""
         return self.name
-
-    def row_laws(self) -> list[Hashable]:
-        """A key per row: rows with equal keys draw from one law (which SpecTr requires), in this block and
-        every other. By default every row of this drafter draws from one law of its own."""
-        return [(self.name, id(self))] * self.rows
 
     def start(self, prompt_ids: list[int]) -> None:
         """A new sample begins after ``prompt_ids`` (forget the previous one)."""

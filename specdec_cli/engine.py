@@ -22,7 +22,7 @@ import functools
 import itertools
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -81,8 +81,8 @@ class SpeculativeDecoder:
         self.vocab_size = shared_vocab_size(target, [d.model for d in self.drafts if d.model is not None])
         self.target_params = target_sampling(config)
         self.target_session = ModelSession(target, self.vocab_size, config.speculation.kv_cache)
-        self.drafters = self._drafters() if config.speculative else []
-        rows = DraftRows.of([law for drafter in self.drafters for law in drafter.row_laws()])
+        self.drafters, row_laws = self._drafters() if config.speculative else ([], [])
+        rows = DraftRows.of(row_laws)
         self.verifier = create_verifier(config, rows, self.registry)
         self._verify_block, self._sampling_law = self._compiled() if config.speculation.compile else (
             getattr(self.verifier, "verify_block", None), sampling_law)  # fmt: skip
@@ -106,21 +106,25 @@ class SpeculativeDecoder:
             return self.verifier.verify_block, compiled_law
         return compiled_verify, compiled_law
 
-    def _drafters(self) -> list[Drafter]:
-        """Each draft entry's drafter, set up; entries whose drafters can share work are joined (drafts of one
-        model share its session and one batched forward per position)."""
+    def _drafters(self) -> tuple[list[Drafter], list[Hashable]]:
+        """Each draft entry's drafter, set up, and the law key of every row they fill. Entries whose drafters can
+        share work are joined (drafts of one model share its session and one batched forward per position);
+        each joined drafter keeps its first entry's place, so rows and their keyed lanes stay in recipe order."""
         by_class: dict[type, list[Drafter]] = {}
         order: dict[int, int] = {}  # id of a drafter → its entry's place in the recipe
+        row_laws: list[Hashable] = []
         for index, draft in enumerate(self.drafts):
             drafter = self.drafter_registry.create(draft.drafter, draft.params)
             order[id(drafter)] = index
             rows = rows_per_config(type(drafter).deterministic, self.config.speculation.num_drafts)
-            drafter.setup(DraftSetup(draft.model, self.target, draft.sampling(self.config), rows, self.vocab_size,
-                                     self.target.device, self.config.speculation.kv_cache))  # fmt: skip
+            row_laws += [draft.law(self.config)] * rows
+            self._call_drafter(drafter, "setup", drafter.setup, DraftSetup(
+                draft.model, self.target, draft.sampling(self.config), rows, self.vocab_size, self.target.device,
+                self.config.speculation.kv_cache))  # fmt: skip
             by_class.setdefault(type(drafter), []).append(drafter)
-        joined = [kept for cls, drafters in by_class.items() for kept in cls.joined(drafters)]
-        # Each joined drafter keeps the place of its first entry: rows, and their keyed lanes, stay in recipe order.
-        return sorted(joined, key=lambda drafter: order[id(drafter)])
+        joined = [kept for cls, drafters in by_class.items()
+                  for kept in self._call_drafter(drafters[0], "joined", cls.joined, drafters)]  # fmt: skip
+        return sorted(joined, key=lambda drafter: order[id(drafter)]), row_laws
 
     def with_config(self, **changes: Any) -> "SpeculativeDecoder":
         """The same models under a changed config: ``with_config(verifier="block", draft_length=8)``."""
@@ -266,7 +270,7 @@ class SpeculativeDecoder:
             new_tokens = block.tokens
             accepted = [i < block.num_accepted for i in range(len(new_tokens))]
             # The verifier decided every committed position but a bonus token (which follows all L accepted).
-            stats.record_block(block.drafted, min(len(new_tokens), block.drafted), sum(accepted))
+            stats.record_block(block.draft_length, min(len(new_tokens), block.draft_length), sum(accepted))
             committed += new_tokens
             mask += accepted
             if on_block is not None:
@@ -424,7 +428,8 @@ class SpeculativeDecoder:
         for runs_model in (False, True):
             for index, drafter in enumerate(self.drafters):
                 if drafter.uses_model == runs_model:
-                    request = DraftRequest(committed, length, uniforms[:length, lanes[index]], self._sampling_law, timer)
+                    own_uniforms = uniforms[:length, lanes[index]]  # [n, K_j]: this drafter's rows' lanes
+                    request = DraftRequest(committed, length, own_uniforms, self._sampling_law, timer)
                     proposals[index] = self._propose(drafter, request)
             if not runs_model:
                 length = block_length([p.length for p in proposals if p is not None], draft_length)
@@ -440,16 +445,9 @@ class SpeculativeDecoder:
         return proposal
 
     def _call_drafter(self, drafter: Drafter, what: str, method: Callable[..., Any], *args: Any) -> Any:
-        """``method(*args)`` of ``drafter``: a plugin's exception is its fault, named in one line with the original
-        chained for ``--debug``; running out of memory is not, and reaches :meth:`_memory_guard`."""
-        try:
-            return method(*args)
-        except SpecdecError:
-            raise
-        except Exception as error:
-            if _is_allocation_error(error):
-                raise
-            raise self.drafter_registry.fault(drafter.name, f"raised {error_line(error)} in {what}") from error
+        """``method(*args)`` of ``drafter``: a plugin's exception is its fault, one line (running out of memory is
+        not, and reaches :meth:`_memory_guard`)."""
+        return self.drafter_registry.guarded(drafter.name, what, method, *args)
 
 
 @dataclass
@@ -473,7 +471,8 @@ class _Drafted:
             return cls(empty.tokens, empty.laws, finite, sizes)
         length = min(proposal.length for proposal in present)
         tokens = torch.cat([proposal.tokens[:, :length] for proposal in present])  # [K', n]
-        return cls(tokens, torch.cat([proposal.laws[:, :length] for proposal in present]), finite, sizes)
+        laws = torch.cat([proposal.laws[:, :length] for proposal in present])  # [K', n, vocab]
+        return cls(tokens, laws, finite, sizes)
 
     @property
     def length(self) -> int:
@@ -499,7 +498,7 @@ class _Committed:
     tokens: list[int]
     num_accepted: int
     eos: bool
-    drafted: int
+    draft_length: int
     """Tokens each row proposed in the block (what the verifier decided on)."""
 
 

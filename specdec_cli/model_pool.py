@@ -48,7 +48,8 @@ class ModelPool:
         drafts = []
         for spec in specs:
             name, params = drafters.entry_drafter(spec)
-            model = drafters.create(name, params).load_model(self, spec, target)
+            drafter = drafters.create(name, params)
+            model = drafters.guarded(name, "load_model", drafter.load_model, self, spec, target)
             drafts.append(Draft(model, spec.temperature, spec.top_k, spec.top_p, drafter=name, params=params))
         return drafts
 

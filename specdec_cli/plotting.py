@@ -38,9 +38,14 @@ def describe_run(recipe: dict, what: str, conditions: list[dict]) -> str:
 
 def _model_name(model: dict, target: dict) -> str:
     """A model's short name: the last part of its hub id or path (and GGUF file), or the target's layers it
-    uses; with its dtype unless 'auto' (a draft is often the target's checkpoint in another dtype)."""
-    if model.get("early_exit"):
-        return f"{_model_name(target, target)}'s first {model['early_exit']} layers"
+    uses; with its dtype unless 'auto' (a draft is often the target's checkpoint in another dtype). A draft
+    entry whose drafter takes no model is named by its drafter."""
+    layers = model.get("early_exit") or (model.get("params") or {}).get("layers")
+    if layers and model.get("drafter") in (None, "early-exit"):
+        return f"{_model_name(target, target)}'s first {layers} layers"
+    if model.get("model") is None and model.get("drafter"):  # a drafter without a model: its name and parameters
+        params = ", ".join(f"{key}={value}" for key, value in (model.get("params") or {}).items())
+        return model["drafter"] + (f" ({params})" if params else "")
     name = Path(str(model.get("model"))).name + (f"/{model['gguf_file']}" if model.get("gguf_file") else "")
     return name if model.get("dtype", "auto") == "auto" else f"{name} ({model['dtype']})"
 

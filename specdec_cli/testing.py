@@ -305,3 +305,6 @@ def _complete(
                 extended = sequence + (token,)
                 frontier[extended] = frontier.get(extended, 0.0) + mass * float(law[token])
     return complete
+
+
+from .conformance import ConformanceError, check_drafter  # noqa: E402,F401  (the author's kit: one import)

@@ -8,7 +8,7 @@ forward per position, each entry's rows sampled under its own settings.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -42,17 +42,14 @@ class ModelDrafter(Drafter):
 
     @property
     def label(self) -> str:
-        return self.config.model.name
-
-    def row_laws(self) -> list[Hashable]:
-        return [(id(self.config.model.model), params) for params in self.row_params]
+        return self.draft_setup.model.name
 
     @classmethod
     def joined(cls, drafters: Sequence[Drafter]) -> list[Drafter]:
         """One drafter per model: entries that share a model share its session and its forwards."""
         by_model: dict[int, ModelDrafter] = {}
         for drafter in drafters:
-            first = by_model.setdefault(id(drafter.config.model.model), drafter)
+            first = by_model.setdefault(id(drafter.draft_setup.model.model), drafter)
             if first is not drafter:
                 first.row_params = first.row_params + drafter.row_params
         return list(by_model.values())
@@ -64,7 +61,7 @@ class ModelDrafter(Drafter):
         self.session.keep(row, min(self.session.cached_length, length))
 
     def propose(self, request: DraftRequest) -> Proposal:
-        rows, length, vocab, device = self.rows, request.max_length, self.config.vocab_size, self.config.device
+        rows, length, vocab, device = self.rows, request.max_length, self.draft_setup.vocab_size, self.draft_setup.device
         session = self.session
         session.fan_out(rows)
         tokens = torch.empty(rows, length, dtype=torch.long, device=device)  # [rows, L]

@@ -8,7 +8,7 @@ n = ``max_ngram`` down to ``min_ngram`` and takes the most recent occurrence of 
 has one; on a miss it proposes nothing, and the block costs one target forward, as the target alone.
 
 Each n-gram's latest end position is kept in a dictionary, extended by the tokens committed since the
-last block: a proposal costs O(new tokens × n-gram sizes), not a scan of the context.
+last block: matching costs O(new tokens × n-gram sizes), not a scan of the context.
 """
 
 from __future__ import annotations
@@ -40,19 +40,19 @@ class PromptLookup(Drafter):
 
     def start(self, prompt_ids: list[int]) -> None:
         # An encoder-decoder's context holds only the decoder's ids: the prompt is searched too.
-        self._prompt = list(prompt_ids) if self.config.target.is_encoder_decoder else []
+        self._prompt = list(prompt_ids) if self.draft_setup.target.is_encoder_decoder else []
         self._index, self._indexed = {}, 0
 
     def propose(self, request: DraftRequest) -> Proposal:
-        haystack = self._prompt + request.context
+        haystack = self._prompt + request.context if self._prompt else request.context
         limit = min(request.max_length, self.num_tokens or request.max_length)
         end = self._latest_match(haystack)
         found = haystack[end + 1 : end + 1 + limit] if end is not None else []
         if not found:
-            return empty_proposal(1, self.config.vocab_size, self.config.device)
-        tokens = torch.tensor([found], dtype=torch.long, device=self.config.device)  # [1, n]
-        return Proposal(tokens, one_hot_laws(tokens, self.config.vocab_size),
-                        torch.ones((), dtype=torch.bool, device=self.config.device))  # fmt: skip
+            return empty_proposal(1, self.draft_setup.vocab_size, self.draft_setup.device)
+        tokens = torch.tensor([found], dtype=torch.long, device=self.draft_setup.device)  # [1, n]
+        return Proposal(tokens, one_hot_laws(tokens, self.draft_setup.vocab_size),
+                        torch.ones((), dtype=torch.bool, device=self.draft_setup.device))  # fmt: skip
 
     def _latest_match(self, haystack: list[int]) -> int | None:
         """The end position of the latest occurrence, before the last position, of the haystack's final n-gram

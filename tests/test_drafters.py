@@ -19,6 +19,8 @@ from specdec_cli.errors import SpecdecError, UsageError
 from specdec_cli.recipe import build_recipe
 from specdec_cli.sampling import SamplingParams, sampling_law
 from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
+from specdec_cli.testing import ConformanceError, check_drafter
+from specdec_plugins.model_drafter import ModelDrafter
 from specdec_plugins.prompt_lookup import PromptLookup
 from tests.conftest import tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401
@@ -119,10 +121,11 @@ class LyingLookup(PromptLookup):
     """Negative control: prompt lookup's tokens, reported as drawn from the uniform law (they were not)."""
 
     name = "lying-lookup"
+    deterministic = False  # as a drafter whose laws are not one-hot must say
 
     def propose(self, request):
         proposal = super().propose(request)
-        return Proposal(proposal.tokens, torch.full_like(proposal.laws, 1 / self.config.vocab_size), proposal.finite)
+        return Proposal(proposal.tokens, torch.full_like(proposal.laws, 1 / self.draft_setup.vocab_size), proposal.finite)
 
 
 def _first_tokens(decoder: SpeculativeDecoder, depth: int, samples: int) -> tuple[Counter, float, dict]:
@@ -138,10 +141,9 @@ def _first_tokens(decoder: SpeculativeDecoder, depth: int, samples: int) -> tupl
     return counts, accepted / max(drafted, 1), law
 
 
-@pytest.mark.parametrize("verifier, num_drafts", [("speculative", 1), ("spectr", 2)])
-def test_prompt_lookup_keeps_the_target_law(tiny_models, verifier, num_drafts):
+def test_prompt_lookup_through_spectr_keeps_the_target_law(tiny_models):
     depth = 3
-    decoder = _decoder(tiny_models, [LOOKUP], verifier={"name": verifier}, speculation={"num_drafts": num_drafts},
+    decoder = _decoder(tiny_models, [LOOKUP], verifier={"name": "spectr"}, speculation={"num_drafts": 2},
                        generation={"max_new_tokens": depth})  # fmt: skip
     assert decoder.num_draft_rows == 1  # a deterministic drafter fills one row, whatever K
     counts, acceptance, law = _first_tokens(decoder, depth, 1000)
@@ -149,13 +151,31 @@ def test_prompt_lookup_keeps_the_target_law(tiny_models, verifier, num_drafts):
     assert chi_square_p_value(counts, law) > 1e-3
 
 
-def test_a_drafter_that_misreports_its_law_is_caught(tiny_models):
-    depth = 3
-    registry = RegistryWith({"lying-lookup": LyingLookup})
-    decoder = _decoder(tiny_models, [{"drafter": "lying-lookup"}], drafters=registry,
-                       generation={"max_new_tokens": depth})  # fmt: skip
-    counts, _, law = _first_tokens(decoder, depth, 1000)
-    assert chi_square_p_value(counts, law) < 1e-6
+@pytest.mark.parametrize("cls, params", [(PromptLookup, {"max_ngram": 2}), (ModelDrafter, {})])
+def test_the_built_in_drafters_pass_the_conformance_kit(cls, params):
+    """Through speculative sampling, end to end: the kit's chi-square of the first tokens and greedy equality."""
+    check_drafter(cls, params)
+
+
+def test_the_conformance_kit_catches_a_drafter_that_misreports_its_law():
+    """Negative control: prompt lookup's tokens reported under the uniform law fail the kit's chi-square."""
+    with pytest.raises(ConformanceError, match="do not follow the target's law"):
+        check_drafter(LyingLookup)
+
+
+class NotOneHot(PromptLookup):
+    """Declares deterministic, but reports its one-hot laws smoothed."""
+
+    name = "not-one-hot"
+
+    def propose(self, request):
+        proposal = super().propose(request)
+        return Proposal(proposal.tokens, proposal.laws * 0.9 + 0.1 / self.draft_setup.vocab_size, proposal.finite)
+
+
+def test_the_conformance_kit_catches_a_false_deterministic_flag():
+    with pytest.raises(ConformanceError, match="declares deterministic but proposed laws that are not one-hot"):
+        check_drafter(NotOneHot, samples=50)
 
 
 @pytest.mark.parametrize("verifier", ["specinfer", "is-truncated"])
@@ -249,7 +269,7 @@ def test_generate_with_drafter_prompt_lookup(run, tiny_models, write_recipe):
     ({"drafts": [{"drafter": "prompt-lookup", "params": {"max_ngram": 0}}]},
      "drafter 'prompt-lookup': max_ngram must be a whole number >= 1"),
     ({"drafts": [{"drafter": "prompt-lookup", "model": "x"}]}, "drafts.0: drafter 'prompt-lookup' takes no model"),
-    ({"drafts": [{"drafter": "nope"}]}, "unknown drafter 'nope'; installed drafters: early-exit, model, prompt-lookup"),
+    ({"drafts": [{"drafter": "nope"}]}, "unknown drafter 'nope'; installed drafters: "),
     ({"drafts": [{"drafter": "model"}]}, "drafts.0: the model drafter needs 'model'"),
     ({"drafts": [{"drafter": "early-exit", "params": {"layers": 0}}]}, "layers must be a whole number >= 1"),
     ({"drafts": [{"model": "D"}, {"drafter": "prompt-lookup"}], "verifier": {"name": "spectr"}},
@@ -324,3 +344,46 @@ def test_acceptance_names_a_draft_entry_without_its_model(run, tiny_models, writ
     code, _, err = run(["acceptance", "-r", str(write_recipe(recipe)), PROMPT])
     assert code == 2
     _one_error_line(err, "drafts.0: the model drafter needs 'model'")
+
+
+@pytest.mark.parametrize("drafts, identical", [
+    ([{"model": "draft", "device": "cpu"}, {"drafter": "model", "model": "draft", "device": "cpu"}], True),
+    ([LOOKUP, {"drafter": "Prompt-Lookup"}], True),
+    ([LOOKUP, {"drafter": "prompt-lookup", "params": {"max_ngram": 2}}], False),
+    ([{"model": "draft", "device": "cpu"}, {"model": "draft", "device": "cpu", "temperature": 0.5}], False),
+])  # fmt: skip
+def test_the_recipe_and_the_engine_agree_on_identical_laws(tiny_models, drafts, identical):
+    """One rule decides which rows draw from one law, before the models load and after (bench keeps the cells
+    that the engine then takes)."""
+    from specdec_cli.draft_rows import recipe_draft_rows
+
+    decoder = _decoder(tiny_models, drafts, verifier={"name": "specinfer"})
+    recipe = tiny_recipe(tiny_models)
+    recipe.pop("draft")
+    recipe["drafts"] = [{**d, "model": str(tiny_models["llama-draft"])} if d.get("model") else d for d in drafts]
+    before = recipe_draft_rows(build_recipe(recipe))
+    after = type(before).of([draft.law(decoder.config) for draft in decoder.drafts])
+    assert before.identical_laws == after.identical_laws == identical
+
+
+class FailsInEntryProblem(PromptLookup):
+    name = "fails"
+
+    def entry_problem(self, entry):
+        raise KeyError("model")
+
+
+class FailsInSetup(PromptLookup):
+    name = "fails"
+
+    def setup(self, setup):
+        raise RuntimeError("no such vocabulary")
+
+
+@pytest.mark.parametrize("plugin, message", [
+    (FailsInEntryProblem, "drafter 'fails' raised KeyError: 'model' in entry_problem"),
+    (FailsInSetup, "drafter 'fails' raised RuntimeError: no such vocabulary in setup"),
+])  # fmt: skip
+def test_a_drafter_raising_outside_propose_is_its_fault_in_one_line(tiny_models, plugin, message):
+    with pytest.raises(SpecdecError, match=message):
+        _decoder(tiny_models, [{"drafter": "fails"}], drafters=RegistryWith({"fails": plugin}))

@@ -12,19 +12,27 @@ import pytest
 
 from tests.conftest import tiny_recipe
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "verifier-plugin"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _installed(example: str, site: Path) -> Path:
+    """The example plugin package ``examples/<example>`` installed with pip into folder ``site``."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(EXAMPLES / example)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return site
 
 
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory) -> Path:
-    """The example plugin package installed with pip into its own folder."""
-    site = tmp_path_factory.mktemp("plugin-site")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(site), str(EXAMPLE)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return site
+    return _installed("verifier-plugin", tmp_path_factory.mktemp("plugin-site"))
+
+
+@pytest.fixture(scope="module")
+def drafter_site(tmp_path_factory) -> Path:
+    return _installed("drafter-plugin", tmp_path_factory.mktemp("drafter-site"))
 
 
 def _specdec(args: list[str], site: Path) -> subprocess.CompletedProcess:
@@ -51,6 +59,19 @@ def test_installed_plugin_runs_in_generate(plugin_site, tiny_models, write_recip
         samples = json.loads(result.stdout)["samples"]
         rates.append(sum(s["stats"]["accepted_tokens"] for s in samples) / sum(s["stats"]["drafted_tokens"] for s in samples))
     assert rates[1] > rates[0]  # the plugin's parameter reached it
+
+
+def test_installed_drafter_plugin_is_listed_and_drafts(drafter_site, tiny_models, write_recipe):
+    """The example drafter, written from the README's page and installed with pip, drafts in generate."""
+    result = _specdec(["drafters", "--json"], drafter_site)
+    assert result.returncode == 0, result.stderr
+    listed = {d["name"]: d for d in json.loads(result.stdout)["drafters"]}
+    assert listed["bigram"]["package"] == "specdec-bigram 0.1.0" and listed["bigram"]["parameters"] == {"smoothing": 0.5}
+    recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12})))
+    result = _specdec(["generate", "-r", recipe, "--drafter", "bigram", "--json", "a b c a b"], drafter_site)
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)["samples"][0]["stats"]
+    assert stats["drafted_tokens"] > 0 and stats["draft_forwards"] == 0
 
 
 def test_plugin_that_fails_to_load_is_reported(tmp_path):
