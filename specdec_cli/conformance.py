@@ -1,6 +1,14 @@
-"""Conformance checks a plugin author runs on their own drafter: :func:`check_drafter` (re-exported from
-:mod:`specdec_cli.testing`).
+"""Conformance checks a plugin author runs on their own plugin: :func:`check_drafter` and :func:`check_verifier`
+(both re-exported from :mod:`specdec_cli.testing`).
 
+:func:`check_verifier` checks a verifier class against the contract and, on small vocabularies where every
+draft block can be enumerated, its exact block law (``block_law``): the target's own law for a lossless
+verifier, a law within the KL bound of the target's at each position for a lossy one with a bound; then that
+``verify_block``, drawing as the engine makes it draw, samples that law (a chi-square), with decisions of
+the right types, shapes and values. The built-ins pass it, over the registry; a verifier that accepts every
+draft token while calling itself lossless fails it.
+
+:func:`check_drafter`:
 It builds a tiny target (and, for a drafter that takes a model, a tiny draft) from configs in a temporary
 folder, loads them through the real recipe path with the drafter registered under its name, and checks:
 
@@ -28,7 +36,9 @@ import torch
 from .drafter_registry import DrafterRegistry
 from .drafting import Drafter, Proposal
 from .errors import SpecdecError
+from .randomness import Draws
 from .recipe import build_recipe
+from .registry import VerifierRegistry
 from .sampling import SamplingParams
 
 PROMPTS = ("a b c d a b c", "e e a", "d c b a e d c b a")
@@ -139,3 +149,103 @@ def _check_greedy(cls: type[Drafter], recipe: dict[str, Any]) -> None:
         if _run(cls, decoder, prompt, 0) != _run(cls, alone, prompt, 0):
             raise ConformanceError(f"{cls.name}: greedy decoding with it differs from the target's greedy output "
                                    f"on {prompt!r}")  # fmt: skip
+
+
+VOCAB, DRAFT_LENGTH = 3, 2  # every draft block of K ≤ 2 rows is enumerable: 3^(2K) of them
+
+
+def check_verifier(cls: type, params: dict[str, Any] | None = None, samples: int = 3000) -> None:
+    """Check verifier class ``cls`` with parameters ``params`` (see the module docstring) with 1 and 2 drafts
+    where it takes them; ``samples``: draws of ``verify_block`` in the sampled check. Raises
+    :class:`ConformanceError`."""
+    problem = VerifierRegistry().contract_problem(cls)
+    if problem is not None:
+        raise ConformanceError(f"{cls.__name__}: {problem}")
+    verifier = cls(**(params or {}))
+    for num_drafts in [k for k in (1, 2) if cls.max_drafts is None or k <= cls.max_drafts]:
+        cases = _verifier_cases(num_drafts, cls.identical_drafts)
+        for target_law, draft_laws in cases:
+            _check_block_law(cls, verifier, target_law, draft_laws, num_drafts)
+        _check_sampling(cls, verifier, *cases[0], samples)
+
+
+def _verifier_cases(num_drafts: int, identical: bool) -> list:
+    """(target law, K draft laws) over prefixes: random, sparse, and with drafts close to the target."""
+    from .testing import random_sequence_laws
+
+    generator = torch.Generator().manual_seed(11 * num_drafts)
+    cases = []
+    for sparsity in (0.0, 0.0, 0.4):
+        target = random_sequence_laws(generator, VOCAB, DRAFT_LENGTH + 1, sparsity)
+        drafts = [random_sequence_laws(generator, VOCAB, DRAFT_LENGTH, sparsity) for _ in range(num_drafts)]
+        drafts = drafts[:1] * num_drafts if identical else drafts
+        cases.append((target.__getitem__, [laws.__getitem__ for laws in drafts]))
+    return cases
+
+
+def _check_block_law(cls: type, verifier: Any, target_law, draft_laws, num_drafts: int) -> None:
+    from .testing import committed_block_law, enumerate_block_law, target_sequence_law
+
+    try:
+        law = enumerate_block_law(verifier, target_law, draft_laws, VOCAB, DRAFT_LENGTH)
+    except NotImplementedError as error:
+        raise ConformanceError(f"{cls.name}: implement block_law (the exact law of verify_block's decision), "
+                               "which the kit enumerates") from error  # fmt: skip
+    if abs(sum(law.values()) - 1) > 1e-9:
+        raise ConformanceError(f"{cls.name}: its block law sums to {sum(law.values()):.12g}, not 1 (K = {num_drafts})")
+    if cls.lossless:
+        gap = max(abs(law.get(s, 0.0) - mass) for s, mass in target_sequence_law(target_law, VOCAB, DRAFT_LENGTH + 1).items())
+        if gap > 1e-9:
+            raise ConformanceError(f"{cls.name}: declares lossless, but its block's output law differs from the "
+                                   f"target's by {gap:.3g} (K = {num_drafts}, V = {VOCAB}, L = {DRAFT_LENGTH})")  # fmt: skip
+    elif cls.kl_bound_parameter is not None and cls.token_level:
+        _check_kl_bound(cls, verifier, committed_block_law(verifier, target_law, draft_laws, VOCAB, 1), target_law)
+
+
+def _check_kl_bound(cls: type, verifier: Any, first_token_law: dict, target_law) -> None:
+    """At the block's first position the output law is within the verifier's KL bound of the target's."""
+    bound = float(getattr(verifier, cls.kl_bound_parameter))
+    output = torch.zeros(VOCAB, dtype=torch.float64)  # [V]
+    for sequence, mass in first_token_law.items():
+        output[sequence[0]] += mass
+    target = target_law(())  # [V]
+    kl = float(torch.xlogy(target, target).sum() - torch.xlogy(target, output).sum())
+    if kl > bound * (1 + 1e-6) + 1e-9:
+        raise ConformanceError(f"{cls.name}: its output law is KL {kl:.6g} from the target's, over its bound {bound:g}")
+
+
+def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: int) -> None:
+    """verify_block, given keyed draws (or a seeded generator) as the engine gives them, samples its block_law."""
+    from .testing import chi_square_p_value, decision_outcomes
+    from .verifiers import decision_problem, decision_value_problem
+
+    rows = [_likeliest_row(law) for law in draft_laws]
+    target_probs = torch.stack([torch.stack([target_law(r[:t]) for t in range(DRAFT_LENGTH + 1)]) for r in rows])
+    draft_probs = torch.stack([torch.stack([law(r[:t]) for t in range(DRAFT_LENGTH)]) for law, r in zip(draft_laws, rows)])
+    tokens = torch.tensor(rows)  # [K, L]
+    law = decision_outcomes(verifier.block_law(target_probs, draft_probs, tokens), tokens)
+    counts: Counter = Counter()
+    for key in range(samples):
+        randomness = Draws.create(key, 0, "cpu") if cls.keyed_randomness else torch.Generator().manual_seed(key)
+        decision = verifier.verify_block(target_probs.float(), draft_probs.float(), tokens, randomness)
+        problem = decision_problem(decision, DRAFT_LENGTH + 1, tokens.device)
+        values = None if problem else (decision.tokens.tolist(), int(decision.num_accepted), int(decision.row))
+        problem = problem or decision_value_problem(*values, False, len(rows), VOCAB)
+        if problem is not None:
+            raise ConformanceError(f"{cls.name}: verify_block {problem}")
+        committed, accepted, row = values
+        if tuple(committed[:accepted]) != rows[row][:accepted]:
+            raise ConformanceError(f"{cls.name}: verify_block accepted tokens that are not row {row}'s draft tokens")
+        counts[tuple(committed[: accepted + 1])] += 1
+    p_value = chi_square_p_value(counts, law)
+    if p_value < 1e-4:
+        raise ConformanceError(f"{cls.name}: verify_block's decisions do not follow its block_law "
+                               f"(chi-square p = {p_value:.2g} over {samples} blocks)")  # fmt: skip
+
+
+def _likeliest_row(law) -> tuple[int, ...]:
+    """A draft row that follows its law's likeliest token at each position (a likely block: long accepted prefixes)."""
+    row: tuple[int, ...] = ()
+    for _ in range(DRAFT_LENGTH):
+        row += (int(law(row).argmax()),)
+    return row

@@ -307,4 +307,4 @@ def _complete(
     return complete
 
 
-from .conformance import ConformanceError, check_drafter  # noqa: E402,F401  (the author's kit: one import)
+from .conformance import ConformanceError, check_drafter, check_verifier  # noqa: E402,F401  (the author's kit)

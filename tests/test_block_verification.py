@@ -22,7 +22,7 @@ from specdec_cli.testing import (
     random_sequence_laws,
     target_sequence_law,
 )
-from specdec_cli.verifiers import BlockDecision, BlockVerifier, load_verifier
+from specdec_cli.verifiers import BlockDecision, load_verifier
 from tests.test_cli import run  # noqa: F401  (the CLI fixture)
 
 
@@ -63,17 +63,7 @@ def test_block_law_is_the_target_sequence_law(vocab, draft_length):
 
 def test_a_wrong_block_verifier_is_caught():
     """Negative control: accepting every draft token gives the draft's law, which the check rejects."""
-
-    class AcceptAll(BlockVerifier):
-        name, lossless, max_drafts = "accept-all", False, 1
-
-        def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
-            raise NotImplementedError
-
-        def block_law(self, target_probs, draft_probs, draft_tokens):
-            law = torch.zeros_like(target_probs)  # [1, L+1, V]
-            law[0, -1] = target_probs[0, -1]
-            return law
+    from tests.test_conformance import AcceptAll
 
     for target_law, draft_law in _random_cases(3, 2):
         law = enumerate_block_law(AcceptAll(), target_law, [draft_law], 3, 2)

@@ -3,8 +3,13 @@
 import pytest
 import torch
 
-from specdec_cli.testing import adversarial_distribution_pairs, candidate_acceptance, enumerate_output_law
+from specdec_cli.testing import adversarial_distribution_pairs, candidate_acceptance, check_verifier, enumerate_output_law
 from specdec_lenient import LenientSpeculative
+
+
+@pytest.mark.parametrize("leniency", [1.0, 2.0])
+def test_the_plugin_passes_specdecs_conformance_kit(leniency):
+    check_verifier(LenientSpeculative, {"leniency": leniency}, samples=1000)
 
 
 def test_leniency_one_is_lossless():

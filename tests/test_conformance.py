@@ -1,0 +1,69 @@
+"""The verifier half of the plugin author's kit (issue 21): specdec_cli.testing.check_verifier passes every
+installed built-in, found through the registry rather than a hand list, and fails verifiers that break the
+contract in each way it checks (negative controls). The drafter half is in tests/test_drafters.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_cli.registry import VerifierRegistry
+from specdec_cli.testing import ConformanceError, check_verifier
+from specdec_cli.verifiers import BlockDecision, BlockVerifier
+from specdec_plugins.mentored import MentoredDecoding, solve
+from specdec_plugins.speculative import SpeculativeSampling
+
+BUILT_INS = sorted({entry.name for entry in VerifierRegistry().entry_points() if entry.built_in})
+
+
+@pytest.mark.parametrize("name", BUILT_INS)
+def test_every_built_in_verifier_passes_the_kit(name):
+    check_verifier(VerifierRegistry().load_class(name), samples=1000)
+
+
+def test_mentored_passes_with_a_positive_kl_bound():
+    check_verifier(MentoredDecoding, {"kl": 0.1}, samples=1000)
+
+
+class AcceptAll(BlockVerifier):
+    """Negative control: commits every draft token and calls itself lossless."""
+
+    name, lossless, max_drafts = "accept-all", True, 1
+
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        raise NotImplementedError
+
+    def block_law(self, target_probs, draft_probs, draft_tokens):
+        law = torch.zeros_like(target_probs)  # [1, L+1, V]
+        law[0, -1] = target_probs[0, -1]
+        return law
+
+
+class Overspent(MentoredDecoding):
+    """Negative control: reports the KL bound it was given, and spends four times it."""
+
+    name = "overspent"
+
+    def solve(self, target_probs, draft_probs):
+        return solve(target_probs, draft_probs[..., 0, :], 4 * self.kl, lazy=False)
+
+
+class RejectsFirst(SpeculativeSampling):
+    """Negative control: its block_law is speculative sampling's, its verify_block always rejects at once."""
+
+    name = "rejects-first"
+
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        token = target_probs[0, 0].argmax().view(1)  # [1]
+        zero = torch.zeros((), dtype=torch.long)
+        return BlockDecision(torch.cat([token, draft_tokens[0]]), zero, zero)
+
+
+@pytest.mark.parametrize("cls, params, message", [
+    (AcceptAll, {}, "declares lossless, but its block's output law differs from the target's"),
+    (Overspent, {"kl": 0.05}, "over its bound 0.05"),
+    (RejectsFirst, {}, "verify_block's decisions do not follow its block_law"),
+])  # fmt: skip
+def test_the_kit_fails_a_verifier_that_breaks_the_contract(cls, params, message):
+    with pytest.raises(ConformanceError, match=message):
+        check_verifier(cls, params, samples=300)
