@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def interruptible() -> None:
+    """``preexec_fn`` of a child a test interrupts: SIGINT back to its default. A test runner started in the
+    background by a shell (``cmd &`` without job control) ignores SIGINT, its children inherit that, and Python
+    then installs no KeyboardInterrupt handler: the signal would never reach the run under test."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

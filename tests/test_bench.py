@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_recipe
+from tests.conftest import interruptible, tiny_recipe
 from tests.test_cli import run  # noqa: F401  (the CLI fixture)
 
 SOURCES = ["a b c", "d e a", "c c b", "e d c b", "b a", "d d e", "a e", "c b a d"]
@@ -198,7 +198,8 @@ def test_interrupted_run_resumes_to_the_same_results(recipe_path, data, tmp_path
     for attempt in range(3):  # on a busy machine the run can finish its last samples before the signal lands
         threshold = max(1, total // 3 // 4**attempt)  # early, and earlier at each try: the tiny models are fast
         shutil.rmtree(resumed, ignore_errors=True)
-        process = subprocess.Popen(_command(recipe_path, data, resumed), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        process = subprocess.Popen(_command(recipe_path, data, resumed), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   preexec_fn=interruptible)  # fmt: skip
         deadline = time.time() + 120
         while time.time() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < threshold):
             time.sleep(0.02)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from specdec_cli.results_store import SAMPLES, ResultsStore
-from tests.conftest import tiny_recipe
+from tests.conftest import interruptible, tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401  (the fixture)
 
 EXAMPLES = 16
@@ -62,7 +62,7 @@ def reference(run, bench_args, tmp_path) -> dict:
 
 def _start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "specdec_cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)  # fmt: skip
 
 
 def _wait_for_samples(folder: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
