@@ -8,11 +8,16 @@ verifier, a law within the KL bound of the target's at each position for a lossy
 the right types, shapes and values. The built-ins pass it, over the registry; a verifier that accepts every
 draft token while calling itself lossless fails it.
 
+Both check a plugin's parameters first: each has a type and a description (``Annotated[float, "..."]``, which the
+listing commands show); the given ones make an instance; an unknown parameter, a value of the wrong type, and each
+of the author's ``bad_params`` are refused in one line, the author's own refusals naming the parameter.
+
 :func:`check_drafter`:
-It builds a tiny target (and, for a drafter that takes a model, a tiny draft) from configs in a temporary
+It builds a tiny target (and, for a drafter whose entry needs a model, a tiny draft) from configs in a temporary
 folder, loads them through the real recipe path with the drafter registered under its name, and checks:
 
-1. the class against the contract (what ``specdec drafters`` would report as a load failure);
+1. the class against the contract (what ``specdec drafters`` would report as a load failure), and its
+   parameters as below;
 2. every proposal of a few hundred generations: shapes, dtypes, devices and length (the engine's own
    checks), laws that sum to 1 and give their tokens positive mass, one-hot laws for a deterministic
    drafter;
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +42,10 @@ import torch
 from .drafter_registry import DrafterRegistry
 from .drafting import Drafter, Proposal
 from .errors import SpecdecError
+from .parameters import parameter_specs
 from .randomness import Draws
-from .recipe import build_recipe
-from .registry import VerifierRegistry
+from .recipe import DraftConfig, build_recipe
+from .registry import PluginParameterError, PluginRegistry, VerifierRegistry
 from .sampling import SamplingParams
 
 PROMPTS = ("a b c d a b c", "e e a", "d c b a e d c b a")
@@ -49,32 +56,73 @@ class ConformanceError(AssertionError):
     """A drafter that breaks the contract, with what is wrong."""
 
 
-class _Registered(DrafterRegistry):
-    """The installed drafters plus the one under test, under its own name."""
+def _registered(registry_type: type[PluginRegistry], cls: type) -> PluginRegistry:
+    """A registry of ``registry_type``: the installed plugins plus ``cls``, under its own name."""
 
-    def __init__(self, cls: type[Drafter]):
-        super().__init__()
-        self.checked = cls
+    class Registered(registry_type):  # type: ignore[valid-type,misc]
+        def names(self) -> list[str]:
+            return sorted({*super().names(), cls.name})
 
-    def names(self) -> list[str]:
-        return sorted({*super().names(), self.checked.name})
+        def load_class(self, name: str) -> type:
+            return cls if name == cls.name else super().load_class(name)
 
-    def load_class(self, name: str) -> type:
-        return self.checked if name == self.checked.name else super().load_class(name)
+    return Registered()
 
 
-def check_drafter(cls: type[Drafter], params: dict[str, Any] | None = None, samples: int = 1000) -> None:
+def _check_parameters(cls: type, registry: PluginRegistry, params: dict[str, Any],
+                      bad_params: Sequence[dict[str, Any]]) -> Any:  # fmt: skip
+    """Every parameter has a type and a description; ``params`` make an instance (returned); an unknown parameter,
+    a value of the wrong type and each of ``bad_params`` are refused in one line (a ValueError or TypeError from the
+    constructor, as the registry reports it), the author's own refusals naming a parameter they were given."""
+    for name, spec in parameter_specs(cls).items():
+        if spec.type_name is None or not spec.description:
+            raise ConformanceError(f"{cls.name}: parameter '{name}' needs a type and a description, which `specdec "
+                                   f"{registry.kind}s` shows: declare it as {name}: Annotated[TYPE, \"what it does\"]")
+    try:
+        instance = registry.create(cls.name, params)
+    except SpecdecError as error:
+        raise ConformanceError(f"{cls.name}: could not be made with {params}: {error}") from error
+    wrong = {name: value for name, spec in parameter_specs(cls).items()
+             if (value := next((v for v in ("not-a-value", 2.5, []) if spec.problem(v)), None)) is not None}
+    cases = [{**params, "no_such_parameter": 1}, *({**params, name: value} for name, value in wrong.items())]
+    for bad in [*cases, *bad_params]:
+        message = _refusal(cls, registry, bad)
+        if bad in bad_params and not any(name in message for name in bad):
+            raise ConformanceError(f"{cls.name}: refused {bad} without naming the parameter: {message!r}")
+    return instance
+
+
+def _refusal(cls: type, registry: PluginRegistry, params: dict[str, Any]) -> str:
+    """What the plugin said refusing ``params`` (a ConformanceError if it did not, or not in one line)."""
+    try:
+        registry.create(cls.name, params)
+    except PluginParameterError as error:
+        if "\n" in str(error):
+            raise ConformanceError(f"{cls.name}: refused {params} with a message of several lines") from error
+        return str(error.__cause__ or error)  # its own words: the registry's line repeats the parameters given
+    except SpecdecError as error:
+        raise ConformanceError(f"{cls.name}: {params} made its constructor fail ({error}); refuse bad parameters "
+                               "with a ValueError, which reaches the user as one line") from error  # fmt: skip
+    raise ConformanceError(f"{cls.name}: accepted the bad parameters {params}")
+
+
+def check_drafter(cls: type[Drafter], params: dict[str, Any] | None = None, samples: int = 1000,
+                  bad_params: Sequence[dict[str, Any]] = ()) -> None:  # fmt: skip
     """Check drafter class ``cls`` with parameters ``params`` (see the module docstring); ``samples``: generations
-    in the chi-square test. Raises :class:`ConformanceError`; takes about a minute on a CPU."""
+    in the chi-square test; ``bad_params``: parameters its constructor must refuse. Raises
+    :class:`ConformanceError`; takes about a minute on a CPU."""
     problem = DrafterRegistry().contract_problem(cls)
     if problem is not None or not cls.name:
         raise ConformanceError(f"{cls.__name__}: {problem or 'its class does not set name'}")
+    drafter = _check_parameters(cls, _registered(DrafterRegistry, cls), dict(params or {}), bad_params)
     from .testing import save_tiny_model  # transformers: only when a check runs
 
     with tempfile.TemporaryDirectory() as folder:
         target = save_tiny_model(Path(folder) / "target", "llama", seed=1)
         entry: dict[str, Any] = {"drafter": cls.name, "params": dict(params or {})}
-        if cls.uses_model:
+        # A drafter that drafts with a model of its own gets a tiny one; one that drafts with the target's (early
+        # exit) takes its entry as it is.
+        if cls.uses_model and drafter.entry_problem(DraftConfig(drafter=cls.name, params=entry["params"])):
             entry["model"] = str(save_tiny_model(Path(folder) / "draft", "llama", seed=2, layers=1))
         recipe = {"target": {"model": str(target), "device": "cpu"}, "drafts": [entry],
                   "verifier": {"name": "speculative"}, "speculation": {"draft_length": 3},
@@ -88,7 +136,7 @@ def _decoder(cls: type[Drafter], recipe: dict[str, Any], **generation: Any):
 
     built = build_recipe({**recipe, "generation": {**recipe["generation"], **generation}})
     try:
-        return SpeculativeDecoder.from_recipe(built, drafters=_Registered(cls))
+        return SpeculativeDecoder.from_recipe(built, drafters=_registered(DrafterRegistry, cls))
     except SpecdecError as error:
         raise ConformanceError(f"{cls.name}: a decoder with it could not be built: {error}") from error
 
@@ -154,14 +202,15 @@ def _check_greedy(cls: type[Drafter], recipe: dict[str, Any]) -> None:
 VOCAB, DRAFT_LENGTH = 3, 2  # every draft block of K ≤ 2 rows is enumerable: 3^(2K) of them
 
 
-def check_verifier(cls: type, params: dict[str, Any] | None = None, samples: int = 3000) -> None:
+def check_verifier(cls: type, params: dict[str, Any] | None = None, samples: int = 3000,
+                   bad_params: Sequence[dict[str, Any]] = ()) -> None:  # fmt: skip
     """Check verifier class ``cls`` with parameters ``params`` (see the module docstring) with 1 and 2 drafts
-    where it takes them; ``samples``: draws of ``verify_block`` in the sampled check. Raises
-    :class:`ConformanceError`."""
+    where it takes them; ``samples``: draws of ``verify_block`` in the sampled check; ``bad_params``: parameters
+    its constructor must refuse. Raises :class:`ConformanceError`."""
     problem = VerifierRegistry().contract_problem(cls)
     if problem is not None:
         raise ConformanceError(f"{cls.__name__}: {problem}")
-    verifier = cls(**(params or {}))
+    verifier = _check_parameters(cls, _registered(VerifierRegistry, cls), dict(params or {}), bad_params)
     for num_drafts in [k for k in (1, 2) if cls.max_drafts is None or k <= cls.max_drafts]:
         cases = _verifier_cases(num_drafts, cls.identical_drafts)
         for target_law, draft_laws in cases:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 from .errors import SpecdecError, UsageError
 from .recipe import DraftConfig
-from .registry import PluginRegistry, class_problem, error_line
+from .registry import PluginRegistry, class_problem, class_summary, error_line
 
 DRAFTER_GROUP = "specdec.drafters"
 DEFAULT_DRAFTER = "model"
@@ -17,8 +16,8 @@ EARLY_EXIT_DRAFTER = "early-exit"
 """What a draft entry with ``early_exit: N`` and no drafter drafts with (its ``layers`` parameter is N)."""
 
 DRAFTER_DESCRIPTION_TYPES: dict[str, tuple[type, ...]] = {
-    "deterministic": (bool,), "uses_model": (bool,), "summary": (str,), "parameters": (dict,), "package": (str,),
-    "note": (str, type(None)),
+    "deterministic": (bool,), "uses_model": (bool,), "summary": (str,), "parameters": (dict,),
+    "parameter_docs": (dict,), "package": (str,), "note": (str, type(None)),
 }  # fmt: skip
 
 
@@ -37,8 +36,7 @@ class DrafterRegistry(PluginRegistry):
         return class_problem(loaded, Drafter, ("deterministic", "uses_model"))
 
     def class_description(self, cls: type) -> dict[str, Any]:
-        summary = (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
-        return {"deterministic": cls.deterministic, "uses_model": cls.uses_model, "summary": summary}
+        return {"deterministic": cls.deterministic, "uses_model": cls.uses_model, "summary": class_summary(cls)}
 
     def entry_drafter(self, entry: DraftConfig) -> tuple[str, dict[str, Any]]:
         """(drafter name, parameters) of a draft entry: a bare ``model:`` is the model drafter, a bare

@@ -22,10 +22,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .registry import check_parameters
 from .sampling import SamplingParams
 from .timing import RegionTimer
 
@@ -101,6 +102,11 @@ class Drafter(ABC):
     """Its tokens are a function of the context, its laws one-hot: it fills one row."""
     uses_model: ClassVar[bool] = False
     """It drafts with a model named by its draft entry (``model:``, ``early_exit:``): :meth:`load_model`."""
+
+    def __new__(cls, *args: Any, **params: Any) -> "Drafter":
+        # As BlockVerifier.__new__: an unknown or ill-typed parameter is one line before the constructor runs.
+        check_parameters(cls, "drafter", args, params)
+        return super().__new__(cls)
 
     def entry_problem(self, entry: DraftConfig) -> str | None:
         """What is wrong with its draft entry's model fields, or None (checked before any model loads). By default

@@ -19,6 +19,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import itertools
 import json
 import sys
 import time
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import SpecdecError, UsageError
 from .inputs import cache_dir, write_cache_file
+from .parameters import parameter_specs, parameters_problem
 
 if TYPE_CHECKING:
     from .draft_rows import DraftRows
@@ -42,7 +44,8 @@ on FAT) without its modification time changing, so descriptions read from it are
 
 DESCRIPTION_TYPES: dict[str, tuple[type, ...]] = {
     "lossless": (bool,), "max_drafts": (int, type(None)), "identical_drafts": (bool,), "token_level": (bool,),
-    "kl_bound_parameter": (str, type(None)), "parameters": (dict,), "package": (str,), "note": (str, type(None)),
+    "kl_bound_parameter": (str, type(None)), "summary": (str,), "parameters": (dict,), "parameter_docs": (dict,),
+    "package": (str,), "note": (str, type(None)),
 }  # fmt: skip
 """What :meth:`VerifierRegistry.describe` gives for a verifier that loads; a cache entry of another shape is rebuilt."""
 
@@ -65,12 +68,15 @@ VerifierParameterError, VerifierParameterValueError, VerifierFault = PluginParam
 
 def parameter_defaults(cls: type) -> dict[str, Any]:
     """A plugin class's parameters and their defaults, from its constructor's signature."""
-    signature = inspect.signature(cls.__init__)
-    return {
-        name: p.default
-        for name, p in signature.parameters.items()
-        if name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-    }
+    return {name: spec.default for name, spec in parameter_specs(cls).items()}
+
+
+def check_parameters(cls: type, kind: str, args: tuple[Any, ...], params: dict[str, Any]) -> None:
+    """A PluginParameterError naming plugin class ``cls`` (a ``kind``) when ``args`` and ``params`` do not fit its
+    parameters (:func:`~specdec_cli.parameters.parameters_problem`): the base classes call it before a constructor."""
+    problem = parameters_problem(cls, args, params)
+    if problem is not None:
+        raise PluginParameterError(f"{kind} '{cls.name}': {problem}")
 
 
 def error_line(error: BaseException) -> str:
@@ -219,8 +225,8 @@ class PluginRegistry:
 
     def _description(self, name: str) -> dict[str, Any]:
         cls = self.load_class(name)
-        return {**self.class_description(cls), "parameters": plain_parameters(cls), "package": self.package(name),
-                "note": self._notes.get(name)}  # fmt: skip
+        return {**self.class_description(cls), "parameters": plain_parameters(cls),
+                "parameter_docs": parameter_docs(cls), "package": self.package(name), "note": self._notes.get(name)}
 
     def class_description(self, cls: type) -> dict[str, Any]:
         """What a description holds of ``cls`` besides its parameters, package and note."""
@@ -253,6 +259,8 @@ class PluginRegistry:
         cls = self.load_class(key)
         try:
             return cls(**(params or {}))
+        except PluginParameterError as error:  # the base class's check (check_parameters): it names the plugin
+            raise PluginParameterError(f"{error} (given {params or {}}; {self.parameters_hint})") from error
         except SpecdecError:
             raise
         except (ValueError, TypeError) as error:
@@ -277,7 +285,8 @@ class VerifierRegistry(PluginRegistry):
 
     def class_description(self, cls: type) -> dict[str, Any]:
         return {"lossless": cls.lossless, "max_drafts": cls.max_drafts, "identical_drafts": cls.identical_drafts,
-                "token_level": cls.token_level, "kl_bound_parameter": cls.kl_bound_parameter}  # fmt: skip
+                "token_level": cls.token_level, "kl_bound_parameter": cls.kl_bound_parameter,
+                "summary": class_summary(cls)}  # fmt: skip
 
     def verifier_class(self, name: str) -> type[BlockVerifier]:
         """The class of the installed verifier ``name`` (case-insensitive)."""
@@ -315,6 +324,22 @@ class VerifierRegistry(PluginRegistry):
 
 REQUIRED = "<required>"
 """How a description shows a parameter without a default."""
+
+
+def parameter_docs(cls: type) -> dict[str, dict[str, str | None]]:
+    """A plugin class's parameters' types and descriptions, as its listing shows them."""
+    return {name: {"type": spec.type_name, "description": spec.description}
+            for name, spec in parameter_specs(cls).items()}  # fmt: skip
+
+
+def class_summary(cls: type) -> str:
+    """The first paragraph of a plugin class's own docstring, or else of its module's, on one line (the contract's
+    base classes' docstrings describe the contract, not the plugin)."""
+    plugin_classes = itertools.takewhile(lambda klass: not klass.__module__.startswith(f"{__package__}."), cls.__mro__)
+    texts = (text for klass in plugin_classes
+             for text in (klass.__dict__.get("__doc__"), getattr(sys.modules.get(klass.__module__), "__doc__", None)))
+    text = next((text for text in texts if text and text.strip()), "")
+    return " ".join(inspect.cleandoc(text).split("\n\n")[0].split())
 
 
 def plain_parameters(cls: type) -> dict[str, Any]:
@@ -421,7 +446,8 @@ def _files_stamp(entries: list[PluginEntry], registry: str, contract_module: str
     its top-level package, where its class may live in a submodule) gives another key. This module and
     the plugins' contract (``contract_module``) count too, since they decide what a description holds."""
     tops = sorted({entry.value.split(":")[0].split(".")[0] for entry in entries})
-    files = [Path(__file__), Path(__file__).with_name(contract_module), *(f for top in tops for f in _module_files(top))]
+    files = [Path(__file__), Path(__file__).with_name("parameters.py"), Path(__file__).with_name(contract_module),
+             *(f for top in tops for f in _module_files(top))]  # fmt: skip
     stats = []
     for file in files:
         try:

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from .registry import (
-    VerifierFault, VerifierParameterError, VerifierParameterValueError, VerifierRegistry, parameter_defaults,
+    VerifierFault, VerifierParameterError, VerifierParameterValueError, VerifierRegistry, check_parameters,
+    parameter_defaults,
 )  # fmt: skip
 from .randomness import Randomness, Stream, at, uniforms_from
 from .sampling import sample, sample_with
@@ -182,16 +183,9 @@ class BlockVerifier(ABC):
     ``--kl`` sets it, and ``bench`` and ``acceptance`` sweep it (one configuration per bound)."""
 
     def __new__(cls, *args: Any, **params: Any) -> "BlockVerifier":
-        # Checked here, not in __init__, so that every construction path (stevedore's
-        # invoke_kwds included) names the valid parameters instead of Python's bare TypeError.
-        valid = parameter_defaults(cls)
-        unknown = sorted(set(params) - set(valid))
-        if args or unknown:
-            given = ", ".join(unknown) if unknown else "positional arguments"
-            accepted = ", ".join(valid) if valid else "none"
-            raise VerifierParameterError(
-                f"verifier '{cls.name}' got unknown parameter(s) {given}; valid parameters: {accepted}"
-            )
+        # Checked here, not in __init__, so that every construction path (stevedore's invoke_kwds included) says
+        # what is wrong (an unknown parameter, one of the wrong type) instead of Python's bare TypeError.
+        check_parameters(cls, "verifier", args, params)
         return super().__new__(cls)
 
     @classmethod

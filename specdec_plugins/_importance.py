@@ -51,11 +51,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec_cli.laws import TINY, normalized_or
 from specdec_cli.randomness import Draws, Randomness, Stream, uniforms_from
 from specdec_cli.sampling import sample_with
 from specdec_cli.verifiers import BlockDecision, Verifier, reads_are_free
 
-from ._laws import TINY, normalized_or
 from ._pair_selection import FreeSet, Tail, solve_free_problems
 from .speculative import SpeculativeSampling
 

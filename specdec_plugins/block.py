@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec_cli.laws import TINY, commit_after, normalized_or, row_at, single_draft_draws
 from specdec_cli.verifiers import BlockVerifier
-
-from ._laws import TINY, commit_after, normalized_or, row_at, single_draft_draws
 
 
 class BlockVerification(BlockVerifier):

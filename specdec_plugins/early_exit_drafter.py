@@ -8,6 +8,8 @@ ACL 2024, without its training). A draft entry ``early_exit: N`` is ``{drafter: 
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from .model_drafter import ModelDrafter
 
 
@@ -16,9 +18,8 @@ class EarlyExitDrafter(ModelDrafter):
 
     name = "early-exit"
 
-    def __init__(self, *, layers: int):
-        """``layers``: how many of the target's first decoder layers draft (``early_exit: N`` in a draft entry)."""
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+    def __init__(self, *, layers: Annotated[int, "the target's first decoder layers that draft (early_exit: N)"]):
+        if layers < 1:  # a whole number: the base class checked the type
             raise ValueError(f"early-exit: layers must be a whole number >= 1 (target layers), got {layers!r}")
         self.layers = layers
 

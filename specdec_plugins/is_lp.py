@@ -14,6 +14,8 @@ use ``is-truncated``.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from specdec_cli.errors import UsageError
 
 from ._importance import ImportanceSampling
@@ -22,7 +24,10 @@ from ._importance import ImportanceSampling
 class ImportanceSamplingLP(ImportanceSampling):
     name = "is-lp"
 
-    def __init__(self, *, max_support: int = 64):
+    def __init__(
+        self, *, max_support: Annotated[int, "the most tokens the drafts may put mass on (the LP has m(m-1) weights "
+                                             "for m tokens): restrict it with top-k or top-p"] = 64,
+    ):
         if max_support < 1:
             raise ValueError(f"is-lp: max_support must be >= 1, got {max_support}")
         self.max_support = int(max_support)

@@ -28,6 +28,8 @@ anything and only costs acceptance.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 
 from ._importance import ImportanceSampling
@@ -36,7 +38,12 @@ from ._importance import ImportanceSampling
 class ImportanceSamplingTruncated(ImportanceSampling):
     name = "is-truncated"
 
-    def __init__(self, *, s: int = 5, alphabet: int | None = None, alphabet_mass: float = 1.0):
+    def __init__(
+        self, *, s: Annotated[int, "tokens with free LP weights (the top s by (q - p1 p2)+): the others follow the "
+                                   "tail rule"] = 5,
+        alphabet: Annotated[int | None, "cap on the alphabet's size, in tokens (None: no cap)"] = None,
+        alphabet_mass: Annotated[float, "the alphabet: the smallest top set of q with this much mass, in ]0, 1]"] = 1.0,
+    ):
         if s < 1 or (alphabet is not None and alphabet < 1):
             raise ValueError(f"is-truncated: s and alphabet must be >= 1, got s={s}, alphabet={alphabet}")
         if not 0 < alphabet_mass <= 1:

@@ -54,6 +54,8 @@ taken from it.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import functools
 import math
 from collections.abc import Callable
@@ -61,12 +63,13 @@ from collections.abc import Callable
 import torch
 from torch.nn.functional import pad
 
+from specdec_cli.laws import (
+    commit_known, excess_or, first_accepted, normalized_or, row_at, single_draft_block, single_draft_draws,
+    uniforms_like,
+)  # fmt: skip
 from specdec_cli.verifiers import BlockDecision, Verifier, reads_are_free
 
-from ._laws import (
-    commit_known, excess_or, first_accepted, normalized_or, per_thread, row_at, single_draft_block, single_draft_draws,
-    uniforms_like,
-)
+from ._workspace import per_thread
 
 TINY, _LARGEST = torch.finfo(torch.float64).tiny, torch.finfo(torch.float64).max
 # Device path: KL at the breakpoints, at ρ_max/8191 steps and at ρ_max times 2^-1074 ... 2^0 in 8192 geometric
@@ -91,8 +94,10 @@ class MentoredDecoding(Verifier):
     capturable = True
     reading_cpu_path = True
 
-    def __init__(self, *, kl: float = 0.0, tolerance: float | None = None):
-        """``tolerance`` is accepted and ignored: the bound is now met exactly (kept so recipes still load)."""
+    def __init__(
+        self, *, kl: Annotated[float, "the bound D on KL(q ‖ output law) per position, in nats (0: lossless)"] = 0.0,
+        tolerance: Annotated[float | None, "ignored: the bound is met exactly (kept so older recipes load)"] = None,
+    ):
         if not 0 <= kl < math.inf:
             raise ValueError(f"mentored: kl must be a finite number >= 0 (nats), got {kl}")
         if tolerance is not None and not 0 < tolerance < 1:
@@ -403,7 +408,7 @@ _ACCEPT_ALL = (0.0, 1.0, 1.0, 0.0, 0.0, 0.0)  # (Q_low, Q_high, P_low, P_high, b
 
 
 class _Buffers:
-    """The CPU path's arrays for rows ``[N, V]``; a block reuses one set per thread (:func:`._laws.per_thread`)."""
+    """The CPU path's arrays for rows ``[N, V]``; a block reuses one set per thread (:func:`._workspace.per_thread`)."""
 
     def __init__(self, rows: int, vocab: int):
         self.weights = torch.empty(rows, 3, vocab, dtype=torch.float64)  # [N, 3, V]: q, p, q ln(q/p)

@@ -13,6 +13,8 @@ last block: matching costs O(new tokens × n-gram sizes), not a scan of the cont
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 
 from specdec_cli.drafting import DraftRequest, Drafter, Proposal, empty_proposal, one_hot_laws
@@ -24,12 +26,14 @@ class PromptLookup(Drafter):
     name = "prompt-lookup"
     deterministic = True
 
-    def __init__(self, *, min_ngram: int = 1, max_ngram: int = 3, num_tokens: int | None = None):
-        """``min_ngram``..``max_ngram``: the n-gram sizes tried, longest first; ``num_tokens``: tokens proposed at
-        most (None: the block's draft length)."""
+    def __init__(
+        self, *, min_ngram: Annotated[int, "the shortest n-gram looked up"] = 1,
+        max_ngram: Annotated[int, "the longest n-gram looked up (tried first)"] = 3,
+        num_tokens: Annotated[int | None, "tokens proposed at most (None: the block's draft length)"] = None,
+    ):
         for parameter, value in (("min_ngram", min_ngram), ("max_ngram", max_ngram), ("num_tokens", num_tokens)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"prompt-lookup: {parameter} must be a whole number >= 1, got {value!r}")
+            if value is not None and value < 1:  # a whole number: the base class checked the types
+                raise ValueError(f"prompt-lookup: {parameter} must be >= 1, got {value!r}")
         if min_ngram > max_ngram:
             raise ValueError(f"prompt-lookup: min_ngram ({min_ngram}) must not exceed max_ngram ({max_ngram})")
         self.sizes = range(max_ngram, min_ngram - 1, -1)  # longest first

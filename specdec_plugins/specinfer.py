@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
+from specdec_cli.laws import TINY, first_accepted, normalized_excess, one_hot_mass, ratio_acceptance, uniforms_like
 from specdec_cli.verifiers import (
     Verifier, decide_problems, prefix_agreement, problem_members, reads_are_free, walk_reading,
 )  # fmt: skip
 
-from ._laws import TINY, first_accepted, normalized_excess, one_hot_mass, ratio_acceptance, uniforms_like
 from .speculative import SpeculativeSampling
 
 _ONE_DRAFT = SpeculativeSampling()  # built once: torch.compile cannot trace a verifier's construction

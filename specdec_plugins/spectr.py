@@ -38,11 +38,12 @@ import math
 import torch
 
 from specdec_cli.errors import UsageError
+from specdec_cli.laws import TINY, first_accepted, normalized_or, one_hot_mass, ratio_acceptance, uniforms_like
 from specdec_cli.verifiers import (
     BlockDecision, Verifier, decide_problems, prefix_agreement, problem_members, reads_are_free, walk_reading,
 )  # fmt: skip
 
-from ._laws import TINY, first_accepted, normalized_or, one_hot_mass, per_thread, ratio_acceptance, uniforms_like
+from ._workspace import per_thread
 from .speculative import SpeculativeSampling
 
 _ONE_DRAFT = SpeculativeSampling()  # built once: torch.compile cannot trace a verifier's construction
@@ -409,7 +410,7 @@ class _HostProblem:
 
 class _WorkingArrays:
     """:class:`_HostProblem`'s arrays for one V, made once per thread and reused by every problem after
-    (:func:`._laws.per_thread`; the walk holds one problem at a time)."""
+    (:func:`._workspace.per_thread`; the walk holds one problem at a time)."""
 
     def __init__(self, vocab: int):
         self.q = self.p = None  # [V] each: the laws, float32

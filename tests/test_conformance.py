@@ -4,6 +4,9 @@ contract in each way it checks (negative controls). The drafter half is in tests
 
 from __future__ import annotations
 
+import re
+from typing import Annotated
+
 import pytest
 import torch
 
@@ -16,9 +19,14 @@ from specdec_plugins.speculative import SpeculativeSampling
 BUILT_INS = sorted({entry.name for entry in VerifierRegistry().entry_points() if entry.built_in})
 
 
+REFUSED = {"mentored": [{"kl": -1.0}, {"kl": float("inf")}], "is-lp": [{"max_support": 0}],
+           "is-truncated": [{"s": 0}, {"alphabet": 0}, {"alphabet_mass": 1.5}]}  # fmt: skip
+"""Parameters each built-in must refuse in one line naming them (the kit adds unknown and ill-typed ones)."""
+
+
 @pytest.mark.parametrize("name", BUILT_INS)
 def test_every_built_in_verifier_passes_the_kit(name):
-    check_verifier(VerifierRegistry().load_class(name), samples=1000)
+    check_verifier(VerifierRegistry().load_class(name), samples=1000, bad_params=REFUSED.get(name, ()))
 
 
 def test_mentored_passes_with_a_positive_kl_bound():
@@ -67,3 +75,42 @@ class RejectsFirst(SpeculativeSampling):
 def test_the_kit_fails_a_verifier_that_breaks_the_contract(cls, params, message):
     with pytest.raises(ConformanceError, match=message):
         check_verifier(cls, params, samples=300)
+
+
+class Undescribed(SpeculativeSampling):
+    """Negative control: a parameter without a description."""
+
+    name = "undescribed"
+
+    def __init__(self, *, strength: float = 1.0):
+        self.strength = strength
+
+
+class Careless(SpeculativeSampling):
+    """Negative control: a parameter it takes without checking its value."""
+
+    name = "careless"
+
+    def __init__(self, *, strength: Annotated[float, "how strongly"] = 1.0):
+        self.strength = {1.0: "one", 2.0: "two"}[strength]  # a KeyError for any other value
+
+
+class Silent(SpeculativeSampling):
+    """Negative control: refuses a bad value without saying which parameter."""
+
+    name = "silent"
+
+    def __init__(self, *, strength: Annotated[float, "how strongly"] = 1.0):
+        if strength <= 0:
+            raise ValueError("bad value")
+
+
+@pytest.mark.parametrize("cls, bad_params, message", [
+    (Undescribed, [], "parameter 'strength' needs a type and a description"),
+    (Careless, [{"strength": 3.0}], "made its constructor fail"),
+    (SpeculativeSampling, [{}], "accepted the bad parameters {}"),
+    (Silent, [{"strength": -1.0}], "refused {'strength': -1.0} without naming the parameter"),
+])  # fmt: skip
+def test_the_kit_fails_a_verifier_whose_parameters_break_the_contract(cls, bad_params, message):
+    with pytest.raises(ConformanceError, match=re.escape(message)):
+        check_verifier(cls, bad_params=bad_params, samples=300)

@@ -20,7 +20,6 @@ from specdec_cli.recipe import build_recipe
 from specdec_cli.sampling import SamplingParams, sampling_law
 from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
 from specdec_cli.testing import ConformanceError, check_drafter
-from specdec_plugins.model_drafter import ModelDrafter
 from specdec_plugins.prompt_lookup import PromptLookup
 from tests.conftest import tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401
@@ -97,14 +96,14 @@ def test_prompt_lookups_index_agrees_with_a_scan_of_the_whole_context(min_ngram,
             context += [generator.randrange(4) for _ in range(generator.randrange(1, 4))]
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"min_ngram": 0}, "min_ngram must be a whole number >= 1"),
-    ({"max_ngram": 2.5}, "max_ngram must be a whole number >= 1"),
-    ({"num_tokens": True}, "num_tokens must be a whole number >= 1"),
-    ({"min_ngram": 3, "max_ngram": 2}, "min_ngram (3) must not exceed max_ngram (2)"),
+@pytest.mark.parametrize("params, error, message", [
+    ({"min_ngram": 0}, ValueError, "min_ngram must be >= 1"),
+    ({"max_ngram": 2.5}, TypeError, "max_ngram must be a whole number, got 2.5"),  # the base class's type check
+    ({"num_tokens": True}, TypeError, "num_tokens must be a whole number or null, got True"),
+    ({"min_ngram": 3, "max_ngram": 2}, ValueError, "min_ngram (3) must not exceed max_ngram (2)"),
 ])  # fmt: skip
-def test_prompt_lookup_refuses_bad_parameters(params, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+def test_prompt_lookup_refuses_bad_parameters(params, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         PromptLookup(**params)
 
 
@@ -151,10 +150,15 @@ def test_prompt_lookup_through_spectr_keeps_the_target_law(tiny_models):
     assert chi_square_p_value(counts, law) > 1e-3
 
 
-@pytest.mark.parametrize("cls, params", [(PromptLookup, {"max_ngram": 2}), (ModelDrafter, {})])
-def test_the_built_in_drafters_pass_the_conformance_kit(cls, params):
-    """Through speculative sampling, end to end: the kit's chi-square of the first tokens and greedy equality."""
-    check_drafter(cls, params)
+KIT_PARAMS = {"early-exit": {"layers": 1}, "prompt-lookup": {"max_ngram": 2}}
+REFUSED = {"early-exit": [{"layers": 0}], "prompt-lookup": [{"min_ngram": 0}, {"min_ngram": 3, "max_ngram": 2}]}
+
+
+@pytest.mark.parametrize("name", sorted({entry.name for entry in DrafterRegistry().entry_points() if entry.built_in}))
+def test_the_built_in_drafters_pass_the_conformance_kit(name):
+    """Found through the registry. Through speculative sampling, end to end: the kit's chi-square of the first tokens
+    and greedy equality, and the parameters each must refuse."""
+    check_drafter(DrafterRegistry().load_class(name), KIT_PARAMS.get(name), bad_params=REFUSED.get(name, ()))
 
 
 def test_the_conformance_kit_catches_a_drafter_that_misreports_its_law():
@@ -267,7 +271,9 @@ def test_generate_with_drafter_prompt_lookup(run, tiny_models, write_recipe):
 
 @pytest.mark.parametrize("change, message", [
     ({"drafts": [{"drafter": "prompt-lookup", "params": {"max_ngram": 0}}]},
-     "drafter 'prompt-lookup': max_ngram must be a whole number >= 1"),
+     "drafter 'prompt-lookup': max_ngram must be >= 1"),
+    ({"drafts": [{"drafter": "prompt-lookup", "params": {"max_ngram": "three"}}]},
+     "drafter 'prompt-lookup': max_ngram must be a whole number, got 'three'"),
     ({"drafts": [{"drafter": "prompt-lookup", "model": "x"}]}, "drafts.0: drafter 'prompt-lookup' takes no model"),
     ({"drafts": [{"drafter": "nope"}]}, "unknown drafter 'nope'; installed drafters: "),
     ({"drafts": [{"drafter": "model"}]}, "drafts.0: the model drafter needs 'model'"),

@@ -19,7 +19,7 @@ from specdec_cli.results_store import ResultsStore
 from specdec_cli.sampling import sample_with
 from specdec_cli.testing import chi_square_p_value, random_sequence_laws, target_sequence_law
 from specdec_cli.verifiers import BlockDecision
-from specdec_plugins._laws import normalized_excess, ratio_acceptance
+from specdec_cli.laws import normalized_excess, ratio_acceptance
 from specdec_plugins.speculative import SpeculativeSampling
 from tests.conftest import tiny_recipe
 

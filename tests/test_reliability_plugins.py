@@ -333,7 +333,7 @@ def test_a_plugin_named_otherwise_than_its_entry_point_runs_under_the_entry_poin
     registry = RegistryWithEntries(entries)
     cls = registry.verifier_class("RENAMED")
     assert cls.name == "renamed" and registry.create("renamed").name == "renamed"
-    with pytest.raises(UsageError, match="verifier 'renamed' got unknown parameter"):  # the base class's message
+    with pytest.raises(UsageError, match="verifier 'renamed': unknown parameter"):  # the base class's message
         registry.create("renamed", {"x": 1})
     assert _decoder(tiny_models, registry, "renamed").generate("a b")[0].stats.blocks >= 1
     original = VerifierRegistry.entry_points

@@ -8,10 +8,12 @@ the scheme its name promises.
 """
 
 import math
+from typing import Annotated
 
 import torch
 
 from specdec_cli import Verifier
+from specdec_cli.laws import normalized_excess, one_hot_mass, ratio_acceptance
 
 
 class LenientSpeculative(Verifier):
@@ -19,22 +21,17 @@ class LenientSpeculative(Verifier):
     lossless = False
     max_drafts = 1
 
-    def __init__(self, *, leniency: float = 1.0):
-        # specdec shows a constructor's ValueError to the user as one line naming the verifier.
-        if not isinstance(leniency, (int, float)) or not math.isfinite(leniency) or leniency < 1:
+    def __init__(self, *, leniency: Annotated[float, "λ: accept x with min(1, λ q(x) / p(x)); 1 is lossless"] = 1.0):
+        # specdec has checked the type (a number); a ValueError here reaches the user as one line naming the verifier.
+        if not math.isfinite(leniency) or leniency < 1:
             raise ValueError(f"leniency must be a finite number >= 1 (1 = speculative sampling), got {leniency!r}")
         self.leniency = float(leniency)
 
-    def _accept(self, target_probs, draft_probs, x):  # min(1, λ q(x)/p(x)) for x [..., 1]
-        return (self.leniency * target_probs.gather(-1, x) / draft_probs.gather(-1, x)).clamp(max=1.0)
-
     def conditional(self, target_probs, draft_probs, draft_tokens):
         p, x = draft_probs[..., 0, :], draft_tokens[..., :1]  # [..., V], [..., 1]
-        accept = self._accept(target_probs, p, x)  # [..., 1]
-        excess = (target_probs - p).clamp_min(0)  # [..., V]
-        mass = excess.sum(-1, keepdim=True)
-        residual = torch.where(mass > 0, excess / mass.clamp_min(1e-300), target_probs)
-        return ((1 - accept) * residual).scatter_add(-1, x, accept)
+        accept = ratio_acceptance(self.leniency * target_probs, p, x)  # [..., 1]: min(1, λ q(x) / p(x))
+        residual = normalized_excess(target_probs, p)  # [..., V]: (q - p)+ normalised
+        return one_hot_mass((1 - accept) * residual, x, accept)
 
     def acceptance_probability(self, target_probs, draft_probs):
         p = draft_probs[..., 0, :]  # [..., V]

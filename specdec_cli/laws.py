@@ -1,31 +1,37 @@
-"""Small pieces of probability shared by the built-in verifiers (pure tensor functions, no host reads)."""
+"""The law helpers the built-in verifiers are made of, public for plugin authors (pure tensor functions on the
+tensors' device, no host reads).
+
+- **Residuals**: :func:`normalized_excess` ((q - p)+ normalised), :func:`excess_weights` (the same as weights to
+  draw from), :func:`normalized_or` and :func:`excess_or` (with a fallback where the excess has no mass).
+- **Sampling from a law**: :func:`sample` (keyed, stream and offset) and :func:`sample_with` (one given uniform);
+  :func:`uniforms_like` gives keyed uniforms shaped like a block's candidates.
+- **Acceptance**: :func:`ratio_acceptance` (min(1, q(x) / p(x))), :func:`one_hot_mass`.
+- **The accepted prefix**: :func:`single_draft_block` (a whole single-draft block: acceptance tests, first
+  rejection, the correction or bonus draw), :func:`first_accepted` (the first accepted of K candidates, or a residual
+  draw), :func:`first_rejection`, :func:`commit_after`, :func:`commit_following` and :func:`commit_with_uniform`
+  (the :class:`~specdec_cli.verifiers.BlockDecision` once the number of accepted tokens is known).
+
+Every draw takes its uniforms from the block's :class:`~specdec_cli.randomness.Randomness`, so a verifier built
+from these is a pure function of (seed, sample, position, stream). ``examples/verifier-plugin`` uses them.
+"""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
-from specdec_cli.randomness import Randomness, Stream, stream_table_from, uniforms_from
-from specdec_cli.sampling import sample
-from specdec_cli.verifiers import BlockDecision, commit_with_uniform
+from .randomness import Randomness, Stream, stream_table_from, uniforms_from
+from .sampling import sample, sample_with
+from .verifiers import BlockDecision, commit_following, commit_with_uniform, first_rejection
+
+__all__ = [
+    "TINY", "commit_after", "commit_following", "commit_known", "commit_with_uniform", "excess_or", "excess_weights",
+    "first_accepted", "first_rejection", "normalized_excess", "normalized_or", "one_hot_mass", "ratio_acceptance",
+    "row_at", "sample", "sample_with", "single_draft_block", "single_draft_draws", "uniforms_like",
+]  # fmt: skip
 
 TINY = torch.finfo(torch.float64).tiny
-
-_PER_THREAD = threading.local()
-
-
-def per_thread(kind: type, *shape: int):
-    """This thread's ``kind(*shape)``, made again when ``shape`` changes: the CPU paths' working arrays over V,
-    reused by every solve. Fresh ones of megabytes cost a page fault per 4 KB whenever the allocator has handed
-    the memory back to the system (about 5 ms at V = 128k for mentored's), as much as the passes that use them."""
-    key = f"{kind.__module__}.{kind.__qualname__}"
-    held = getattr(_PER_THREAD, key, None)  # (shape, instance)
-    if held is None or held[0] != shape:
-        held = (shape, kind(*shape))
-        setattr(_PER_THREAD, key, held)
-    return held[1]
 
 
 def normalized_or(excess: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
