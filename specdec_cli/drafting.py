@@ -80,7 +80,7 @@ class Proposal:
     """What a drafter proposes for one block: ``n`` tokens in each of its rows, ``0 <= n <= max_length``."""
 
     tokens: torch.Tensor
-    """int64 ``[rows, n]``, on the setup's device."""
+    """int64 ``[rows, n]``, on the setup's device: ids in [0, V) (the engine reads that with the block's decision)."""
     laws: torch.Tensor
     """float ``[rows, n, V]``: the law each token was drawn from (one-hot for a deterministic drafter)."""
     finite: torch.Tensor

@@ -334,7 +334,8 @@ class SpeculativeDecoder:
             matches = [_longest_match(rows, decision.tokens, count) for rows in drafted.by_drafter()]
             flags = [decision.num_accepted, decision.row, count, target_finite.long(), departs.long()]
             packed = torch.cat([
-                decision.tokens, torch.stack(flags), drafted.finite.long(), *(torch.stack(match) for match in matches),
+                decision.tokens, torch.stack(flags), drafted.finite.long(), drafted.in_vocab.long(),
+                *(torch.stack(match) for match in matches),
             ])  # fmt: skip
             values = packed.tolist()  # the one device read of the block
             block = self._commit(values, drafted, committed)
@@ -346,8 +347,14 @@ class SpeculativeDecoder:
         block_size = drafted.length + 1
         tokens = values[:block_size]
         num_accepted, row, count, target_finite, departs = values[block_size : block_size + 5]
-        drafts_finite = values[block_size + 5 : block_size + 5 + len(self.drafters)]
-        matches = iter(values[block_size + 5 + len(self.drafters) :])
+        drafters = len(self.drafters)
+        drafts_finite = values[block_size + 5 : block_size + 5 + drafters]
+        drafts_in_vocab = values[block_size + 5 + drafters : block_size + 5 + 2 * drafters]
+        matches = iter(values[block_size + 5 + 2 * drafters :])
+        for drafter, in_vocab in zip(self.drafters, drafts_in_vocab):
+            if not in_vocab:
+                raise self.drafter_registry.fault(drafter.name, f"proposed token ids outside the vocabulary "
+                                                                f"[0, {self.vocab_size})")  # fmt: skip
         if not target_finite:
             raise NonFiniteLogitsError(non_finite_message("target"))
         for drafter, finite in zip(self.drafters, drafts_finite):
@@ -457,22 +464,25 @@ class _Drafted:
     tokens: torch.Tensor  # [K', n]: K' rows of the drafters that proposed (one empty row [1, 0] when none did)
     laws: torch.Tensor  # [K', n, vocab]
     finite: torch.Tensor  # [drafters] bool: each drafter's laws came from finite logits
+    in_vocab: torch.Tensor  # [drafters] bool: each drafter's tokens are ids of the vocabulary
     sizes: list[int]  # rows each drafter has in the block (0: it proposed nothing)
 
     @classmethod
     def of(cls, proposals: list[Proposal], vocab_size: int, device: torch.device) -> "_Drafted":
-        """The rows of the non-empty ``proposals``, each cut to the shortest of them."""
-        finite = torch.stack([proposal.finite for proposal in proposals]) if proposals else torch.ones(
-            0, dtype=torch.bool, device=device)  # [drafters]  # fmt: skip
+        """The rows of the non-empty ``proposals``, each cut to the shortest of them. Token ids outside the
+        vocabulary are told by ``in_vocab`` in the block's one read and clamped until then: on a GPU such an id
+        in the target's embedding is a device-side assert, which no message could follow."""
+        flags = [torch.stack([p.finite, ((p.tokens >= 0) & (p.tokens < vocab_size)).all()]) for p in proposals]
+        finite, in_vocab = torch.stack(flags, 1) if flags else torch.ones(2, 0, dtype=torch.bool, device=device)
         present = [proposal for proposal in proposals if proposal.length]
         sizes = [proposal.tokens.shape[0] if proposal.length else 0 for proposal in proposals]
         if not present:
             empty = empty_proposal(1, vocab_size, device)
-            return cls(empty.tokens, empty.laws, finite, sizes)
+            return cls(empty.tokens, empty.laws, finite, in_vocab, sizes)
         length = min(proposal.length for proposal in present)
-        tokens = torch.cat([proposal.tokens[:, :length] for proposal in present])  # [K', n]
+        tokens = torch.cat([proposal.tokens[:, :length] for proposal in present]).clamp(0, vocab_size - 1)  # [K', n]
         laws = torch.cat([proposal.laws[:, :length] for proposal in present])  # [K', n, vocab]
-        return cls(tokens, laws, finite, sizes)
+        return cls(tokens, laws, finite, in_vocab, sizes)
 
     @property
     def length(self) -> int:

@@ -234,6 +234,10 @@ class Broken(PromptLookup):
     (lambda p: Proposal(p.tokens, p.laws[..., :3], p.finite), "returned laws of shape"),
     (lambda p: Proposal(torch.zeros(1, 9, dtype=torch.long), torch.zeros(1, 9, 8), p.finite), "with n <= 3"),
     (RuntimeError("index out of range\nmore"), "raised RuntimeError: index out of range in propose"),
+    # Read with the block's decision, not before the target scores them (clamped meanwhile: on a GPU an id
+    # outside the embedding is a device-side assert).
+    (lambda p: Proposal(torch.full((1, 2), 8), torch.zeros(1, 2, 8), p.finite), "outside the vocabulary [0, 8)"),
+    (lambda p: Proposal(torch.full((1, 2), -1), torch.zeros(1, 2, 8), p.finite), "outside the vocabulary [0, 8)"),
 ])  # fmt: skip
 def test_a_misbehaving_drafter_stops_with_one_line_naming_the_plugin(tiny_models, returns, message):
     broken = type("Broken", (Broken,), {"returns": staticmethod(returns) if callable(returns) else returns})
