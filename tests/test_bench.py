@@ -274,14 +274,16 @@ def test_per_category_speedup_compares_the_examples_both_runs_finished():
 
 
 def test_drafters_are_a_grid_axis(run, recipe_path, data, tmp_path):  # noqa: F811
-    """`--drafter model,prompt-lookup` runs one cell per drafter beside the baseline; the prompt-lookup cell runs no
-    draft forward."""
+    """`bench --task xsum --drafter model,prompt-lookup` runs one cell per drafter beside the baseline, in one table
+    with their ROUGE-L; the prompt-lookup cell runs no draft forward."""
     out = tmp_path / "out"
-    code, stdout, err = run(_bench_args(recipe_path, data, out, "--drafter", "model,prompt-lookup"))
+    code, stdout, err = run(["bench", "-r", recipe_path, "--task", "xsum", "--dataset", str(data["dataset"]),
+                             "--template", "{source}", "--output", str(out), "--drafter", "model,prompt-lookup"])
     assert code == 0, err
     cells = _by_cell(out)
     assert set(cells) == {"baseline T=1", "speculative K=1 L=3 T=1 drafter=model",
                           "speculative K=1 L=3 T=1 drafter=prompt-lookup"}  # fmt: skip
     lookup = [s["stats"] for s in _samples(out) if s["cell"].endswith("drafter=prompt-lookup")]
     assert lookup and all(stats["draft_forwards"] == 0 for stats in lookup)
-    assert "drafter=prompt-lookup" in stdout
+    table = " ".join(stdout.replace("│", " ").split())
+    assert "ROUGE-L" in table and "drafter=model " in table and "drafter=prompt-lookup " in table
