@@ -20,6 +20,10 @@ import torch
 from specdec_cli.drafting import DraftRequest, Drafter, Proposal, empty_proposal, one_hot_laws
 
 
+_JOIN = -1
+"""Between an encoder-decoder's prompt and its decoder ids in the searched sequence: no token's id."""
+
+
 class PromptLookup(Drafter):
     """Copies what followed the latest earlier occurrence of the last n-gram of prompt and output (no model)."""
 
@@ -43,8 +47,9 @@ class PromptLookup(Drafter):
         self._indexed = 0  # n-grams ending before this position of the haystack are in the index
 
     def start(self, prompt_ids: list[int]) -> None:
-        # An encoder-decoder's context holds only the decoder's ids: the prompt is searched too.
-        self._prompt = list(prompt_ids) if self.draft_setup.target.is_encoder_decoder else []
+        # An encoder-decoder's context holds only the decoder's ids: the prompt is searched too, followed by an id
+        # no token has, so that no n-gram and no copied span runs from the prompt's end into the decoder's start.
+        self._prompt = [*prompt_ids, _JOIN] if self.draft_setup.target.is_encoder_decoder else []
         self._index, self._indexed = {}, 0
 
     def propose(self, request: DraftRequest) -> Proposal:
@@ -52,6 +57,7 @@ class PromptLookup(Drafter):
         limit = min(request.max_length, self.num_tokens or request.max_length)
         end = self._latest_match(haystack)
         found = haystack[end + 1 : end + 1 + limit] if end is not None else []
+        found = found[: found.index(_JOIN)] if _JOIN in found else found
         if not found:
             return empty_proposal(1, self.draft_setup.vocab_size, self.draft_setup.device)
         tokens = torch.tensor([found], dtype=torch.long, device=self.draft_setup.device)  # [1, n]

@@ -45,11 +45,11 @@ def _decoder(models, drafts: list[dict] | None = None, family: str = "llama", dr
 # --------------------------------------------------------------------------- prompt lookup's matching
 
 
-def _lookup(**params) -> PromptLookup:
+def _lookup(encoder_prompt: list[int] | None = None, **params) -> PromptLookup:
     drafter = PromptLookup(**params)
-    target = types.SimpleNamespace(is_encoder_decoder=False)
+    target = types.SimpleNamespace(is_encoder_decoder=encoder_prompt is not None)
     drafter.setup(DraftSetup(None, target, SamplingParams(), 1, 10, torch.device("cpu")))
-    drafter.start([])
+    drafter.start(encoder_prompt or [])
     return drafter
 
 
@@ -71,6 +71,18 @@ def _proposed(drafter: PromptLookup, context: list[int], max_length: int = 3) ->
 ])  # fmt: skip
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence(context, expected):
     assert _proposed(_lookup(), context) == expected
+
+
+@pytest.mark.parametrize("prompt, context, expected", [
+    ([4, 8, 2], [0, 8], [2]),  # the encoder's prompt is searched
+    ([4, 8], [0, 8], []),  # a match at the prompt's end does not copy the decoder's first ids
+    ([4, 8], [0, 8, 0, 8], [0, 8]),  # within the decoder's ids as usual
+    ([4, 8], [0], []),  # no n-gram runs across the join: (8, 0) is not in the prompt
+])  # fmt: skip
+def test_prompt_lookup_on_an_encoder_decoder_searches_the_prompt_without_crossing_into_the_decoder(
+    prompt, context, expected
+):  # fmt: skip
+    assert _proposed(_lookup(prompt), context) == expected
 
 
 def _reference(context: list[int], sizes: range, limit: int) -> list[int]:
