@@ -437,14 +437,15 @@ class SpeculativeDecoder:
                 if drafter.uses_model == runs_model:
                     own_uniforms = uniforms[:length, lanes[index]]  # [n, K_j]: this drafter's rows' lanes
                     request = DraftRequest(committed, length, own_uniforms, self._sampling_law, timer)
-                    proposals[index] = self._propose(drafter, request)
+                    proposals[index] = self.checked_proposal(drafter, request)
             if not runs_model:
                 length = block_length([p.length for p in proposals if p is not None], draft_length)
         stats.draft_forwards += sum(proposal.forwards for proposal in proposals)
         return _Drafted.of(proposals, self.vocab_size, self.device)
 
-    def _propose(self, drafter: Drafter, request: DraftRequest) -> Proposal:
-        """``drafter``'s proposal, its shapes, types and devices checked on the host (no device read)."""
+    def checked_proposal(self, drafter: Drafter, request: DraftRequest) -> Proposal:
+        """``drafter``'s proposal (one of this decoder's), its shapes, types and devices checked on the host (no device
+        read): a plugin's exception or a bad proposal is one line naming it."""
         proposal = self._call_drafter(drafter, "propose", drafter.propose, request)
         problem = proposal_problem(proposal, drafter.rows, request.max_length, self.vocab_size, self.device)
         if problem is not None:

@@ -1,4 +1,4 @@
-"""`specdec acceptance` on tiny models: values, the theory's orderings, agreement with the engine."""
+"""`specdec acceptance` on tiny models: values, the theory's orderings, agreement with the engine, drafter sections."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import torch
 
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.acceptance import OPTIMUM, AcceptanceAnalysis, AcceptanceRequest, AcceptanceRow
+from specdec_cli.randomness import sample_key
 from specdec_cli.recipe import build_recipe
 from specdec_cli.verifiers import VerifierRegistry
 from tests.conftest import tiny_recipe
-from tests.test_cli import run  # noqa: F401  (the CLI fixture)
+from tests.test_cli import _one_error_line, run  # noqa: F401  (the CLI fixture)
 
 PROMPTS = ["a b c", "d e", "e e a b", "c"]
 
@@ -202,3 +203,116 @@ def test_cli_leaves_out_verifiers_that_cannot_apply_and_derives_the_kl_grid(run,
     assert "0.1, 0.3 and 1 × the pair's mean KL(q‖p)" in err
     code, _, err = run(["acceptance", "-r", recipe, "a", "--verifier", "block", "--num-drafts", "1"])
     assert code == 2 and "no verifier has a per-token acceptance for these drafts: block" in err
+
+
+# --------------------------------------------------------------------------- drafters (issue 21)
+
+TRIGRAM_LOOKUP = {"drafter": "prompt-lookup", "params": {"min_ngram": 3, "max_ngram": 3}}
+"""Trigrams over the tiny vocabulary: along a continuation the lookup both hits and misses."""
+LOOKUP_PROMPTS = ["a b c d a b c", "c d e c d", "e a b e a"]
+
+
+def _with_drafts(models, family: str, drafts: list[dict], **sections) -> dict:
+    """A tiny recipe whose drafts are ``drafts`` ('draft' as a model: the family's tiny draft model)."""
+    recipe = tiny_recipe(models, family, **sections)
+    recipe.pop("draft")
+    recipe["drafts"] = [{"model": str(models[f"{family}-draft"]), "device": "cpu"} if d == "draft" else d for d in drafts]
+    return recipe
+
+
+def _lookup_law(haystack: list[int], size: int, offset: int) -> int | None:
+    """By brute force: the token ``offset`` places after the latest earlier occurrence of the haystack's last
+    ``size`` tokens (offset 1: prompt lookup's proposal), or None where there is none (or it lies past the end)."""
+    tail = haystack[-size:]
+    for end in range(len(haystack) - 2, size - 2, -1):
+        if haystack[end - size + 1 : end + 1] == tail:
+            return haystack[end + offset] if end + offset < len(haystack) else None
+    return None
+
+
+def _brute_force_lookup(analysis, prompts, offset: int) -> tuple[float, float]:
+    """(mean of q(looked-up token), 0 on a miss; share of hits) over every position of each prompt's continuation."""
+    values, hits = [], 0
+    target = analysis.decoder.target
+    for index, prompt in enumerate(prompts):
+        ids = analysis.decoder.encode_prompt(prompt)
+        tokens, _, _ = analysis.decoder.generate_ids(ids, sample_key(0, index, 0))
+        law = analysis.target_law(ids, tokens)  # [T, V]
+        before = ids + target.decoder_start_ids if target.is_encoder_decoder else ids
+        for position in range(len(tokens)):
+            looked_up = _lookup_law(before + tokens[:position], 3, 1)
+            hits += looked_up is not None
+            token = _lookup_law(before + tokens[:position], 3, offset) if looked_up is not None else None
+            values.append(0.0 if token is None else float(law[position, token]))
+    return sum(values) / len(values), hits / len(values)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_prompt_lookup_acceptance_is_q_of_the_looked_up_token(tiny_models, family):
+    """K = 1 through speculative: at each position q of the token the lookup proposes, 0 where it misses; the
+    coverage is the share of hits. A wrong law (q of the token after the proposed one) does not match."""
+    recipe = build_recipe(_with_drafts(tiny_models, family, [TRIGRAM_LOOKUP], generation={"max_new_tokens": 14}))
+    analysis = AcceptanceAnalysis(recipe, AcceptanceRequest(verifiers=("speculative",), num_drafts=(1,)))
+    report = analysis.run(LOOKUP_PROMPTS)
+    expected, hit_share = _brute_force_lookup(analysis, LOOKUP_PROMPTS, offset=1)
+    assert 0 < hit_share < 1, "the prompts must make the lookup both hit and miss"
+    assert report.cell("speculative", 1).mean == pytest.approx(expected, abs=1e-12)
+    assert report.coverage == pytest.approx(hit_share, abs=1e-12)
+    wrong, _ = _brute_force_lookup(analysis, LOOKUP_PROMPTS, offset=2)
+    assert abs(report.cell("speculative", 1).mean - wrong) > 1e-3
+    assert report.cell(OPTIMUM, 1).mean == pytest.approx(expected, abs=1e-12)  # one draft: Σ min(p, q) is optimal
+
+
+def test_drafter_sections_each_on_its_own(run, tiny_models, write_recipe):  # noqa: F811
+    """--drafter model,prompt-lookup: a section each; the model's equals a run with the model entry alone."""
+    sections = {"generation": {"max_new_tokens": 8}}
+    both = write_recipe(_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], **sections))
+    model_only = write_recipe(_with_drafts(tiny_models, "llama", ["draft"], **sections))
+    args = [*LOOKUP_PROMPTS, "--verifier", "speculative,specinfer", "--num-drafts", "1,2", "--json"]
+    code, out, err = run(["acceptance", "-r", str(both), "--drafter", "model,prompt-lookup", *args])
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["drafters"] == ["model", "prompt-lookup"]
+    model, lookup = payload["sections"]
+    assert (model["drafter"], lookup["drafter"]) == ("model", "prompt-lookup")
+    code, out, err = run(["acceptance", "-r", str(model_only), *args])
+    assert code == 0, err
+    alone = json.loads(out)
+    assert model["table"] == alone["table"] and model["coverage"] == alone["coverage"] == 1.0
+    assert [p["values"] for p in model["prompts"]] == [p["values"] for p in alone["prompts"]]
+    assert 0 < lookup["coverage"] < 1
+    code, out, err = run(["acceptance", "-r", str(both), "--drafter", "model,prompt-lookup", *args[:-1]])
+    assert code == 0, err
+    assert "drafter model" in out and "drafter prompt-lookup" in out and "coverage" in out
+
+
+def test_mixed_model_and_lookup_rows_go_through_specinfer(run, tiny_models, write_recipe, tmp_path):  # noqa: F811
+    """No --drafter: the entries together, K = 2 rows of different laws; speculative is left out with its reason."""
+    recipe = write_recipe(_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8}))
+    out_folder, picture = tmp_path / "out", tmp_path / "plot.png"
+    code, out, err = run(["acceptance", "-r", str(recipe), *LOOKUP_PROMPTS, "--verifier", "speculative,specinfer,spectr",
+                          "--num-drafts", "2", "--json", "--output", str(out_folder), "--plot", str(picture)])  # fmt: skip
+    assert code == 0, err
+    assert "left out: speculative (verifier 'speculative' takes at most 1 draft(s)" in err
+    assert "spectr (" in err and "identical" in err.split("spectr (")[1]
+    payload = json.loads(out)
+    assert payload["rows"] == ["optimum", "specinfer"] and payload["drafter"] is None
+    assert payload["identical_drafts"] is False and payload["coverage"] == 1.0  # the model row always proposes
+    for prompt in payload["prompts"]:
+        for optimum, reached in zip(prompt["values"][OPTIMUM]["2"], prompt["values"]["specinfer"]["2"]):
+            assert 0 <= reached <= optimum + 1e-9
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {row["drafter"] for row in csv.DictReader((out_folder / "acceptance.csv").open())} == {""}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("early-exit", "--drafter early-exit drafts with a model that the recipe does not name"),
+    ("nosuch", "unknown drafter 'nosuch'"),
+    ("model,Model", "--drafter lists model more than once"),
+    (",", "--drafter expects a comma list of str values"),
+])  # fmt: skip
+def test_a_drafter_that_cannot_work_here_is_one_line(run, tiny_models, write_recipe, value, message):  # noqa: F811
+    recipe = write_recipe(tiny_recipe(tiny_models, "llama"))
+    code, _, err = run(["acceptance", "-r", str(recipe), "a b", "--drafter", value])
+    assert code == 2
+    _one_error_line(err, message)

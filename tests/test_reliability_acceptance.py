@@ -1,9 +1,18 @@
-"""`specdec acceptance` with sizes that cannot be allocated: one line naming the option to lower."""
+"""`specdec acceptance` with sizes that cannot be allocated (one line naming the option to lower), a full disk, and
+drafter sections killed mid-run."""
 
 from __future__ import annotations
 
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.test_acceptance import LOOKUP_PROMPTS, TRIGRAM_LOOKUP, _with_drafts
 from tests.test_bad_inputs import inputs  # noqa: F401  (the prepared files and recipe)
 from tests.test_cli import _one_error_line, run  # noqa: F401  (the CLI fixture)
+from tests.test_faults import _start, _wait_for_samples
 
 
 def test_a_draft_count_that_cannot_fit_in_memory_is_one_line(run, inputs):  # noqa: F811
@@ -33,3 +42,34 @@ def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_
     assert "token-level acceptance probability" in out_text  # the table came first
     _one_error_line(err, "could not write the summary")
     assert (out / "acceptance.json").read_text() == before
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
+def test_killed_drafter_sections_resume_to_the_same_records(run, tiny_models, write_recipe, tmp_path, signum):  # noqa: F811
+    """--drafter model,prompt-lookup writes a record per (section, prompt): a run killed between or inside a prompt's
+    records resumes to the records and summary of a run never stopped."""
+    recipe = write_recipe(_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 10}))
+    (tmp_path / "prompts.txt").write_text("".join(f"{prompt} {i % 3 * 'e '}\n" for i, prompt in enumerate(LOOKUP_PROMPTS * 2)))
+
+    def args(output: Path) -> list[str]:
+        return ["acceptance", "-r", str(recipe), "--prompt-file", str(tmp_path / "prompts.txt"), "--drafter",
+                "model,prompt-lookup", "--verifier", "speculative,specinfer", "--num-drafts", "1,2", "--output", str(output)]
+
+    code, _, err = run(args(tmp_path / "reference"))
+    assert code == 0, err
+    killed = tmp_path / "killed"
+    process = _start(args(killed))
+    _wait_for_samples(killed, 3, process)  # mid-way through the second prompt's two records, or later
+    process.send_signal(signum)
+    process.communicate(timeout=120)
+    assert process.returncode in (0, 130, -signal.SIGKILL)  # 0: it finished before the signal landed
+    code, _, err = run(args(killed))
+    assert code == 0, err
+    assert _records(killed) == _records(tmp_path / "reference")
+    summary = [json.loads((folder / "acceptance.json").read_text()) for folder in (killed, tmp_path / "reference")]
+    assert summary[0]["sections"] == summary[1]["sections"] and summary[0]["drafters"] == ["model", "prompt-lookup"]
+
+
+def _records(folder: Path) -> list[dict]:
+    records = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+    return sorted(records, key=lambda record: (record["drafter"], record["prompt_index"]))

@@ -11,7 +11,7 @@ from typing import Any
 
 _WHERE = {
     "AcceptanceAnalysis": "analysis",
-    **{name: "results" for name in ("OPTIMUM", "AcceptanceReport", "AcceptanceRequest", "AcceptanceRow", "Estimate",
+    **{name: "results" for name in ("OPTIMUM", "AcceptanceReport", "AcceptanceRequest", "AcceptanceRow", "DrafterSection", "Estimate",
                                     "PromptAcceptance")},  # fmt: skip
 }
 

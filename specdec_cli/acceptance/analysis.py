@@ -9,41 +9,75 @@ A verifier with a KL bound (``kl_bound_parameter``) gets one row per bound, and 
 rule (the optimal-transport dual of Hu et al. 2025; Khisti et al., Theorem 3): exact on the full
 vocabulary for K identical drafts, and for K = 2 different drafts when they share at most
 ``MAX_TWO_DRAFT_SUPPORT`` tokens (see ``theory``).
+
+Draft configs are evaluated in drafter sections (:class:`~.results.DrafterSection`; ``--drafter``),
+each on the same continuation. A draft model's law comes from one batched forward over the
+continuation; a drafter without a model is asked, as the engine asks it, what it proposes after
+each prefix, and its law is that of its first token (one-hot for prompt lookup). Where a row
+proposes nothing it leaves the block, as in the engine: a verifier and the optimum are evaluated
+over the rows that proposed there, and accept nothing where none did.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ..decoding import Draft
 from ..draft_rows import DraftRows, round_robin
+from ..drafting import DraftRequest
 from ..engine import SpeculativeDecoder
-from ..randomness import sample_key
-from ..errors import SpecdecError, UsageError
+from ..randomness import Draws, Stream, sample_key
+from ..errors import NonFiniteLogitsError, SpecdecError, UsageError
 from ..model_pool import ModelPool
 from ..model_session import next_token_logits
-from ..recipe import Recipe
-from ..sampling import probs_from_logits
+from ..recipe import Recipe, VerifierConfig
+from ..sampling import non_finite_message, probs_from_logits, sampling_law
 from ..theory import MAX_TWO_DRAFT_SUPPORT, optimal_acceptance, optimal_acceptance_two_drafts, two_draft_support
 from ..registry import error_line
 from ..verifiers import BlockVerifier, VerifierRegistry
-from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, PromptAcceptance
+from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, DrafterSection, PromptAcceptance
 
 KL_FRACTIONS = (0.1, 0.3, 1.0)
-"""Default KL bounds, as fractions of the pair's measured mean KL(q ‖ p)."""
+"""Default KL bounds, as fractions of the pair's mean KL(q ‖ p)."""
 FALLBACK_KL_VALUES = (0.05, 0.2, 0.5)
 """Bounds when that mean is zero or not finite (identical models; a draft that rules out target tokens)."""
 
+PositionValues = Callable[[torch.Tensor, torch.Tensor, list[int]], tuple[torch.Tensor | None, str]]
+"""(target ``[T', V]``, drafts ``[T', K', V]`` of the rows that proposed, those rows' places among the K)
+→ (a value at each of the T' positions ``[T']``, or None and why there is none)."""
+
+
+@dataclass
+class _LoadedSection:
+    """A drafter section with its entries loaded."""
+
+    drafter: str | None
+    drafts: list[Draft]
+    laws: list[Hashable]
+    """Each entry's law key (as the engine keys its rows: equal keys, equal laws)."""
+    proposers: dict[int, SpeculativeDecoder]
+    """Entry index → a decoder whose one drafter is that entry's, set up by the engine (entries without a model)."""
+
+    def choice(self, num_drafts: int) -> list[int]:
+        """The entry of each of K = ``num_drafts`` rows, taken in turn."""
+        return [k % len(self.drafts) for k in range(num_drafts)]
+
+    def rows(self, num_drafts: int) -> DraftRows:
+        return round_robin(self.laws, num_drafts)
+
 
 class AcceptanceAnalysis:
-    """Generates with the target alone and evaluates every verifier on the positions it visits."""
+    """Generates with the target alone and evaluates every verifier on the positions it visits, per drafter section."""
 
-    def __init__(self, recipe: Recipe, request: AcceptanceRequest, *, registry: VerifierRegistry | None = None,
-                 pool: ModelPool | None = None):  # fmt: skip
-        if not recipe.drafts:
+    def __init__(self, recipe: Recipe, request: AcceptanceRequest, *, sections: Sequence[DrafterSection] | None = None,
+                 registry: VerifierRegistry | None = None, pool: ModelPool | None = None):  # fmt: skip
+        sections = DrafterSection.of_recipe(recipe, []) if sections is None else sections
+        if any(not section.drafts for section in sections):
             raise UsageError("the recipe has no draft: acceptance compares a target with its draft(s)")
         if any(k < 1 for k in request.num_drafts):
             raise UsageError("--num-drafts values must be >= 1")
@@ -57,9 +91,19 @@ class AcceptanceAnalysis:
         """The pair's mean KL(q ‖ p) on the first prompt, when the KL bounds were derived from it."""
         pool = pool if pool is not None else ModelPool()
         self.decoder = SpeculativeDecoder.from_recipe(recipe, autoregressive=True, pool=pool, registry=self.registry)
-        self.drafts = pool.drafts(recipe.drafts, self.decoder.target, self.decoder.drafter_registry)
+        self.sections = [self._load(section, pool) for section in sections]
         _check_memory(recipe.generation.max_new_tokens, max(request.num_drafts), self.decoder.vocab_size,
                       self.decoder.device)  # fmt: skip
+
+    def _load(self, section: DrafterSection, pool: ModelPool) -> _LoadedSection:
+        """The section's entries loaded; each entry without a model gets a decoder of its own, in which the engine
+        sets its drafter up as for blocks of one row (the default single-draft verifier takes any one row)."""
+        drafts = pool.drafts(section.drafts, self.decoder.target, self.decoder.drafter_registry)
+        config = self.decoder.config.replace(verifier=VerifierConfig().name, num_drafts=1)
+        proposers = {index: SpeculativeDecoder(self.decoder.target, [draft], config, self.registry,
+                                               self.decoder.drafter_registry)
+                     for index, draft in enumerate(drafts) if draft.model is None}  # fmt: skip
+        return _LoadedSection(section.drafter, drafts, [draft.law(self.decoder.config) for draft in drafts], proposers)
 
     def _verifiers(self, bounds: Sequence[float]) -> dict[AcceptanceRow, BlockVerifier]:
         """One verifier per row; a verifier with a KL bound gets a row per bound (one with its own
@@ -77,52 +121,63 @@ class AcceptanceAnalysis:
                 verifiers[row] = self.registry.create(name, self.registry.with_kl_bound(name, own, bound))
         return verifiers
 
-    def draft_rows(self, num_drafts: int) -> DraftRows:
-        """K = ``num_drafts`` rows taken in turn from the draft configs."""
-        return round_robin([draft.law(self.decoder.config) for draft in self.drafts], num_drafts)
-
     def rows(self) -> list[AcceptanceRow]:
         return [AcceptanceRow(OPTIMUM), *self.verifiers]
 
-    def run(
+    def run(self, prompts: Sequence[str], on_prompt: Callable[[list[PromptAcceptance]], None] | None = None,
+            done: Sequence[PromptAcceptance] = (), on_tokens: Callable[[int], None] | None = None) -> AcceptanceReport:  # fmt: skip
+        """:meth:`run_sections` of an analysis of one section (no ``sections``, or one) → its report."""
+        (report,) = self.run_sections(prompts, on_prompt, done, on_tokens)
+        return report
+
+    def run_sections(
         self,
         prompts: Sequence[str],
-        on_prompt: Callable[[PromptAcceptance], None] | None = None,
+        on_prompt: Callable[[list[PromptAcceptance]], None] | None = None,
         done: Sequence[PromptAcceptance] = (),
         on_tokens: Callable[[int], None] | None = None,
-    ) -> AcceptanceReport:
-        """Evaluate every prompt not in ``done`` (a resumed run's); Ctrl-C stops early and keeps what
-        was computed (``interrupted``). A prompt's result depends only on the recipe and its index."""
+    ) -> list[AcceptanceReport]:
+        """Evaluate every (section, prompt) not in ``done`` (a resumed run's); ``on_prompt`` gets each prompt's new
+        results, all sections at once. Ctrl-C stops early and keeps what was computed (``interrupted``).
+        A prompt's result depends only on the recipe, its section and its index."""
         if self.request.kl_values is None and self._has_kl_bound():
             self.derive_kl_values(prompts[0])
-        identical = all(self.draft_rows(k).identical_laws for k in self.request.num_drafts)
-        report = AcceptanceReport(rows=self.rows(), num_drafts=sorted(set(self.request.num_drafts)),
-                                  identical_drafts=identical)  # fmt: skip
-        finished = {result.prompt_index: result for result in done}
+        counts = sorted(set(self.request.num_drafts))
+        reports = [AcceptanceReport(rows=self.rows(), num_drafts=counts, drafter=section.drafter,
+                                    identical_drafts=all(section.rows(k).identical_laws for k in counts))
+                   for section in self.sections]  # fmt: skip
+        finished = {(result.drafter, result.prompt_index): result for result in done}
         encoded = [self.decoder.encode_prompt(p) for p in prompts]
         try:
             for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
-                result = finished.get(index) or self.evaluate_prompt(prompt, index, ids, on_tokens)
-                report.add(result)
-                if on_prompt is not None and index not in finished:
-                    on_prompt(result)
+                missing = [section for section in self.sections if (section.drafter, index) not in finished]
+                new = self.evaluate_prompt(prompt, index, ids, missing, on_tokens) if missing else []
+                results = {**finished, **{(result.drafter, index): result for result in new}}
+                for report in reports:
+                    report.add(results[(report.drafter, index)])
+                if new and on_prompt is not None:
+                    on_prompt(new)
         except KeyboardInterrupt:
-            report.interrupted = True
-        return report
+            for report in reports:
+                report.interrupted = True
+        return reports
 
     def _has_kl_bound(self) -> bool:
         return any(self.registry.verifier_class(name).kl_bound_parameter for name in self.request.verifiers)
 
     def derive_kl_values(self, prompt: str) -> tuple[float, ...]:
-        """KL bounds at ``KL_FRACTIONS`` of the pair's mean KL(q ‖ p) over the first prompt's positions.
+        """KL bounds at ``KL_FRACTIONS`` of the mean KL(q ‖ p) of the first section's first entry over the first
+        prompt's positions.
 
         A bound at or above a position's KL(q ‖ p) accepts every draft there, so a fixed grid is
         flat on a close pair and coarse on a distant one. The first prompt's continuation is the
         one its evaluation generates (same seed), so a resumed run derives the same bounds.
         """
         ids = self.decoder.encode_prompt(prompt)
-        tokens, _, _ = self.decoder.generate_ids(ids, sample_key(self.recipe.seed, 0, 0))
-        target, drafts = self.laws(ids, tokens)  # [T, V], [T, C, V]
+        key = sample_key(self.recipe.seed, 0, 0)
+        tokens, _, _ = self.decoder.generate_ids(ids, key)
+        target = self.target_law(ids, tokens)  # [T, V]
+        drafts, _ = self.draft_laws(self.sections[0], ids, tokens, key)  # [T, C, V]
         divergence = (torch.xlogy(target, target) - torch.xlogy(target, drafts[:, 0])).sum(-1)  # [T]
         finite = divergence[torch.isfinite(divergence)]  # [T'] (a draft that rules out a target token gives inf)
         self.kl_reference = float(finite.mean()) if finite.numel() else None
@@ -135,72 +190,165 @@ class AcceptanceAnalysis:
         return values
 
     @torch.inference_mode()
-    def laws(self, prompt_ids: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[T, V]`` and every draft config's p ``[T, C, V]`` (float64) at the T generated positions."""
+    def target_law(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+        """q ``[T, V]`` (float64) at the T generated positions."""
         generated = torch.tensor([tokens], dtype=torch.long)  # [1, T]
-        vocab = self.decoder.vocab_size
-        target_logits = next_token_logits(self.decoder.target, prompt_ids, generated, vocab)[0, :-1]  # [T, V]
-        target = probs_from_logits(target_logits, self.decoder.target_params, "target")  # [T, V]
-        drafts = []
-        for draft in self.drafts:
-            logits = next_token_logits(draft.model, prompt_ids, generated, vocab)[0, :-1].to(target.device)  # [T, V]
-            drafts.append(probs_from_logits(logits, draft.sampling(self.decoder.config), draft.model.name))
+        logits = next_token_logits(self.decoder.target, prompt_ids, generated, self.decoder.vocab_size)[0, :-1]  # [T, V]
         # float64 laws that sum to 1 to double precision (float32 softmax rows miss by ~1e-7), so
         # every verifier and the optimum are evaluated at the precision the theory is checked to.
-        target, drafts = target.double(), torch.stack(drafts, dim=1).double()  # [T, V], [T, C, V]
-        return target / target.sum(-1, keepdim=True), drafts / drafts.sum(-1, keepdim=True)
+        target = probs_from_logits(logits, self.decoder.target_params, "target").double()  # [T, V]
+        return target / target.sum(-1, keepdim=True)
 
-    def evaluate_prompt(self, prompt: str, index: int, prompt_ids: list[int],
-                        on_tokens: Callable[[int], None] | None = None) -> PromptAcceptance:  # fmt: skip
-        """Every row's acceptance at each position of the target's own continuation of the prompt;
-        ``on_tokens(count)`` follows the generation."""
+    @torch.inference_mode()
+    def draft_laws(self, section: _LoadedSection, prompt_ids: list[int], tokens: list[int],
+                   key: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Every entry's p ``[T, C, V]`` (float64; zero where it proposed nothing) at the T generated positions,
+        and where it proposed ``[T, C]`` (an entry with a model always does). ``key``: the sample's randomness."""
+        generated = torch.tensor([tokens], dtype=torch.long)  # [1, T]
+        device, vocab = self.decoder.device, self.decoder.vocab_size
+        laws, proposed = [], []
+        for index, draft in enumerate(section.drafts):
+            if index in section.proposers:
+                law, made = _proposed_laws(section.proposers[index], prompt_ids, tokens, key)  # [T, V], [T]
+            else:
+                logits = next_token_logits(draft.model, prompt_ids, generated, vocab)[0, :-1].to(device)  # [T, V]
+                law = probs_from_logits(logits, draft.sampling(self.decoder.config), draft.model.name)  # [T, V]
+                made = torch.ones(len(tokens), dtype=torch.bool, device=device)  # [T]
+            laws.append(law.double())
+            proposed.append(made)
+        drafts = torch.stack(laws, dim=1)  # [T, C, V]
+        # A law that is all zeros (nothing proposed) stays zeros rather than 0 / 0.
+        sums = drafts.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)  # [T, C, 1]
+        return drafts / sums, torch.stack(proposed, dim=1)
+
+    def evaluate_prompt(self, prompt: str, index: int, prompt_ids: list[int], sections: Sequence[_LoadedSection],
+                        on_tokens: Callable[[int], None] | None = None) -> list[PromptAcceptance]:  # fmt: skip
+        """Every row's acceptance at each position of the target's own continuation of the prompt, for each of
+        ``sections``; ``on_tokens(count)`` follows the generation."""
         progress = None if on_tokens is None else (lambda tokens, _mask: on_tokens(len(tokens)))
-        tokens, _, _ = self.decoder.generate_ids(prompt_ids, sample_key(self.recipe.seed, index, 0), progress)
-        target, configs = self.laws(prompt_ids, tokens)  # [T, V], [T, C, V]
-        result = PromptAcceptance(prompt=prompt, prompt_index=index, positions=len(tokens))
-        for num_drafts in self.request.num_drafts:
-            drafts = configs[:, [k % len(self.drafts) for k in range(num_drafts)]]  # [T, K, V]
-            rows = self.draft_rows(num_drafts)
-            optimum, reason = _optimum(target, drafts, rows.identical_laws)
-            result.record(AcceptanceRow(OPTIMUM), num_drafts, optimum, reason)
-            for row, verifier in self.verifiers.items():
-                self._evaluate_row(result, row, verifier, target, drafts, rows)
-        return result
+        key = sample_key(self.recipe.seed, index, 0)
+        tokens, _, _ = self.decoder.generate_ids(prompt_ids, key, progress)
+        target = self.target_law(prompt_ids, tokens)  # [T, V]
+        results = []
+        for section in sections:
+            configs, proposed = self.draft_laws(section, prompt_ids, tokens, key)  # [T, C, V], [T, C]
+            covered = int(proposed.any(-1).sum()) if section.proposers else None
+            result = PromptAcceptance(prompt=prompt, prompt_index=index, positions=len(tokens),
+                                      drafter=section.drafter, covered=covered)  # fmt: skip
+            for num_drafts in self.request.num_drafts:
+                self._evaluate_drafts(result, section, target, configs, proposed, num_drafts)
+            results.append(result)
+        return results
 
-    def _evaluate_row(self, result: PromptAcceptance, row: AcceptanceRow, verifier: BlockVerifier,
-                      target: torch.Tensor, drafts: torch.Tensor, rows: DraftRows) -> None:  # fmt: skip
-        """One row's acceptance (and KL) for target ``[T, V]`` and drafts ``[T, K, V]``; a plugin's own
-        exception becomes one line naming it."""
+    def _evaluate_drafts(self, result: PromptAcceptance, section: _LoadedSection, target: torch.Tensor,
+                         configs: torch.Tensor, proposed: torch.Tensor, num_drafts: int) -> None:  # fmt: skip
+        """Every row's acceptance with K = ``num_drafts`` rows, for target ``[T, V]``, the entries' laws
+        ``[T, C, V]`` and where each entry proposed ``[T, C]``."""
+        choice = section.choice(num_drafts)
+        drafts = configs[:, choice]  # [T, K, V]
+        rows, laws = section.rows(num_drafts), [section.laws[entry] for entry in choice]
+        groups = _ProposingRows.of(proposed[:, choice])
+        # The optimum over the rows that proposed: identical where their laws are.
+        optimum, reason = groups.values(
+            lambda q, p, kept: _optimum(q, p, len({laws[row] for row in kept}) <= 1), target, drafts)  # fmt: skip
+        result.record(AcceptanceRow(OPTIMUM), num_drafts, optimum, reason)
+        for row, verifier in self.verifiers.items():
+            self._evaluate_row(result, row, verifier, target, drafts, (rows, groups))
+
+    def _evaluate_row(self, result: PromptAcceptance, row: AcceptanceRow, verifier: BlockVerifier, target: torch.Tensor,
+                      drafts: torch.Tensor, proposing: tuple[DraftRows, _ProposingRows]) -> None:  # fmt: skip
+        """One row's acceptance (and KL) for target ``[T, V]`` and drafts ``[T, K, V]``: refused as the engine
+        refuses the K rows, evaluated over the rows that proposed (``proposing``); a plugin's own exception
+        becomes one line naming it."""
+        rows, groups = proposing
         try:
-            values, reason = _acceptance(verifier, target, drafts, self.registry.refusal(row.verifier, rows))
+            values, reason = _acceptance(verifier, target, drafts, self.registry.refusal(row.verifier, rows), groups)
             result.record(row, rows.count, values, reason)
             if values is not None and row.label not in result.kl:
-                divergence = verifier.output_kl(target, drafts)  # [T] or None
+                divergence, _ = groups.values(lambda q, p, _kept: (verifier.output_kl(q, p), ""), target, drafts)
                 if divergence is not None:
-                    result.kl[row.label] = divergence.double().tolist()
+                    result.kl[row.label] = divergence
         except SpecdecError:
             raise
         except Exception as error:
             raise self.registry.fault(row.verifier, f"raised {error_line(error)} in acceptance") from error
 
 
-def _acceptance(verifier: BlockVerifier, target: torch.Tensor, drafts: torch.Tensor, refusal: str | None):
-    """(acceptance at each position, or None and why) for target ``[T, V]`` and drafts ``[T, K, V]``."""
+@dataclass(frozen=True)
+class _ProposingRows:
+    """A prompt's positions grouped by which of the K rows proposed there: few patterns, since a row with a model
+    always proposes and a row without one either does or not."""
+
+    positions: int
+    groups: list[tuple[torch.Tensor, torch.Tensor]]
+    """(positions ``[T']``, rows ``[K']``) of each pattern in which at least one row proposed."""
+
+    @classmethod
+    def of(cls, proposed: torch.Tensor) -> _ProposingRows:
+        """From where each row proposed ``[T, K]``."""
+        patterns, inverse = torch.unique(proposed, dim=0, return_inverse=True)  # [P, K], [T]
+        groups = [((inverse == number).nonzero().squeeze(-1), pattern.nonzero().squeeze(-1))
+                  for number, pattern in enumerate(patterns) if bool(pattern.any())]  # fmt: skip
+        return cls(proposed.shape[0], groups)
+
+    def values(self, value: PositionValues, target: torch.Tensor, drafts: torch.Tensor) -> tuple[list[float] | None, str]:
+        """``value`` over the rows that proposed at each position, for target ``[T, V]`` and drafts ``[T, K, V]``;
+        0 where no row proposed (the block is the target's own token: nothing is accepted). None and why where
+        ``value`` gives none for some group."""
+        result = torch.zeros(self.positions, dtype=torch.float64, device=target.device)  # [T]
+        for positions, rows in self.groups:
+            values, reason = value(target[positions], drafts[positions][:, rows], rows.tolist())  # [T']
+            if values is None:
+                return None, reason
+            result[positions] = values.to(result)
+        return result.tolist(), ""
+
+
+def _proposed_laws(decoder: SpeculativeDecoder, prompt_ids: list[int], tokens: list[int],
+                   key: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """What ``decoder``'s one drafter (no model) proposes after each prefix of the target's continuation ``tokens``,
+    asked as the engine asks it: started on the prompt, then at each position a block of one token with the
+    sample's keyed uniforms, of whose row nothing is committed. → the law of its first token ``[T, V]`` (zeros
+    where it proposed nothing) and where it proposed ``[T]``."""
+    (drafter,) = decoder.drafters
+    registry, device = decoder.drafter_registry, decoder.device
+    registry.guarded(drafter.name, "start", drafter.start, prompt_ids)
+    context = decoder.target.decoder_start_ids if decoder.target.is_encoder_decoder else list(prompt_ids)
+    draws = Draws.create(key, 0, device)
+    laws = torch.zeros(len(tokens), decoder.vocab_size, dtype=torch.float64, device=device)  # [T, V]
+    proposed = torch.zeros(len(tokens), dtype=torch.bool, device=device)  # [T]
+    for position, token in enumerate(tokens):
+        draws.block_start.fill_(position)
+        request = DraftRequest(context, 1, draws.uniforms(Stream.DRAFT, 1, drafter.rows), sampling_law)  # [1, rows]
+        proposal = decoder.checked_proposal(drafter, request)
+        if not bool(proposal.finite):
+            raise NonFiniteLogitsError(non_finite_message(f"draft {drafter.label}"))
+        if proposal.length:
+            laws[position], proposed[position] = proposal.laws[0, 0], True
+        registry.guarded(drafter.name, "keep", drafter.keep, 0, len(context))
+        context.append(token)  # committed in place, as the engine commits a block
+    return laws, proposed
+
+
+def _acceptance(verifier: BlockVerifier, target: torch.Tensor, drafts: torch.Tensor, refusal: str | None,
+                groups: _ProposingRows) -> tuple[list[float] | None, str]:  # fmt: skip
+    """(acceptance at each position, or None and why) for target ``[T, V]`` and drafts ``[T, K, V]``, over the
+    rows that proposed at each position (``groups``)."""
     if not verifier.token_level:
         return None, f"{verifier.name} decides whole blocks: a per-token acceptance is not defined (compare it with bench)"
     if refusal is not None:
         return None, refusal
     try:
-        return verifier.acceptance_probability(target, drafts).double().tolist(), ""  # [T]
+        return groups.values(lambda q, p, _kept: (verifier.acceptance_probability(q, p), ""), target, drafts)
     except SpecdecError as error:
         return None, str(error)
 
 
-def _optimum(target: torch.Tensor, drafts: torch.Tensor, identical: bool) -> tuple[list[float] | None, str]:
-    """The optimum at each position for target ``[T, V]`` and drafts ``[T, K, V]``, or why it is not given."""
+def _optimum(target: torch.Tensor, drafts: torch.Tensor, identical: bool) -> tuple[torch.Tensor | None, str]:
+    """The optimum at each position ``[T]`` for target ``[T, V]`` and drafts ``[T, K, V]``, or why it is not given."""
     num_drafts = drafts.shape[1]
     if identical:
-        return optimal_acceptance(target, drafts[:, 0], num_drafts).tolist(), ""
+        return optimal_acceptance(target, drafts[:, 0], num_drafts), ""
     if num_drafts > 2:
         return None, "not computed for K > 2 different drafts (exact here for identical drafts and for K = 2)"
     support = int(two_draft_support(drafts[:, 0], drafts[:, 1]).max())
@@ -209,8 +357,8 @@ def _optimum(target: torch.Tensor, drafts: torch.Tensor, identical: bool) -> tup
             f"not computed: the two different drafts share up to {support} tokens, and the exact optimum "
             f"for different drafts takes at most {MAX_TWO_DRAFT_SUPPORT} (restrict sampling, e.g. --top-k 50)"
         )
-    return [float(optimal_acceptance_two_drafts(q, p[0], p[1])) for q, p in zip(target, drafts)], ""
-
+    values = [float(optimal_acceptance_two_drafts(q, p[0], p[1])) for q, p in zip(target, drafts)]
+    return torch.tensor(values, dtype=torch.float64), ""
 
 
 def _check_memory(positions: int, num_drafts: int, vocab_size: int, device: torch.device) -> None:

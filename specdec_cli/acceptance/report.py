@@ -19,14 +19,22 @@ from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow
 if TYPE_CHECKING:
     import torch
 
-FORMAT_VERSION = 2
-"""acceptance.json: 2 moved versions and device into ``environment`` (the provenance record)."""
+FORMAT_VERSION = 3
+"""acceptance.json: 2 moved versions and device into ``environment`` (the provenance record); 3 added each
+section's ``drafter`` and ``coverage``, and with ``--drafter`` the ``sections`` list."""
 
 
-def payload(recipe: Recipe, request: AcceptanceRequest, report: AcceptanceReport, device: "torch.device") -> dict:
-    """acceptance.json's content (also what ``--json`` prints)."""
+def payload(recipe: Recipe, request: AcceptanceRequest, reports: list[AcceptanceReport], device: "torch.device") -> dict:
+    """acceptance.json's content (also what ``--json`` prints): the one section of a run without ``--drafter`` at
+    the top level, as before drafters; with ``--drafter``, ``drafters`` and a ``sections`` list, one per drafter."""
     from ..provenance import provenance  # torch: this runs after the models did
 
+    named = [report.drafter for report in reports if report.drafter is not None]
+    if named:
+        results = {"drafters": named, "sections": [report.to_dict() for report in reports],
+                   "interrupted": reports[0].interrupted}  # fmt: skip
+    else:
+        results = reports[0].to_dict()
     return {
         "format": FORMAT_VERSION,
         "environment": provenance(device),
@@ -34,17 +42,20 @@ def payload(recipe: Recipe, request: AcceptanceRequest, report: AcceptanceReport
         "recipe": recipe.to_dict(),
         "request": {"verifiers": list(request.verifiers), "num_drafts": list(request.num_drafts),
                     "kl": list(request.kl_values or ())},  # fmt: skip
-        **report.to_dict(),
+        **results,
     }
 
 
 def table(report: AcceptanceReport) -> Table:
-    title = "token-level acceptance probability"
+    title = "token-level acceptance probability" + ("" if report.drafter is None else f" · drafter {report.drafter}")
+    coverage = "" if report.coverage is None else (
+        f"coverage {report.coverage:.1%}: positions where at least one draft row proposed (elsewhere none is "
+        "accepted)\n")  # fmt: skip
     result = Table(
         title=title,
         min_width=len(title) + 4,  # a narrow table would fold its own title
         caption=(
-            f"mean ± standard error over {report.positions} positions of {len(report.prompts)} prompts; "
+            f"{coverage}mean ± standard error over {report.positions} positions of {len(report.prompts)} prompts; "
             "optimum: best of any lossless rule (Hu et al. 2025; Khisti et al. Thm 3), exact: full vocabulary "
             "for identical drafts, K=2 different drafts sharing at most 128 tokens"
         ),
@@ -76,21 +87,22 @@ def _format(cell: Estimate | None) -> str:
     return f"{cell.mean:.3f} ± {cell.stderr:.3f}"
 
 
-def write(folder: Path, content: dict, report: AcceptanceReport) -> None:
-    """acceptance.json and acceptance.csv in ``folder``, each replaced whole (a failed write leaves the
-    previous file): an OSError is the caller's to report."""
+def write(folder: Path, content: dict, reports: list[AcceptanceReport]) -> None:
+    """acceptance.json and acceptance.csv (a line per drafter section, row and K) in ``folder``, each replaced
+    whole (a failed write leaves the previous file): an OSError is the caller's to report."""
     folder.mkdir(parents=True, exist_ok=True)
     write_atomically(folder / "acceptance.json", json.dumps(content, indent=2) + "\n")
     buffer = io.StringIO(newline="")
     writer = csv.writer(buffer)
-    writer.writerow(["row", "num_drafts", "mean", "stderr", "positions", "kl_mean"])
-    for row in report.rows:
-        divergence = report.kl(row)
-        for k in report.num_drafts:
-            cell = report.cell(row, k)
-            if cell is not None:
-                writer.writerow([row.label, k, cell.mean, cell.stderr, cell.count,
-                                 divergence.mean if divergence else ""])  # fmt: skip
+    writer.writerow(["drafter", "coverage", "row", "num_drafts", "mean", "stderr", "positions", "kl_mean"])
+    for report in reports:
+        for row in report.rows:
+            divergence = report.kl(row)
+            for k in report.num_drafts:
+                cell = report.cell(row, k)
+                if cell is not None:
+                    writer.writerow([report.drafter or "", report.coverage, row.label, k, cell.mean, cell.stderr,
+                                     cell.count, divergence.mean if divergence else ""])  # fmt: skip
     write_atomically(folder / "acceptance.csv", buffer.getvalue())
 
 
@@ -113,6 +125,7 @@ def figure(report: AcceptanceReport, content: dict | None = None):
     if content is not None:
         count = len(report.prompts)
         what = f"{count} prompt{'s' if count != 1 else ''}, {report.positions} positions"
+        what += "" if report.drafter is None else f", drafter {report.drafter} (coverage {report.coverage:.1%})"
         drawn.suptitle(describe_run(content["recipe"], what, [content["environment"]]), fontsize=9)
     _plot_by_k(axes[0][0], report)
     if bounded:

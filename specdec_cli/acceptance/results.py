@@ -11,6 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from ..drafter_registry import DrafterRegistry
+from ..recipe import DraftConfig, Recipe
 from ..results_store import RecordKind
 
 OPTIMUM = "optimum"
@@ -23,6 +25,29 @@ class AcceptanceRequest:
     num_drafts: tuple[int, ...] = (1, 2, 4)
     kl_values: tuple[float, ...] | None = None
     """None: derived from the pair's measured KL(q ‖ p) (see ``AcceptanceAnalysis.derive_kl_values``)."""
+
+
+@dataclass(frozen=True)
+class DrafterSection:
+    """Draft entries evaluated together: the recipe's entries of one drafter (``--drafter NAME``), or every entry."""
+
+    drafter: str | None
+    """The drafter's name, or None: every entry of the recipe (no ``--drafter``)."""
+    drafts: tuple[DraftConfig, ...]
+
+    @classmethod
+    def of_recipe(cls, recipe: Recipe, drafters: list[str]) -> list[DrafterSection]:
+        """A section per name of ``drafters`` (the recipe's entries of it, as generate's ``--drafter`` takes them),
+        or one of every entry when there is none; each entry checked against its drafter (a UsageError naming
+        what cannot work), before any model loads."""
+        registry = DrafterRegistry()
+        if not drafters:
+            sections = [cls(None, recipe.drafts)]
+        else:
+            sections = [cls(registry.canonical(name), registry.entries_of(recipe.drafts, name)) for name in drafters]
+        for section in sections:
+            registry.check_entries(section.drafts)
+        return sections
 
 
 @dataclass(frozen=True)
@@ -58,8 +83,8 @@ class Estimate:
 
 @dataclass(kw_only=True)
 class PromptAcceptance:
-    """Per-position values for one prompt: ``values[label][K]``, ``kl[label]`` (a verifier's
-    ``output_kl``, at the first K it takes), and why a (label, K) cell has no value."""
+    """Per-position values for one prompt and one drafter section: ``values[label][K]``, ``kl[label]`` (a
+    verifier's ``output_kl``, at the first K it takes), and why a (label, K) cell has no value."""
 
     prompt: str
     prompt_index: int
@@ -67,6 +92,11 @@ class PromptAcceptance:
     values: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     kl: dict[str, list[float]] = field(default_factory=dict)
     unavailable: dict[tuple[str, int], str] = field(default_factory=dict)
+    drafter: str | None = None
+    """The section's drafter (``--drafter``); None: every entry of the recipe."""
+    covered: int | None = None
+    """Positions where at least one of the section's entries proposed; None: every position (each entry drafts
+    with a model, as every section did before drafters without one)."""
 
     def record(self, row: AcceptanceRow, num_drafts: int, values: list[float] | None, reason: str) -> None:
         """The row's values at ``num_drafts`` drafts, or (values None) why there are none."""
@@ -79,6 +109,9 @@ class PromptAcceptance:
         """The results folder's line for this prompt ('label|K' keys for the unavailable cells)."""
         record = dataclasses.asdict(self)
         record["unavailable"] = {f"{label}|{k}": why for (label, k), why in self.unavailable.items()}
+        for optional in _OPTIONAL_FIELDS:  # left out when None: such records are those of before drafters
+            if record[optional] is None:
+                del record[optional]
         return record
 
     @classmethod
@@ -90,15 +123,22 @@ class PromptAcceptance:
             label, _, k = key.rpartition("|")
             unavailable[(label, int(k))] = why
         return cls(prompt=record["prompt"], prompt_index=record["prompt_index"], positions=record["positions"],
-                   values=values, kl=record["kl"], unavailable=unavailable)  # fmt: skip
+                   values=values, kl=record["kl"], unavailable=unavailable,
+                   **{name: record.get(name) for name in _OPTIONAL_FIELDS})  # fmt: skip
 
 
-PROMPT_RECORDS = RecordKind(lambda record: (record["prompt_index"],),
-                            frozenset({"prompt", "prompt_index", "positions", "values", "kl", "unavailable"}))
+_OPTIONAL_FIELDS = {"drafter": str, "covered": int}
+"""PromptAcceptance's fields that a record holds only when they are not None."""
+
+PROMPT_RECORDS = RecordKind(lambda record: (record.get("drafter"), record["prompt_index"]),
+                            frozenset({"prompt", "prompt_index", "positions", "values", "kl", "unavailable"}),
+                            optional=_OPTIONAL_FIELDS)  # fmt: skip
 
 
 @dataclass(kw_only=True)
 class AcceptanceReport:
+    """One drafter section's values over the prompts."""
+
     rows: list[AcceptanceRow]
     num_drafts: list[int]
     prompts: list[PromptAcceptance] = field(default_factory=list)
@@ -106,6 +146,8 @@ class AcceptanceReport:
     """(row label, K) → why that cell has no value (e.g. a single-draft verifier at K = 2)."""
     identical_drafts: bool = True
     interrupted: bool = False
+    drafter: str | None = None
+    """The section's drafter (``--drafter``); None: every entry of the recipe."""
 
     def add(self, result: PromptAcceptance) -> None:
         self.prompts.append(result)
@@ -123,6 +165,13 @@ class AcceptanceReport:
     def positions(self) -> int:
         return sum(p.positions for p in self.prompts)
 
+    @property
+    def coverage(self) -> float | None:
+        """The share of positions where at least one of the section's entries proposed (None: no position yet)."""
+        if not self.positions:
+            return None
+        return sum(p.positions if p.covered is None else p.covered for p in self.prompts) / self.positions
+
     def to_dict(self) -> dict:
         table = {}
         for row in self.rows:
@@ -131,6 +180,8 @@ class AcceptanceReport:
             if (divergence := self.kl(row)) is not None:
                 table[row.label]["kl"] = dataclasses.asdict(divergence)
         return {
+            "drafter": self.drafter,
+            "coverage": self.coverage,
             "rows": [row.label for row in self.rows],
             "num_drafts": self.num_drafts,
             "table": table,

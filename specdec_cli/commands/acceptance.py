@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+from collections import Counter
 from collections.abc import Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -14,9 +15,8 @@ import typer
 from rich.console import Console
 
 from ..acceptance import report
-from ..acceptance.results import PROMPT_RECORDS, AcceptanceReport, AcceptanceRequest, PromptAcceptance
+from ..acceptance.results import PROMPT_RECORDS, AcceptanceReport, AcceptanceRequest, DrafterSection, PromptAcceptance
 from ..draft_rows import draft_law, round_robin
-from ..drafter_registry import DrafterRegistry
 from ..errors import SpecdecError, UsageError
 from ..inputs import check_plot_path, subset
 from ..recipe import Recipe
@@ -38,6 +38,9 @@ def acceptance(
     shuffle: Annotated[bool, typer.Option("--shuffle", metavar="", help="Shuffle the prompts (--shuffle-seed) before --limit.")] = False,
     shuffle_seed: Annotated[int, typer.Option(metavar="N", help="Seed of --shuffle (the data order, not sampling).")] = 0,
     recipe: common.RecipeOption = None,
+    drafters: Annotated[Optional[str], typer.Option("--drafter", metavar="NAME[,NAME…]", help=(
+        "Comma list of drafters (see `specdec drafters`), each evaluated on its own: the recipe's entries of it, or "
+        "one with its defaults. [dim]\\[default: the recipe's drafts, together][/dim]"))] = None,
     verifiers: Annotated[Optional[str], typer.Option("--verifier", metavar="NAME[,NAME…]", help=(
         "Comma list of verifiers (rows). [dim]\\[default: every installed verifier that has a per-token acceptance "
         "for these drafts][/dim]"))] = None,
@@ -70,67 +73,63 @@ def acceptance(
         top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat, draft_temperatures=temperatures or None,
     )  # fmt: skip
     resolved = options.resolve()
-    _check_model_drafts(resolved)
+    # Each drafter's entries, checked (an unknown drafter, one that needs an entry): one line before models load.
+    sections = DrafterSection.of_recipe(resolved, common.grid_values(drafters, str, "--drafter"))
     common.check_at_least_one(limit, "--limit")
     counts = tuple(common.parse_list(num_drafts, int, "--num-drafts"))
     bounds = common.parse_list(kl, float, "--kl")
-    laws = [draft_law(draft, resolved.generation) for draft in resolved.drafts]
+    laws = [[draft_law(draft, resolved.generation) for draft in section.drafts] for section in sections]
     names, left_out = _applicable(common.parse_list(verifiers, str, "--verifier"), counts, laws)
     request = AcceptanceRequest(verifiers=tuple(names), num_drafts=counts, kl_values=tuple(bounds) if bounds else None)
     texts = subset(_prompts([*(prompt_args or []), *(prompts or [])], prompt_file, field), limit, shuffle, shuffle_seed)
     check_plot_path(plot)
-    _run(resolved, request, texts, left_out, output, as_json, plot)
+    _run(resolved, (request, sections), texts, left_out, output, as_json, plot)
 
 
-def _check_model_drafts(recipe: Recipe) -> None:
-    """acceptance scores the laws of draft models at positions the target generates: a drafter without a model
-    has no law there to score (a UsageError naming the entry)."""
-    registry = DrafterRegistry()
-    registry.check_entries(recipe.drafts)  # an entry without the model its drafter needs is one line, as in generate
-    for index, entry in enumerate(recipe.drafts):
-        name, _ = registry.entry_drafter(entry)
-        if not registry.plugin_class(name).uses_model:
-            raise UsageError(f"drafts.{index}: acceptance scores draft models' laws, and drafter '{name}' has no model; "
-                             "measure it end to end with `specdec generate --drafter NAME --verifier speculative,none`")
-
-
-def _run(recipe: Recipe, request: AcceptanceRequest, texts: list[str], left_out: list[str], output: Path | None,
-         as_json: bool, plot: Path | None) -> None:  # fmt: skip
-    """Evaluate what the results folder does not hold yet, then write and show the report (also when stopped)."""
+def _run(recipe: Recipe, what: tuple[AcceptanceRequest, list[DrafterSection]], texts: list[str], left_out: list[str],
+         output: Path | None, as_json: bool, plot: Path | None) -> None:  # fmt: skip
+    """Evaluate what the results folder does not hold yet, then write and show the report (also when stopped).
+    ``what``: the request and the drafter sections it is evaluated for."""
     from ..acceptance.analysis import AcceptanceAnalysis  # torch and transformers: only now
 
-    store = _open_store(output, recipe, request, texts)
+    request, sections = what
+    store = _open_store(output, recipe, what, texts)
     err = Console(stderr=True)
     with err.status("Loading models…"):
-        analysis = AcceptanceAnalysis(recipe, request)
+        analysis = AcceptanceAnalysis(recipe, request, sections=sections)
     results = _evaluate(analysis, texts, store, err)
+    first = results[0]
     if left_out:
         err.print("left out: " + "; ".join(left_out), highlight=False, soft_wrap=True)
     if analysis.kl_reference is not None:
         bounds_text = ", ".join(f"{b:g}" for b in analysis.request.kl_values)
         err.print(f"KL bounds {bounds_text}: 0.1, 0.3 and 1 × the pair's mean KL(q‖p) = {analysis.kl_reference:.3g} nats "
                   "on the first prompt (--kl sets others)", highlight=False, soft_wrap=True)  # fmt: skip
-    if results.interrupted:
-        err.print(f"interrupted: results over {len(results.prompts)} of {len(texts)} prompts")
+    if first.interrupted:
+        err.print(f"interrupted: results over {len(first.prompts)} of {len(texts)} prompts")
     content = report.payload(recipe, analysis.request, results, analysis.decoder.device)
     _show(content, results, as_json)  # first: a full disk or a failing plot never hides the table
     if output is not None:
         _write_summary(output, content, results)
     if plot is not None:
-        common.write_plot(lambda: report.plot(plot, results, content), plot)
-    if results.interrupted:
+        if len(results) > 1:
+            err.print(f"--plot draws the first drafter's section ({first.drafter}); the tables show every section")
+        common.write_plot(lambda: report.plot(plot, first, content), plot)
+    if first.interrupted:
         raise typer.Exit(130)
 
 
-def _show(content: dict, results: AcceptanceReport, as_json: bool) -> None:
+def _show(content: dict, results: list[AcceptanceReport], as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(content, indent=2) + "\n")
-    else:
-        # Piped output has no terminal width: give the table room rather than cutting its cells.
-        Console(width=None if sys.stdout.isatty() else 160).print(report.table(results))
+        return
+    # Piped output has no terminal width: give the table room rather than cutting its cells.
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    for section in results:
+        console.print(report.table(section))
 
 
-def _write_summary(output: Path, content: dict, results: AcceptanceReport) -> None:
+def _write_summary(output: Path, content: dict, results: list[AcceptanceReport]) -> None:
     try:
         report.write(output, content, results)  # each file replaced whole: a failed write leaves the previous one
     except OSError as error:
@@ -138,38 +137,49 @@ def _write_summary(output: Path, content: dict, results: AcceptanceReport) -> No
                            "kept in samples.jsonl: free some space and run the same command again") from None
 
 
-def _evaluate(analysis: "AcceptanceAnalysis", texts: list[str], store: ResultsStore, err: Console) -> AcceptanceReport:
-    """Every prompt the store does not hold yet, each written to it as it comes, under a progress bar."""
+def _evaluate(analysis: "AcceptanceAnalysis", texts: list[str], store: ResultsStore,
+              err: Console) -> list[AcceptanceReport]:  # fmt: skip
+    """Every (drafter section, prompt) the store does not hold yet, written to it prompt by prompt, under a
+    progress bar."""
     done = [PromptAcceptance.from_record(record) for record in store.records.values()]
     if store.dropped_cut_line:
         err.print("note: the last prompt line was cut short (a killed run or a full disk); it was dropped and runs again")
     budget = analysis.recipe.generation.max_new_tokens
-    with common.token_progress(len(texts) * budget, completed=len(done) * budget, label="prompts") as progress:
-        def written(result: PromptAcceptance) -> None:
-            store.append(result.to_record())
-            progress.advance(budget - result.positions)  # the budget an early EOS left unused
+    sections_done = Counter(result.prompt_index for result in done)
+    finished = sum(count == len(analysis.sections) for count in sections_done.values())  # prompts wholly done
+    with common.token_progress(len(texts) * budget, completed=finished * budget, label="prompts") as progress:
+        def written(results: list[PromptAcceptance]) -> None:
+            for result in results:
+                store.append(result.to_record())
+            progress.advance(budget - results[0].positions)  # the budget an early EOS left unused
 
-        report = analysis.run(texts, on_prompt=written, done=done, on_tokens=progress.advance)
+        reports = analysis.run_sections(texts, on_prompt=written, done=done, on_tokens=progress.advance)
     store.close()
-    return report
+    return reports
 
 
-def _open_store(output: Path | None, recipe: Recipe, request: AcceptanceRequest, texts: list[str]) -> ResultsStore:
+def _open_store(output: Path | None, recipe: Recipe, what: tuple[AcceptanceRequest, list[DrafterSection]],
+                texts: list[str]) -> ResultsStore:  # fmt: skip
     """The prompts' results, written to ``output`` as they come (resumed from it): checked, locked
-    and compared with the folder's configuration before any model loads."""
+    and compared with the folder's configuration before any model loads. ``what``: the request and its drafter
+    sections; the sections are written only when named (``--drafter``), so older folders resume."""
+    request, sections = what
+    named = [section.drafter for section in sections if section.drafter is not None]
     config = {"recipe": recipe.to_dict(), "request": dataclasses.asdict(request),
-              "prompts": hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16]}  # fmt: skip
+              "prompts": hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16],
+              **({"drafters": named} if named else {})}  # fmt: skip
     return ResultsStore(output, config, kind=PROMPT_RECORDS)
 
 
-def _applicable(names: list[str], num_drafts: tuple[int, ...], draft_laws: list[Hashable]) -> tuple[list[str], list[str]]:
+def _applicable(names: list[str], num_drafts: tuple[int, ...],
+                section_laws: list[list[Hashable]]) -> tuple[list[str], list[str]]:  # fmt: skip
     """The verifiers (default: every installed one) that have a per-token acceptance for some K of
-    ``num_drafts`` (K rows taken in turn from the draft configs, whose laws are keyed by ``draft_laws``),
-    and why each other one is left out. Checked before any model loads."""
+    ``num_drafts`` in some drafter section (K rows taken in turn from its draft configs, whose laws are keyed by
+    ``section_laws``), and why each other one is left out. Checked before any model loads."""
     registry = VerifierRegistry()
     kept, left_out = [], []
     # A recipe without drafts is refused, in its own words, when the analysis is set up.
-    rows = [round_robin(draft_laws or [None], k) for k in num_drafts]
+    rows = [round_robin(laws or [None], k) for laws in section_laws for k in num_drafts]
     for name in [registry.canonical(n) for n in names] or registry.names():
         cls = registry.verifier_class(name)
         reasons = [registry.refusal(name, row) for row in rows]

@@ -97,7 +97,7 @@ def bench(
     grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures, drafters)
     hint = "name the reference field with --reference-field NAME" if dataset else "give --reference FILE"
     plan = _Plan(base=base, task=get_task(task), lang_pair=lang_pair, template=template, examples=examples, grid=grid,
-                 seeds=_values(seeds, int, "--seeds") or [base.seed], reference_hint=hint)  # fmt: skip
+                 seeds=common.grid_values(seeds, int, "--seeds") or [base.seed], reference_hint=hint)  # fmt: skip
     _run(plan, _Output(output, as_json, plot, allow_mixed_conditions))
 
 
@@ -115,33 +115,14 @@ def _report(folder: Path, as_json: bool, plot: Path | None) -> None:
 def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures, drafters) -> Grid:
     """The grid from the comma-list flags (``str | None`` each); an absent flag takes the recipe's value."""
     return Grid(
-        verifiers=tuple(_values(verifiers, str, "--verifier") or [base.verifier.name]),
-        kl=tuple(_values(kl, float, "--kl")),
-        num_drafts=tuple(_values(num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
-        draft_lengths=tuple(_values(draft_length, int, "--draft-length") or [base.speculation.draft_length]),
-        temperatures=tuple(_values(temperature, float, "--temperature") or [base.generation.temperature]),
+        verifiers=tuple(common.grid_values(verifiers, str, "--verifier") or [base.verifier.name]),
+        kl=tuple(common.grid_values(kl, float, "--kl")),
+        num_drafts=tuple(common.grid_values(num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
+        draft_lengths=tuple(common.grid_values(draft_length, int, "--draft-length") or [base.speculation.draft_length]),
+        temperatures=tuple(common.grid_values(temperature, float, "--temperature") or [base.generation.temperature]),
         draft_temperatures=_draft_temperature_sets(draft_temperatures),
-        drafters=tuple(_values(drafters, str, "--drafter")) or (None,),
+        drafters=tuple(common.grid_values(drafters, str, "--drafter")) or (None,),
     )
-
-
-def _values(text: str | None, kind: type, option: str) -> list:
-    """A comma-list flag's values ([] when it is absent). A list with none is refused, and so is a value
-    given twice: it would run (and show) the same cell, or the same seed's samples, twice."""
-    if text is None:
-        return []
-    values = common.parse_list(text, kind, option)
-    if not values:
-        raise UsageError(f"{option} expects a comma list of {kind.__name__} values, got '{text}'")
-    _refuse_repeats([str(v).strip().lower() if kind is str else v for v in values], option)
-    return values
-
-
-def _refuse_repeats(values: list, option: str) -> None:
-    repeated = [value for index, value in enumerate(values) if value in values[:index]]
-    if repeated:
-        shown = ", ".join(dict.fromkeys(map(str, repeated)))
-        raise UsageError(f"{option} lists {shown} more than once; give each value once")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -306,7 +287,7 @@ def _draft_temperature_sets(text: str | None) -> tuple:
     sets = [tuple(common.parse_list(part, float, "--draft-temperatures")) for part in text.split(";") if part.strip()]
     if not sets or not all(sets):
         raise UsageError(f"--draft-temperatures expects sets such as '1.0,1.2;0.7,0.7' (a set per ';'), got '{text}'")
-    _refuse_repeats(sets, "--draft-temperatures")
+    common.refuse_repeats(sets, "--draft-temperatures")
     return tuple(sets)
 
 

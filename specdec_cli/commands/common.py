@@ -262,6 +262,25 @@ def parse_list(text: str | None, kind: type, option: str) -> list:
         raise UsageError(f"{option} expects a comma list of {kind.__name__} values, got '{text}'") from None
 
 
+def grid_values(text: str | None, kind: type, option: str) -> list:
+    """A comma-list flag's values ([] when it is absent). A list with none is refused, and so is a value
+    given twice: it would run (and show) the same cell, or the same seed's samples, twice."""
+    if text is None:
+        return []
+    values = parse_list(text, kind, option)
+    if not values:
+        raise UsageError(f"{option} expects a comma list of {kind.__name__} values, got '{text}'")
+    refuse_repeats([str(v).strip().lower() if kind is str else v for v in values], option)
+    return values
+
+
+def refuse_repeats(values: list, option: str) -> None:
+    repeated = [value for index, value in enumerate(values) if value in values[:index]]
+    if repeated:
+        shown = ", ".join(dict.fromkeys(map(str, repeated)))
+        raise UsageError(f"{option} lists {shown} more than once; give each value once")
+
+
 class TokenProgress:
     """A progress bar counted in tokens, so its ETA moves within a long sample (a prompt's worth of
     tokens at a time would leave it blank for minutes)."""
