@@ -17,6 +17,7 @@ from specdec_cli.drafter_registry import DrafterRegistry
 from specdec_cli.drafting import DraftRequest, DraftSetup, Proposal, block_length
 from specdec_cli.errors import SpecdecError, UsageError
 from specdec_cli.recipe import build_recipe
+from specdec_cli.registry import VerifierRegistry
 from specdec_cli.sampling import SamplingParams, sampling_law
 from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
 from specdec_cli.testing import ConformanceError, check_drafter
@@ -152,11 +153,18 @@ def _first_tokens(decoder: SpeculativeDecoder, depth: int, samples: int) -> tupl
     return counts, accepted / max(drafted, 1), law
 
 
-def test_prompt_lookup_through_spectr_keeps_the_target_law(tiny_models):
+LOSSLESS = sorted(name for name in VerifierRegistry().names() if VerifierRegistry().load_class(name).lossless)
+
+
+@pytest.mark.parametrize("verifier", LOSSLESS)
+def test_prompt_lookup_through_every_lossless_verifier_keeps_the_target_law(tiny_models, verifier):
+    """Found through the registry. K = 2 where the verifier takes it: a deterministic drafter still fills one row.
+    The negative control (a misreported law failing this chi-square) is the kit's, below."""
     depth = 3
-    decoder = _decoder(tiny_models, [LOOKUP], verifier={"name": "spectr"}, speculation={"num_drafts": 2},
+    num_drafts = 2 if VerifierRegistry().load_class(verifier).max_drafts is None else 1
+    decoder = _decoder(tiny_models, [LOOKUP], verifier={"name": verifier}, speculation={"num_drafts": num_drafts},
                        generation={"max_new_tokens": depth})  # fmt: skip
-    assert decoder.num_draft_rows == 1  # a deterministic drafter fills one row, whatever K
+    assert decoder.num_draft_rows == 1
     counts, acceptance, law = _first_tokens(decoder, depth, 1000)
     assert 0.05 < acceptance < 0.95, "lookups must be accepted sometimes and rejected sometimes"
     assert chi_square_p_value(counts, law) > 1e-3
