@@ -13,6 +13,7 @@ the plugin's own to check), so the user gets one line that says which and why.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import inspect
 import types
@@ -49,6 +50,8 @@ class ParameterSpec:
         """Why ``value`` is not of this parameter's type, or None (also where the type is not checked)."""
         if self.choices is UNCHECKED or any(_matches(value, choice) for choice in self.choices):
             return None
+        if type(value) is type(self.default) and value == self.default:  # `x: int = None` takes its own default
+            return None
         wanted = " or ".join(_SIMPLE_TYPES[c] if isinstance(c, type) else repr(c) for c in self.choices)
         return f"{self.name} must be {wanted}, got {value!r}"
 
@@ -65,21 +68,69 @@ def _matches(value: Any, choice: Any) -> bool:
 
 @functools.cache
 def parameter_specs(cls: type) -> dict[str, ParameterSpec]:
-    """Plugin class ``cls``'s parameters, in its constructor's order."""
-    signature = inspect.signature(cls.__init__)
-    try:
-        hints = typing.get_type_hints(cls.__init__, include_extras=True)
-    except Exception:  # noqa: BLE001 (a plugin's annotation naming what only its type checker sees)
-        hints = {}
-    specs = {}
-    for name, parameter in signature.parameters.items():
-        if name == "self" or parameter.kind not in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD):
-            continue
-        annotation, description = _unwrapped(hints.get(name, inspect.Parameter.empty))
-        choices = _choices(annotation)
-        type_name = None if annotation is inspect.Parameter.empty else _type_name(annotation)
-        specs[name] = ParameterSpec(name, parameter.default, choices, type_name, description)
+    """Plugin class ``cls``'s parameters, in its constructor's order; a constructor that passes ``**kwargs`` on
+    (a subclass of a built-in) has its parents' parameters too."""
+    specs: dict[str, ParameterSpec] = {}
+    for init in _constructors(cls):
+        hints = _hints(init)
+        for name, parameter in inspect.signature(init).parameters.items():
+            if name == "self" or name in specs or parameter.kind not in (parameter.KEYWORD_ONLY,
+                                                                         parameter.POSITIONAL_OR_KEYWORD):
+                continue
+            annotation, description = _unwrapped(hints.get(name, inspect.Parameter.empty))
+            type_name = None if annotation is inspect.Parameter.empty else _type_name(annotation)
+            specs[name] = ParameterSpec(name, parameter.default, _choices(annotation), type_name, description)
     return specs
+
+
+def _constructors(cls: type) -> list[Any]:
+    """The ``__init__`` of ``cls``, then each parent's while the one before passes ``**kwargs`` on; the contract's
+    base classes and ``object`` take no parameters."""
+    inits = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if klass is object or klass.__module__.startswith(f"{__package__}."):
+            break
+        if init is None:
+            continue
+        inits.append(init)
+        if not _passes_keywords_on(init):
+            break
+    return inits
+
+
+def _passes_keywords_on(init: Any) -> bool:
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(init).parameters.values())
+
+
+@functools.cache
+def takes_any_keyword(cls: type) -> bool:
+    """Whether ``cls``'s constructors end in a ``**kwargs`` that no parent's names: unknown names are its own."""
+    inits = _constructors(cls)
+    return bool(inits) and _passes_keywords_on(inits[-1])
+
+
+class _TypeCheckerNames(dict):
+    """The namespace annotations are read in: a name that only a plugin's type checker sees (imported under
+    ``TYPE_CHECKING``) reads as a class of that name, so its other annotations and its description still count."""
+
+    def __init__(self, module_names: dict[str, Any]):
+        super().__init__()
+        self.module_names = module_names
+
+    def __missing__(self, key: str) -> Any:
+        if key in self.module_names:
+            return self.module_names[key]
+        return getattr(builtins, key) if hasattr(builtins, key) else type(key, (), {})
+
+
+def _hints(init: Any) -> dict[str, Any]:
+    module_names = getattr(init, "__globals__", {})
+    try:
+        return typing.get_type_hints(init, globalns=module_names, localns=_TypeCheckerNames(module_names),
+                                     include_extras=True)  # fmt: skip
+    except Exception:  # noqa: BLE001 (an annotation that is not an expression at all: left undeclared)
+        return {}
 
 
 def _unwrapped(annotation: Any) -> tuple[Any, str | None]:
@@ -127,11 +178,10 @@ def parameters_problem(cls: type, args: tuple[Any, ...], params: dict[str, Any])
     the parameters it takes), or None."""
     specs = parameter_specs(cls)
     accepted = ", ".join(specs) or "none"
-    unknown = sorted(set(params) - set(specs))
+    unknown = [] if takes_any_keyword(cls) else sorted(set(params) - set(specs))
     if args or unknown:
         given = ", ".join(unknown) if unknown else "positional arguments"
         return f"unknown parameter(s) {given}; valid parameters: {accepted}"
-    missing = [name for name, spec in specs.items() if spec.required and name not in params]
-    if missing:
-        return f"missing required parameter(s) {', '.join(missing)}"
-    return next((problem for name, value in params.items() if (problem := specs[name].problem(value))), None)
+    # A missing required parameter is the constructor's own TypeError: copy and pickle make instances without any.
+    return next((problem for name, value in params.items() if name in specs and (problem := specs[name].problem(value))),
+                None)  # fmt: skip

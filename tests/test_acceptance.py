@@ -316,3 +316,17 @@ def test_a_drafter_that_cannot_work_here_is_one_line(run, tiny_models, write_rec
     code, _, err = run(["acceptance", "-r", str(recipe), "a b", "--drafter", value])
     assert code == 2
     _one_error_line(err, message)
+
+
+def test_derived_kl_bounds_come_from_the_first_entry_with_a_model_whatever_the_drafter_order(
+    run, tiny_models, write_recipe  # noqa: F811
+):  # fmt: skip
+    recipe = write_recipe(_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8}))
+    tables = {}
+    for order in ("model,prompt-lookup", "prompt-lookup,model"):
+        code, out, err = run(["acceptance", "-r", str(recipe), *LOOKUP_PROMPTS, "--drafter", order, "--verifier",
+                              "mentored", "--num-drafts", "1", "--json"])  # fmt: skip
+        assert code == 0, err
+        assert "× the pair's mean KL(q‖p)" in err
+        tables[order] = {section["drafter"]: section["table"] for section in json.loads(out)["sections"]}
+    assert tables["model,prompt-lookup"] == tables["prompt-lookup,model"]

@@ -3,13 +3,16 @@ constructor runs, and shown by the listing commands."""
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Annotated, Literal, Optional
 
 import pytest
 
+from specdec_cli.drafter_registry import DrafterRegistry
 from specdec_cli.parameters import UNCHECKED, parameter_specs, parameters_problem
 from specdec_cli.registry import PluginParameterError, VerifierRegistry
+from specdec_plugins.early_exit_drafter import EarlyExitDrafter
 from specdec_plugins.speculative import SpeculativeSampling
 from tests.conftest import tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401
@@ -38,10 +41,45 @@ def test_types_and_descriptions_come_from_the_annotations():
     assert specs["free"].choices is UNCHECKED and specs["items"].choices is UNCHECKED
 
 
-def test_an_annotation_that_cannot_be_resolved_leaves_the_parameters_unchecked():
+def test_a_name_only_a_type_checker_sees_leaves_that_parameter_unchecked_and_the_others_as_declared():
     specs = parameter_specs(Typed)
     assert list(specs) == ["rate", "count", "mode", "flag", "free", "items", "later"]
-    assert all(spec.choices is UNCHECKED and spec.type_name is None for spec in specs.values())
+    assert (specs["rate"].type_name, specs["rate"].description) == ("float", "how fast")
+    assert specs["later"].type_name == "NotDefinedAnywhere" and specs["later"].choices is UNCHECKED
+    assert parameters_problem(Typed, (), {"rate": "fast", "later": object()}) == "rate must be a number, got 'fast'"
+
+
+class Passing(Resolvable):
+    """A subclass that passes its keywords on, as a subclass of a built-in does."""
+
+    def __init__(self, *, extra: Annotated[int, "one more"] = 1, **params):
+        super().__init__(**params)
+
+
+class Open:
+    def __init__(self, **options):
+        pass
+
+
+def test_keywords_passed_on_take_the_parents_parameters_and_an_open_constructor_takes_any_name():
+    assert list(parameter_specs(Passing)) == ["extra", "rate", "count", "mode", "flag", "free", "items"]
+    assert parameters_problem(Passing, (), {"rate": "fast"}) == "rate must be a number, got 'fast'"
+    assert parameters_problem(Passing, (), {"speed": 1}).startswith("unknown parameter(s) speed")
+    assert parameters_problem(Open, (), {"anything": 1}) is None
+
+
+class DefaultOfAnotherType:
+    def __init__(self, *, size: int = None, layers: int):  # noqa: RUF013 (as plugins write it)
+        pass
+
+
+def test_a_parameter_takes_its_own_default_and_a_missing_one_is_left_to_the_constructor():
+    assert parameters_problem(DefaultOfAnotherType, (), {"size": None}) is None
+    assert parameters_problem(DefaultOfAnotherType, (), {}) is None  # copy and pickle call __new__ without any
+    copy.deepcopy(SpeculativeSampling())
+    copy.deepcopy(EarlyExitDrafter(layers=2))
+    with pytest.raises(PluginParameterError, match="drafter 'early-exit': .*'layers'"):  # Python's words, one line
+        DrafterRegistry().create("early-exit", {})
 
 
 @pytest.mark.parametrize("params, problem", [

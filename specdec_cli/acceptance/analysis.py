@@ -166,21 +166,17 @@ class AcceptanceAnalysis:
         return any(self.registry.verifier_class(name).kl_bound_parameter for name in self.request.verifiers)
 
     def derive_kl_values(self, prompt: str) -> tuple[float, ...]:
-        """KL bounds at ``KL_FRACTIONS`` of the mean KL(q ‖ p) of the first section's first entry over the first
-        prompt's positions.
+        """KL bounds at ``KL_FRACTIONS`` of the mean KL(q ‖ p) of the first entry with a model (in section order)
+        over the first prompt's positions; ``FALLBACK_KL_VALUES`` where there is none (a one-hot law's KL says
+        nothing about a scale of bounds).
 
         A bound at or above a position's KL(q ‖ p) accepts every draft there, so a fixed grid is
         flat on a close pair and coarse on a distant one. The first prompt's continuation is the
         one its evaluation generates (same seed), so a resumed run derives the same bounds.
         """
-        ids = self.decoder.encode_prompt(prompt)
-        key = sample_key(self.recipe.seed, 0, 0)
-        tokens, _, _ = self.decoder.generate_ids(ids, key)
-        target = self.target_law(ids, tokens)  # [T, V]
-        drafts, _ = self.draft_laws(self.sections[0], ids, tokens, key)  # [T, C, V]
-        divergence = (torch.xlogy(target, target) - torch.xlogy(target, drafts[:, 0])).sum(-1)  # [T]
-        finite = divergence[torch.isfinite(divergence)]  # [T'] (a draft that rules out a target token gives inf)
-        self.kl_reference = float(finite.mean()) if finite.numel() else None
+        scored = next(((section, index) for section in self.sections for index, draft in enumerate(section.drafts)
+                       if draft.model is not None), None)  # fmt: skip
+        self.kl_reference = None if scored is None else self._mean_kl(prompt, *scored)
         if not self.kl_reference or self.kl_reference <= 0:
             values = FALLBACK_KL_VALUES
         else:
@@ -188,6 +184,18 @@ class AcceptanceAnalysis:
         self.request = dataclasses.replace(self.request, kl_values=values)
         self.verifiers = self._verifiers(values)
         return values
+
+    def _mean_kl(self, prompt: str, section: _LoadedSection, entry: int) -> float | None:
+        """The mean KL(q ‖ p) of ``section``'s entry ``entry`` along the first prompt's continuation (None if
+        it is infinite everywhere)."""
+        ids = self.decoder.encode_prompt(prompt)
+        key = sample_key(self.recipe.seed, 0, 0)
+        tokens, _, _ = self.decoder.generate_ids(ids, key)
+        target = self.target_law(ids, tokens)  # [T, V]
+        drafts, _ = self.draft_laws(section, ids, tokens, key)  # [T, C, V]
+        divergence = (torch.xlogy(target, target) - torch.xlogy(target, drafts[:, entry])).sum(-1)  # [T]
+        finite = divergence[torch.isfinite(divergence)]  # [T'] (a draft that rules out a target token gives inf)
+        return float(finite.mean()) if finite.numel() else None
 
     @torch.inference_mode()
     def target_law(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:

@@ -125,7 +125,8 @@ def figure(report: AcceptanceReport, content: dict | None = None):
     if content is not None:
         count = len(report.prompts)
         what = f"{count} prompt{'s' if count != 1 else ''}, {report.positions} positions"
-        what += "" if report.drafter is None else f", drafter {report.drafter} (coverage {report.coverage:.1%})"
+        what += "" if report.drafter is None else f", drafter {report.drafter}"
+        what += "" if report.coverage is None else f" (coverage {report.coverage:.1%})"
         drawn.suptitle(describe_run(content["recipe"], what, [content["environment"]]), fontsize=9)
     _plot_by_k(axes[0][0], report)
     if bounded:

@@ -101,7 +101,7 @@ def _run(recipe: Recipe, what: tuple[AcceptanceRequest, list[DrafterSection]], t
     first = results[0]
     if left_out:
         err.print("left out: " + "; ".join(left_out), highlight=False, soft_wrap=True)
-    if analysis.kl_reference is not None:
+    if analysis.kl_reference:  # derived from a pair's positive mean KL (otherwise the fixed fallback bounds)
         bounds_text = ", ".join(f"{b:g}" for b in analysis.request.kl_values)
         err.print(f"KL bounds {bounds_text}: 0.1, 0.3 and 1 × the pair's mean KL(q‖p) = {analysis.kl_reference:.3g} nats "
                   "on the first prompt (--kl sets others)", highlight=False, soft_wrap=True)  # fmt: skip
