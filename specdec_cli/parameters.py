@@ -6,9 +6,10 @@ description goes in ``typing.Annotated``::
     def __init__(self, *, kl: Annotated[float, "the KL bound per position, in nats"] = 0.0): ...
 
 ``specdec verifiers`` and ``specdec drafters`` show both. Before a plugin's constructor runs,
-:func:`parameters_problem` refuses an unknown parameter, a missing required one, and a value of the wrong
-type (for bool, int, float, str, None and ``Literal`` annotations and their unions; other annotations are
-the plugin's own to check), so the user gets one line that says which and why.
+:func:`parameters_problem` refuses an unknown parameter and a value of the wrong type (for bool, int, float,
+str, None and ``Literal`` annotations and their unions; other annotations are the plugin's own to check), so
+the user gets one line that says which and why. A missing required parameter is left to the constructor's own
+TypeError, which the registry also reports in one line.
 """
 
 from __future__ import annotations
@@ -41,10 +42,6 @@ class ParameterSpec:
     """Its annotation as a user reads it (``float``, ``int | None``), None where it has none."""
     description: str | None
     """The first string in its ``Annotated`` metadata, None where there is none."""
-
-    @property
-    def required(self) -> bool:
-        return self.default is inspect.Parameter.empty
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` is not of this parameter's type, or None (also where the type is not checked)."""
