@@ -127,6 +127,22 @@ class Draws:
         return cls(torch.tensor(mixed, dtype=torch.long, device=device),
                    torch.tensor(block_start, dtype=torch.long, device=device))  # fmt: skip
 
+    @classmethod
+    def batch(cls, keys: list[int], device: torch.device | str = "cpu") -> "Draws":
+        """The draws of several samples at once (``key`` and ``block_start`` ``[B]``), one per sequence of a batch:
+        :meth:`row` is sequence b's, and :meth:`batch_uniforms` tables every sequence's draws in one evaluation."""
+        mixed = mix64(torch.tensor([_signed(key) for key in keys], dtype=torch.long))  # [B]
+        return cls(mixed.to(device), torch.zeros(len(keys), dtype=torch.long, device=device))
+
+    def row(self, index: int) -> "Draws":
+        """Sequence ``index``'s draws of a batch (:meth:`batch`): the draws :meth:`create` gives its key."""
+        return Draws(self.key[index], self.block_start[index], self.offset)
+
+    def batch_uniforms(self, stream: Stream, positions: int, lanes: int) -> torch.Tensor:
+        """float64 ``[B, positions, lanes]``: entry b is ``row(b).uniforms(stream, positions, lanes)``."""
+        shaped = Draws(self.key.view(-1, 1, 1), self.block_start.view(-1, 1, 1), self.offset)
+        return shaped.uniforms(stream, positions, lanes)
+
     def at(self, offset: torch.Tensor | int) -> "Draws":
         """The draws seen from ``offset`` positions further into the block."""
         return Draws(self.key, self.block_start, self.offset + offset)
@@ -165,6 +181,11 @@ class Draws:
 Randomness = Draws | torch.Generator | None
 """What a verifier is handed: keyed :class:`Draws` (verifiers that set ``keyed_randomness``) or, for
 plugins written against a stateful generator, a ``torch.Generator`` seeded for the block (or None)."""
+
+
+BatchRandomness = Draws | list[torch.Generator]
+"""What :meth:`~specdec_cli.verifiers.BlockVerifier.verify_batch` is handed: keyed :class:`Draws` of the batch
+(:meth:`Draws.batch`), or one seeded generator per sequence for a verifier without keyed randomness."""
 
 
 def uniforms_from(

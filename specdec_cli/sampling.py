@@ -119,4 +119,4 @@ def sample_with(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     total = cumulative[..., -1:]  # [..., 1]
     threshold = torch.minimum(uniform.unsqueeze(-1) * total, total * _BELOW_ONE)  # [..., 1]
     index = torch.searchsorted(cumulative, threshold, right=True)  # [..., 1]: first token whose CDF passes it
-    return index.clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # a NaN row gives some valid id; its flag says why
+    return index.clamp(max=probs.shape[-1] - 1).squeeze(-1)  # a NaN row gives some valid id; its flag says why

@@ -18,7 +18,7 @@ constructor's keyword arguments are its parameters.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,11 +30,12 @@ from .registry import (
     VerifierFault, VerifierParameterError, VerifierParameterValueError, VerifierRegistry, check_parameters,
     parameter_defaults,
 )  # fmt: skip
-from .randomness import Randomness, Stream, at, uniforms_from
+from .randomness import BatchRandomness, Draws, Randomness, Stream, at, uniforms_from
 from .sampling import sample, sample_with
 
 __all__ = [  # the registry's names stay importable from here, where plugin authors look
-    "BlockDecision", "BlockVerifier", "Verifier", "VerifierFault", "VerifierParameterError",
+    "BatchDecision", "BlockDecision", "BlockVerifier", "batch_decision_problem", "Verifier", "VerifierFault",
+    "VerifierParameterError",
     "VerifierParameterValueError", "VerifierRegistry", "load_verifier", "parameter_defaults", "first_rejection",
     "shared_prefix_length", "walk_alive_rows", "decision_problem", "departs_from_drafts", "decision_value_problem",
     "device_path", "reads_are_free", "prefix_agreement", "problem_members", "decide_problems", "commit_following",
@@ -88,6 +89,31 @@ class BlockDecision:
         return BlockDecision(self.tokens.long(), self.num_accepted.long(), self.row.long())
 
 
+@dataclass(frozen=True)
+class BatchDecision:
+    """What a verifier decided for a batch of blocks, one block per sequence (:meth:`BlockVerifier.verify_batch`):
+    each field is :class:`BlockDecision`'s with a leading batch dimension, on the blocks' device."""
+
+    tokens: torch.Tensor
+    """[B, L+1] int64: sequence b commits ``tokens[b, : num_accepted[b] + 1]``."""
+    num_accepted: torch.Tensor
+    """[B] int64 in 0..L."""
+    row: torch.Tensor
+    """[B] int64: the draft row each sequence's committed tokens follow."""
+
+    @classmethod
+    def stack(cls, decisions: Sequence[BlockDecision]) -> "BatchDecision":
+        """One decision per sequence, in order, as a batch."""
+        decisions = [decision.as_long() for decision in decisions]
+        fields = ("tokens", "num_accepted", "row")
+        return cls(*(torch.stack([getattr(decision, field) for decision in decisions]) for field in fields))
+
+    def as_long(self) -> "BatchDecision":
+        if self.tokens.dtype == self.num_accepted.dtype == self.row.dtype == torch.long:
+            return self
+        return BatchDecision(self.tokens.long(), self.num_accepted.long(), self.row.long())
+
+
 def decision_problem(decision: object, block_size: int, device: torch.device) -> str | None:
     """What makes ``decision`` (a verifier's return value) unusable, judged on the host without reading
     a value from the device: its type, and each field's type, shape, dtype and device; or None.
@@ -96,7 +122,20 @@ def decision_problem(decision: object, block_size: int, device: torch.device) ->
     """
     if not isinstance(decision, BlockDecision):
         return f"returned {_kind(decision)} instead of a BlockDecision"
-    for field, shape in (("tokens", [block_size]), ("num_accepted", []), ("row", [])):
+    return _fields_problem(decision, {"tokens": [block_size], "num_accepted": [], "row": []}, block_size, device)
+
+
+def batch_decision_problem(decision: object, batch: int, block_size: int, device: torch.device) -> str | None:
+    """As :func:`decision_problem`, for :meth:`BlockVerifier.verify_batch`'s decision of ``batch`` blocks."""
+    if not isinstance(decision, BatchDecision):
+        return f"returned {_kind(decision)} from verify_batch instead of a BatchDecision"
+    shapes = {"tokens": [batch, block_size], "num_accepted": [batch], "row": [batch]}
+    return _fields_problem(decision, shapes, block_size, device)
+
+
+def _fields_problem(decision, shapes: dict[str, list[int]], block_size: int, device: torch.device) -> str | None:
+    """The first field of ``decision`` whose type, dtype, shape (``shapes``) or device is wrong, said; or None."""
+    for field, shape in shapes.items():
         value = getattr(decision, field)
         if not isinstance(value, torch.Tensor):
             return f"returned {field} as {type(value).__name__}, not as a tensor"
@@ -145,6 +184,22 @@ def decision_value_problem(
     return None
 
 
+def _mapped_decisions(
+    verifier: "BlockVerifier", target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+    draws: Draws,
+) -> BatchDecision:  # fmt: skip
+    """``verifier.verify_block`` on its device path, mapped over the batch (``[B, ...]`` inputs, draws with
+    ``[B]`` keys and block starts) by ``torch.func.vmap``: one call's operations, each on B blocks."""
+
+    def decide(target, draft, tokens, key, block_start):  # one sequence's block: [K, L+1, V], [K, L, V], [K, L]
+        decision = verifier.verify_block(target, draft, tokens, Draws(key, block_start))
+        return decision.tokens, decision.num_accepted, decision.row
+
+    with device_path():
+        fields = torch.func.vmap(decide)(target_probs, draft_probs, draft_tokens, draws.key, draws.block_start)
+    return BatchDecision(*fields).as_long()
+
+
 def _kind(value: object) -> str:
     return "None" if value is None else f"a {type(value).__name__}"
 
@@ -178,6 +233,11 @@ class BlockVerifier(ABC):
     """True when :meth:`verify_block` takes a CPU path that reads the device to skip work (see
     :func:`reads_are_free`). torch.compile cannot trace the reads and sends it down the device path, which
     on a CPU costs more: ``--compile`` on the CPU then leaves its verify step eager."""
+    batches_by_vmap: ClassVar[bool] = False
+    """True when :meth:`verify_block` on the device path (keyed randomness, no host read, no Python state it
+    updates) is a function ``torch.func.vmap`` can map over a batch: :meth:`verify_batch` then decides a whole
+    batch of blocks in one mapped call, with the launches of one block. Every built-in that never solves on
+    the host is. False (the default): :meth:`verify_batch` calls :meth:`verify_block` once per sequence."""
     kl_bound_parameter: ClassVar[str | None] = None
     """The constructor parameter that bounds KL(q ‖ output law) in nats, for a lossy scheme that has one:
     ``--kl`` sets it, and ``bench`` and ``acceptance`` sweep it (one configuration per bound)."""
@@ -218,6 +278,36 @@ class BlockVerifier(ABC):
         the same for every k. L ≥ 1. ``randomness``: the block's keyed
         :class:`~specdec_cli.randomness.Draws` when ``keyed_randomness`` is set, else a generator.
         """
+
+    def verify_batch(
+        self,
+        target_probs: torch.Tensor,
+        draft_probs: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        randomness: BatchRandomness,
+    ) -> BatchDecision:
+        """Decide B blocks, one per sequence of a batch, on the tensors' device, without reading values back.
+
+        target_probs ``[B, K, L+1, V]``, draft_probs ``[B, K, L, V]``, draft_tokens ``[B, K, L]``: entry b is
+        :meth:`verify_block`'s inputs for sequence b. ``randomness``: keyed
+        :class:`~specdec_cli.randomness.Draws` with a key and a block start per sequence (``[B]`` each) when
+        ``keyed_randomness`` is set, else one generator per sequence. Block b's decision must be the one
+        :meth:`verify_block` makes for it with :meth:`Draws.row(b) <specdec_cli.randomness.Draws.row>`, so a
+        sequence's tokens do not depend on the others in its batch.
+
+        The default maps :meth:`verify_block` over the batch with ``torch.func.vmap`` when ``batches_by_vmap``
+        is set (on the CPU a verifier with a reading CPU path is looped instead, where reads are free and that
+        path is cheaper), and otherwise calls it once per sequence: correct for every plugin, and B times the
+        launches. A plugin may override it with a natively batched rule.
+        """
+        if self.batches_by_vmap and isinstance(randomness, Draws):
+            if not (self.reading_cpu_path and reads_are_free(target_probs)):
+                return _mapped_decisions(self, target_probs, draft_probs, draft_tokens, randomness)
+        rows = range(draft_tokens.shape[0])
+        sequences = [randomness.row(b) for b in rows] if isinstance(randomness, Draws) else randomness
+        return BatchDecision.stack([
+            self.verify_block(target_probs[b], draft_probs[b], draft_tokens[b], sequences[b]) for b in rows
+        ])  # fmt: skip
 
     def block_law(
         self, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor

@@ -63,7 +63,8 @@ class Tail:
     def of(cls, first: torch.Tensor, second: torch.Tensor, target: torch.Tensor) -> "Tail":
         """The tail of laws a, b and target c ``[P, V]`` each. A token whose own pairs already give it its
         c (a_i b_i ≥ c_i) gains nothing by winning more: its score is 0, the lowest rank."""
-        need = torch.addcmul(target, first, second, value=-1).clamp_(min=0)  # [P, V]: (c - a b)+
+        # clamp, not clamp_, here and below: torch.func.vmap (verify_batch) has no batching rule for clamp_.
+        need = torch.addcmul(target, first, second, value=-1).clamp(min=0)  # [P, V]: (c - a b)+
         # NaN (0/0) off the support: masking to 15 bits drops the sign, so every key is a valid bucket.
         key = ((need / (first + second)).float().view(torch.int32) >> _RANK_SHIFT & (_RANK_BUCKETS - 1)).long()
         laws = torch.stack([first, second])  # [2, P, V]
@@ -101,11 +102,11 @@ def best_mixture(step: torch.Tensor, coin: torch.Tensor, target: torch.Tensor) -
     D+ - Σ_{breakpoint ≤ λ} |d_i| with D+ = Σ_{d>0} d_i, and the maximum is where that sum first
     reaches D+: a weighted median, read from a histogram of the breakpoints over [0, 1].
     """
-    breakpoint = ((target - coin) / step).nan_to_num_(0.0).clamp_(0, 1)  # [P, V]: 0/0 where d = 0 (weight 0)
+    breakpoint = ((target - coin) / step).nan_to_num_(0.0).clamp(0, 1)  # [P, V]: 0/0 where d = 0 (weight 0)
     bins = (breakpoint * _MIXTURE_BINS).long()  # [P, V] in 0..bins
     weight = step.new_zeros(len(step), _MIXTURE_BINS + 1).scatter_add_(1, bins, step.abs())  # [P, bins+1]
     reached = (weight.cumsum(1) < step.clamp(min=0).sum(1, keepdim=True)).sum(1, keepdim=True)  # [P, 1]
-    return reached.clamp_(max=_MIXTURE_BINS).to(step.dtype).div_(_MIXTURE_BINS)
+    return reached.clamp(max=_MIXTURE_BINS).to(step.dtype).div_(_MIXTURE_BINS)
 
 
 @dataclass

@@ -35,6 +35,7 @@ class BlockVerification(BlockVerifier):
     lossless = True
     max_drafts = 1
     keyed_randomness = True
+    batches_by_vmap = True
     capturable = True
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):

@@ -91,6 +91,7 @@ class MentoredDecoding(Verifier):
     max_drafts = 1
     kl_bound_parameter = "kl"
     keyed_randomness = True
+    batches_by_vmap = True
     capturable = True
     reading_cpu_path = True
 

@@ -33,6 +33,7 @@ class SpecInfer(Verifier):
     lossless = True
     max_drafts = None
     keyed_randomness = True
+    batches_by_vmap = True
     capturable = True
     reading_cpu_path = True
 

@@ -65,6 +65,7 @@ class SpecTr(Verifier):
     max_drafts = None
     identical_drafts = True
     keyed_randomness = True
+    batches_by_vmap = True
     capturable = True
     reading_cpu_path = True
 
@@ -269,7 +270,7 @@ def _ratio_buckets(q: torch.Tensor, p: torch.Tensor, scale: float) -> torch.Tens
     """Each token's bucket floor(s (q/p - 1) + 2) clamped to [0, BUCKETS + 3], ``[V]`` int32; zero-mass tokens
     (0/0) in the last. Truncation is the floor here: the clamp leaves nothing negative."""
     shifted = torch.addcdiv(q.new_full((), 2 - scale), q, p, value=scale)  # [V]: s·q/p + 2 - s
-    return shifted.nan_to_num_(nan=BUCKETS + 3, posinf=BUCKETS + 3).clamp_(0, BUCKETS + 3).int()
+    return shifted.nan_to_num_(nan=BUCKETS + 3, posinf=BUCKETS + 3).clamp(0, BUCKETS + 3).int()
 
 
 def _solve_run(q_run, p_run, counts, below_q, above_p, upper_edge) -> tuple[torch.Tensor, ...]:

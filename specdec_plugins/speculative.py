@@ -28,6 +28,7 @@ class SpeculativeSampling(Verifier):
     lossless = True
     max_drafts = 1
     keyed_randomness = True
+    batches_by_vmap = True
     capturable = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
