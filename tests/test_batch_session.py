@@ -1,0 +1,80 @@
+"""BatchSession: rows of different lengths in one right-aligned cache give each row the logits it gets alone.
+
+Through sequences joining (prompts of different lengths), fanning out, rows keeping different lengths,
+a sequence leaving and another joining mid-way, every row's logits equal those of its sequence scored
+alone without a cache (to float rounding), for a decoder-only model with positions (llama, gpt2) and an
+encoder-decoder with relative attention (t5). BART numbers its decoder positions from the cache: refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_cli.batch_session import BatchSession, batch_problem
+from specdec_cli.errors import UsageError
+from specdec_cli.model_session import next_token_logits
+from specdec_cli.models import LoadedModel
+from specdec_cli.testing import tiny_model, tiny_tokenizer
+
+VOCAB = 8
+
+
+def loaded(kind: str) -> LoadedModel:
+    return LoadedModel(tiny_model(kind, seed=3), tiny_tokenizer(), kind, kind in ("t5", "bart"))
+
+
+def start_ids(model: LoadedModel, prompt: list[int]) -> list[int]:
+    return model.decoder_start_ids if model.is_encoder_decoder else list(prompt)
+
+
+def alone(model: LoadedModel, prompt: list[int], context: list[int], new: list[int]) -> torch.Tensor:
+    """Logits ``[len(new) + 1, V]`` after context + each prefix of new, scored alone without a cache."""
+    generated = context[len(start_ids(model, prompt)) :] + new
+    logits = next_token_logits(model, prompt, torch.tensor([generated]), VOCAB)[0]  # [generated + 1, V]
+    return logits[-(len(new) + 1) :]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
+@torch.inference_mode()
+def test_each_row_sees_what_its_sequence_sees_alone(kind):
+    model = loaded(kind)
+    prompts = [[3, 4, 5, 6, 7], [6, 3], [5, 6, 7, 3, 4, 5, 6]]
+    contexts = [start_ids(model, p) for p in prompts]
+    session = BatchSession(model, VOCAB)
+    session.add(prompts[:2], contexts[:2])
+    # Block 1: two rows per sequence, three draft tokens each.
+    drafts = torch.tensor([[5, 6, 7], [5, 4, 4], [6, 5, 3], [3, 3, 3]])  # [B K, 3]
+    session.fan_out(2)
+    logits = session.forward([contexts[0]] * 2 + [contexts[1]] * 2, drafts, 4)  # [B K, 4, V]
+    for row in range(4):
+        expected = alone(model, prompts[row // 2], contexts[row // 2], drafts[row].tolist())
+        torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+    # Sequence 0 keeps row 1's first draft token and commits a correction; sequence 1 keeps all of row 0.
+    contexts[0] = contexts[0] + [5, 2]
+    contexts[1] = contexts[1] + [6, 5, 3, 4]
+    session.keep([1, 2], [len(contexts[0]) - 2, len(contexts[1]) - 1])  # 2 and 1 ids pending
+    # A third sequence joins; then a block of one row each, with different numbers of pending ids.
+    session.add(prompts[2:], contexts[2:])
+    drafts = torch.tensor([[1, 2], [3, 4], [5, 6]])  # [B, 2]
+    logits = session.forward(contexts, drafts, 3)
+    for row in range(3):
+        expected = alone(model, prompts[row], contexts[row], drafts[row].tolist())
+        torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+    # Sequence 1 leaves; the others keep different lengths and go on.
+    contexts[0] = contexts[0] + [1, 7]
+    contexts[2] = contexts[2] + [7]
+    session.keep([0, 2], [len(contexts[0]) - 1, len(contexts[2]) - 1])
+    kept = [prompts[0], prompts[2]]
+    logits = session.forward([contexts[0], contexts[2]], torch.tensor([[4], [4]]), 2)
+    for row, sequence in enumerate((0, 2)):
+        expected = alone(model, kept[row], contexts[sequence], [4])
+        torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+    assert session.width == max(session.lengths)  # padding no wider than the longest row needs
+
+
+def test_a_decoder_that_numbers_positions_from_the_cache_is_refused():
+    model = loaded("bart")
+    assert "--batch-size 1" in batch_problem(model)
+    with pytest.raises(UsageError, match="numbers its decoder's positions"):
+        BatchSession(model, VOCAB)
