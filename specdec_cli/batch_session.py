@@ -152,14 +152,17 @@ class BatchSession:
     # ----------------------------------------------------------------------- forwards
 
     def forward(
-        self, contexts: list[list[int]], tokens: torch.Tensor | None, keep: int, timer: RegionTimer | None = None
+        self, contexts: list[list[int]] | None, tokens: torch.Tensor | None, keep: int, timer: RegionTimer | None = None
     ) -> torch.Tensor:
         """Logits ``[rows, keep, vocab]`` of the last ``keep`` inputs: each row's committed ids the cache does not hold
-        (of its ``contexts`` entry), then its ``tokens`` ``[rows, n]`` (or none).
+        (of its ``contexts`` entry), then its ``tokens`` ``[rows, n]`` (or none). ``contexts`` None: ``tokens`` follow
+        what the rows hold (a draft's next token).
 
         Rows are first cropped so that each has the same number of pending ids (the most any has): their
         inputs then fill the same columns, and recomputing an id or two costs less than padding between them.
         """
+        if contexts is None:
+            return self._run(tokens.to(self.device), keep, timer)
         pending = max(len(context) - length for context, length in zip(contexts, self.lengths))
         self._align([max(len(context) - pending, 0) for context in contexts])
         # A row with fewer ids than that (an encoder-decoder's start) caches none: its inputs are left-padded,
@@ -183,9 +186,13 @@ class BatchSession:
         """The model's keyword arguments for ``inputs`` ``[rows, m]`` after the cache: the mask of every row's
         columns and, for a decoder-only model, each row's positions."""
         rows, new = inputs.shape
-        columns = torch.arange(self.width + new, device=self.device)  # [width + m]
+        width = self.width
+        columns = torch.arange(width + new, device=self.device)  # [width + m]
         starts = torch.tensor(self.starts, device=self.device).view(rows, 1)  # [rows, 1]
-        mask = (columns >= starts).long()  # [rows, width + m]: 0 on each row's padding
+        # The whole mask, additive: transformers would read a 2D one on the host to see whether it can skip it.
+        causal = columns <= width + columns[:new].view(new, 1)  # [m, W + m]: query i is column W + i
+        seen = (columns >= starts.view(rows, 1, 1)) & causal  # [rows, m, W + m]
+        mask = _additive(~seen, self.model.dtype).unsqueeze(1)  # [rows, 1, m, width + m]
         kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": self.cache}
         if self.keeps_logits:
             kwargs["logits_to_keep"] = keep
@@ -193,7 +200,9 @@ class BatchSession:
             if self.cache is None:
                 self.cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
                 kwargs["past_key_values"] = self.cache
-            kwargs.update(decoder_input_ids=inputs, decoder_attention_mask=mask, attention_mask=self.encoder_mask,
+            padding = self.encoder_mask.view(rows, 1, 1, -1) == 0  # [rows, 1, 1, source]
+            source_mask = _additive(padding, self.model.dtype)
+            kwargs.update(decoder_input_ids=inputs, decoder_attention_mask=mask, attention_mask=source_mask,
                           encoder_outputs=(self.encoder_hidden,))  # fmt: skip
         else:
             # Row r's id in column c is at position c - start[r] (padding columns get position 0; they are masked).
@@ -218,6 +227,12 @@ class BatchSession:
                 layer.keys = layer.keys.gather(2, index)  # [rows, heads, W', d]
                 layer.values = layer.values.gather(2, index)
         self.lengths, self.starts = lengths, starts
+
+
+def _additive(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive attention mask: 0 where a query sees a column, the dtype's lowest value where ``hidden`` (not -inf,
+    so that a padding query that sees nothing gets finite junk, not NaN)."""
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, torch.finfo(dtype).min)
 
 
 def _self_layers(cache: Any) -> list[Any]:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .models import LoadedModel
     from .recipe import DraftConfig
 
-__all__ = ["DraftRequest", "DraftSetup", "Drafter", "Proposal", "block_length", "empty_proposal", "one_hot_laws"]
+__all__ = ["BatchDraftRequest", "BatchProposal", "DraftRequest", "DraftSetup", "Drafter", "Proposal", "block_length", "empty_proposal", "one_hot_laws"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,36 @@ class DraftRequest:
     """The engine's :func:`~specdec_cli.sampling.sampling_law` (compiled under ``--compile``)."""
     timer: RegionTimer | None = None
     """Give it to model forwards (``ModelSession.forward``), so that their time counts as forward time."""
+
+
+@dataclass
+class BatchDraftRequest:
+    """One block's request to a drafter for every sequence of a batch (:meth:`Drafter.propose_batch`)."""
+
+    contexts: list[list[int]]
+    """[B]: each sequence's committed ids (as :attr:`DraftRequest.context`)."""
+    max_lengths: list[int]
+    """[B]: propose at most this many tokens for sequence b."""
+    uniforms: torch.Tensor
+    """float64 ``[B, max(max_lengths), rows]``: entry b is sequence b's :attr:`DraftRequest.uniforms`."""
+    sampling_law: Callable[[torch.Tensor, SamplingParams], tuple[torch.Tensor, torch.Tensor]]
+    timer: RegionTimer | None = None
+
+
+@dataclass
+class BatchProposal:
+    """What a drafter proposes for every sequence of a batch: sequence b's rows are ``tokens[b, :, : lengths[b]]``."""
+
+    tokens: torch.Tensor
+    """int64 ``[B, rows, n]``; entries past a sequence's length are filler (any id in [0, V))."""
+    laws: torch.Tensor
+    """float ``[B, rows, n, V]``: the law each token was drawn from."""
+    finite: torch.Tensor
+    """bool ``[]``: every law came from finite logits."""
+    lengths: list[int]
+    """[B]: tokens proposed for each sequence, ``0 <= lengths[b] <= min(n, max_lengths[b])``."""
+    forwards: int = 0
+    """Model forwards it ran (each for every sequence at once)."""
 
 
 @dataclass
@@ -144,6 +174,30 @@ class Drafter(ABC):
         """After a block: the first ``length`` ids of the new context are the committed context before the block
         followed by the tokens of its ``row`` that were committed; what it holds past them is gone."""
 
+    # ----------------------------------------------------------------------- batches (optional)
+    # A drafter that sets ``batched`` drafts for every sequence of a batch at once. The engine runs one instance
+    # per sequence of any other (its per-sequence methods above, one call per sequence: correct, and slower).
+
+    batched: ClassVar[bool] = False
+    """True when it implements the four methods below (after :meth:`setup`, instead of start/propose/keep)."""
+
+    def add_sequences(self, prompts: list[list[int]], contexts: list[list[int]], timer: RegionTimer | None) -> None:
+        """Sequences join the batch, after the ones it holds: their prompts and committed ids."""
+        raise NotImplementedError(f"drafter '{self.name}' does not draft batches")
+
+    def remove_sequences(self, kept: list[int]) -> None:
+        """Only the sequences ``kept`` (indices into the batch, in order) stay; the others have finished. A batch run
+        begins with ``remove_sequences([])``, so that an interrupted run's sequences are forgotten."""
+        raise NotImplementedError(f"drafter '{self.name}' does not draft batches")
+
+    def propose_batch(self, request: BatchDraftRequest) -> BatchProposal:
+        """Each sequence's proposal, as :meth:`propose` makes it for that sequence alone."""
+        raise NotImplementedError(f"drafter '{self.name}' does not draft batches")
+
+    def keep_batch(self, rows: list[int], lengths: list[int]) -> None:
+        """:meth:`keep` for each sequence b: its row ``rows[b]``, its first ``lengths[b]`` ids."""
+        raise NotImplementedError(f"drafter '{self.name}' does not draft batches")
+
     @classmethod
     def joined(cls, drafters: Sequence[Drafter]) -> list[Drafter]:
         """``drafters`` of this class (set up, in recipe order) as the engine should run them: a class whose
@@ -171,6 +225,34 @@ def empty_proposal(rows: int, vocab_size: int, device: torch.device) -> Proposal
     tokens = torch.empty(rows, 0, dtype=torch.long, device=device)  # [rows, 0]
     laws = torch.empty(rows, 0, vocab_size, device=device)  # [rows, 0, V]
     return Proposal(tokens, laws, torch.ones((), dtype=torch.bool, device=device))
+
+
+def batch_proposal_problem(
+    proposal: object, batch: int, rows: int, max_lengths: list[int], vocab_size: int, device: torch.device
+) -> str | None:
+    """As :func:`proposal_problem`, for a :class:`BatchProposal` of ``batch`` sequences."""
+    if not isinstance(proposal, BatchProposal):
+        return f"returned {type(proposal).__name__} from propose_batch instead of a BatchProposal"
+    width = max(max_lengths, default=0)
+    lengths = proposal.lengths
+    if not isinstance(lengths, list) or len(lengths) != batch or not all(isinstance(n, int) for n in lengths):
+        return f"returned lengths {lengths!r}; expected a list of {batch} ints"
+    if not all(0 <= n <= limit for n, limit in zip(lengths, max_lengths)):
+        return f"returned lengths {lengths}, beyond the requested {max_lengths}"
+    for field in ("tokens", "laws", "finite"):
+        if not isinstance(getattr(proposal, field), torch.Tensor):
+            return f"returned BatchProposal.{field} as {type(getattr(proposal, field)).__name__}, not a tensor"
+    tokens, laws = proposal.tokens, proposal.laws
+    n = tokens.shape[-1] if tokens.dim() == 3 else -1
+    if tokens.dtype != torch.long or list(tokens.shape[:2]) != [batch, rows] or not max(lengths, default=0) <= n <= width:
+        return f"returned tokens of shape {list(tokens.shape)} ({tokens.dtype}); expected int64 [{batch}, {rows}, n]"
+    if not laws.is_floating_point() or tuple(laws.shape) != (batch, rows, n, vocab_size):
+        return f"returned laws of shape {list(laws.shape)}; expected float [{batch}, {rows}, {n}, {vocab_size}]"
+    if any(tensor.device != device for tensor in (tokens, laws, proposal.finite)):
+        return f"returned tensors off the block's device {device}"
+    if proposal.finite.dtype != torch.bool or proposal.finite.dim() != 0:
+        return "returned finite that is not a 0-dim bool tensor"
+    return None
 
 
 def proposal_problem(proposal: object, rows: int, max_length: int, vocab_size: int, device: torch.device) -> str | None:

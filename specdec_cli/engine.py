@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import re
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
@@ -29,11 +28,13 @@ from typing import Any
 
 import torch
 
+from .batch_engine import BatchDecoding, SequenceJob
+from .batch_session import batch_problem
 from .decoding import Draft, create_verifier, target_sampling
 from .draft_rows import DraftRows, recipe_draft_rows, rows_per_config
 from .drafter_registry import DrafterRegistry
 from .drafting import DraftRequest, Drafter, DraftSetup, Proposal, block_length, empty_proposal, proposal_problem
-from .errors import NonFiniteLogitsError, SpecdecError, UsageError
+from .errors import NonFiniteLogitsError, SpecdecError, UsageError, is_allocation_error, requested_memory
 from .graphs import CapturedVerifyStep
 from .inputs import require_text
 from .model_pool import ModelPool
@@ -192,29 +193,50 @@ class SpeculativeDecoder:
 
     def generate(
         self, prompts: str | Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None,
-        **changes: Any,
+        batch_size: int = 1, **changes: Any,
     ) -> list[GenerationResult]:  # fmt: skip
         """``num_samples`` independent samples for each prompt (one string is one prompt), in order (prompt-major).
 
-        Keyword ``changes`` to the decoding config apply to this call only (``verifier="block"``,
-        ``draft_length=8``, ``temperature=0.3``, ...); the models stay loaded.
+        ``batch_size`` B > 1 decodes B samples at a time in one batch (:mod:`specdec_cli.batch_engine`); a sample's
+        tokens do not depend on B, up to float rounding. Keyword ``changes`` to the decoding config apply to this
+        call only (``verifier="block"``, ``draft_length=8``, ``temperature=0.3``, ...); the models stay loaded.
         """
         if changes:
-            return self.with_config(**changes).generate(prompts, num_samples, on_block)
-        return list(self.samples(prompts, num_samples, on_block))
+            return self.with_config(**changes).generate(prompts, num_samples, on_block, batch_size)
+        results = list(self.samples(prompts, num_samples, on_block, batch_size))
+        return sorted(results, key=lambda result: (result.prompt_index, result.sample_index))
 
     def samples(
-        self, prompts: str | Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None
-    ) -> Iterator[GenerationResult]:
+        self, prompts: str | Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None,
+        batch_size: int = 1,
+    ) -> Iterator[GenerationResult]:  # fmt: skip
         """What :meth:`generate` returns, yielded as each sample finishes (a caller that is stopped keeps
-        the samples it was given). Every prompt is checked before any model runs."""
+        the samples it was given): in order at batch size 1, in the order they finish in a batch. Every prompt
+        is checked before any model runs."""
         prompts = _prompt_list(prompts)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise UsageError(f"num_samples must be a whole number >= 1, got {num_samples!r}")
+        for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be a whole number >= 1, got {value!r}")
+        if batch_size > 1:
+            self.check_batching()
         encoded = [self.encode_prompt(p) for p in prompts]
-        for prompt_index, sample_index in itertools.product(range(len(prompts)), range(num_samples)):
-            callback = None if on_block is None else functools.partial(on_block, prompt_index, sample_index)
-            yield self.sample(prompts[prompt_index], prompt_index, sample_index, encoded[prompt_index], callback)
+        jobs = [SequenceJob(prompts[p], p, s, encoded[p], None if on_block is None else functools.partial(on_block, p, s))
+                for p, s in itertools.product(range(len(prompts)), range(num_samples))]  # fmt: skip
+        if batch_size > 1:
+            yield from BatchDecoding(self, batch_size).run(jobs)
+            return
+        for job in jobs:
+            yield self.sample(job.prompt, job.prompt_index, job.sample_index, job.prompt_ids, job.on_block)
+
+    def check_batching(self) -> None:
+        """Refuse, in one line, what cannot decode in batches: no KV cache, or a model whose rows cannot keep
+        their own positions (:func:`~specdec_cli.batch_session.batch_problem`)."""
+        if not self.config.speculation.kv_cache:
+            raise UsageError("batched decoding needs the KV cache; drop kv_cache: false or use --batch-size 1")
+        for model in [self.target, *(draft.model for draft in self.drafts if draft.model is not None)]:
+            problem = batch_problem(model)
+            if problem is not None:
+                raise UsageError(problem)
 
     def sample(
         self, prompt: str, prompt_index: int, sample_index: int, prompt_ids: list[int],
@@ -223,6 +245,13 @@ class SpeculativeDecoder:
         """One sample of one prompt, with the key of (run seed, prompt index, sample index): its draws do not
         depend on which samples ran before it or beside it."""
         key = sample_key(self.config.seed, prompt_index, sample_index)
+        return self.sample_with_key(prompt, prompt_index, sample_index, prompt_ids, key, on_block)
+
+    def sample_with_key(
+        self, prompt: str, prompt_index: int, sample_index: int, prompt_ids: list[int], key: int,
+        on_block: Callable[[list[int], list[bool]], None] | None = None,
+    ) -> GenerationResult:  # fmt: skip
+        """:meth:`sample` with its randomness given as a key (:func:`~specdec_cli.randomness.sample_key`)."""
         tokens, mask, stats = self.generate_ids(prompt_ids, key, on_block)
         text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
         return GenerationResult(prompt, prompt_index, sample_index, tokens, text, stats, mask)
@@ -279,7 +308,7 @@ class SpeculativeDecoder:
                 stats.stop_reason = "eos" if block.eos else "max_new_tokens"
                 break
         _synchronize(self.device)
-        stats.wall_time_s = time.perf_counter() - wall_start
+        stats.wall_time_s = stats.share_time_s = time.perf_counter() - wall_start
         for name in ("draft", "target", "verify", "forward"):
             setattr(stats, f"{name}_time_s", timer.seconds(name))
         stats.new_tokens = len(committed) - start
@@ -292,7 +321,7 @@ class SpeculativeDecoder:
         try:
             yield
         except (RuntimeError, MemoryError) as error:
-            if not _is_allocation_error(error):
+            if not is_allocation_error(error):
                 raise
             drafts = f"--num-drafts ({self.config.speculation.num_drafts}) or --draft-length ({self.draft_length})"
             if not stats.blocks:  # the prompt's encoding or prefill, with the first block's draft rows
@@ -301,7 +330,7 @@ class SpeculativeDecoder:
             else:
                 advice = f"while generating; lower --max-new-tokens ({self.config.generation.max_new_tokens})"
                 advice += f", {drafts}" if self.drafters else ""
-            raise SpecdecError(f"out of memory{_requested_memory(error)} {advice}") from error
+            raise SpecdecError(f"out of memory{requested_memory(error)} {advice}") from error
 
     def _verifier_randomness(self, draws: Draws, key: int, block_start: int) -> Randomness:
         """The block's keyed draws, or for a plugin that draws from a stateful generator one seeded from the
@@ -351,15 +380,7 @@ class SpeculativeDecoder:
         drafts_finite = values[block_size + 5 : block_size + 5 + drafters]
         drafts_in_vocab = values[block_size + 5 + drafters : block_size + 5 + 2 * drafters]
         matches = iter(values[block_size + 5 + 2 * drafters :])
-        for drafter, in_vocab in zip(self.drafters, drafts_in_vocab):
-            if not in_vocab:
-                raise self.drafter_registry.fault(drafter.name, f"proposed token ids outside the vocabulary "
-                                                                f"[0, {self.vocab_size})")  # fmt: skip
-        if not target_finite:
-            raise NonFiniteLogitsError(non_finite_message("target"))
-        for drafter, finite in zip(self.drafters, drafts_finite):
-            if not finite:
-                raise NonFiniteLogitsError(non_finite_message(f"draft {drafter.label}"))
+        self.check_block_flags(bool(target_finite), drafts_finite, drafts_in_vocab)
         if drafted.length:  # a verifier decided (a block without draft tokens is the engine's own draw)
             problem = decision_value_problem(tokens, num_accepted, row, bool(departs), drafted.tokens.shape[0],
                                              self.vocab_size)  # fmt: skip
@@ -375,23 +396,38 @@ class SpeculativeDecoder:
         eos = any(t in self.eos_ids for t in new_tokens)
         return _Committed(new_tokens, min(num_accepted, count), eos, drafted.length)
 
+    def check_block_flags(self, target_finite: bool, drafts_finite: list[int], drafts_in_vocab: list[int]) -> None:
+        """Stop the run, in one line, on a drafter's token ids outside the vocabulary or on non-finite logits
+        (the flags of a block's read, one per drafter)."""
+        for drafter, in_vocab in zip(self.drafters, drafts_in_vocab):
+            if not in_vocab:
+                raise self.drafter_registry.fault(drafter.name, f"proposed token ids outside the vocabulary "
+                                                                f"[0, {self.vocab_size})")  # fmt: skip
+        if not target_finite:
+            raise NonFiniteLogitsError(non_finite_message("target"))
+        for drafter, finite in zip(self.drafters, drafts_finite):
+            if not finite:
+                raise NonFiniteLogitsError(non_finite_message(f"draft {drafter.label}"))
+
+    def guarded_decision(self, verify: Callable[..., Any], *inputs: Any) -> Any:
+        """``verify(*inputs)`` (the verifier's verify_block or verify_batch): a plugin's exception is its fault, named
+        in one line with the original chained for ``--debug``; running out of memory is not, and reaches
+        :meth:`_memory_guard`."""
+        try:
+            return verify(*inputs)
+        except SpecdecError:
+            raise
+        except Exception as error:
+            if is_allocation_error(error):
+                raise
+            raise self.registry.fault(self.verifier.name, f"raised {error_line(error)}") from error
+
     def _decide(
         self, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
         randomness: Randomness,
     ) -> BlockDecision:  # fmt: skip
-        """The verifier's decision, its types, shapes and devices checked on the host (no device read).
-
-        A plugin's exception is its fault, named in one line with the original chained for ``--debug``;
-        running out of memory is not, and reaches :meth:`_memory_guard`.
-        """
-        try:
-            decision = self._verify_block(target_probs, draft_probs, draft_tokens, randomness)
-        except SpecdecError:
-            raise
-        except Exception as error:
-            if _is_allocation_error(error):
-                raise
-            raise self.registry.fault(self.verifier.name, f"raised {error_line(error)}") from error
+        """The verifier's decision, its types, shapes and devices checked on the host (no device read)."""
+        decision = self.guarded_decision(self._verify_block, target_probs, draft_probs, draft_tokens, randomness)
         problem = decision_problem(decision, draft_tokens.shape[1] + 1, target_probs.device)
         if problem is not None:
             raise self.registry.fault(self.verifier.name, problem)
@@ -530,23 +566,6 @@ def _prompt_list(prompts: object) -> list[str]:
         if not isinstance(prompt, str):
             raise PromptTypeError(f"prompt {index} is {type(prompt).__name__}, not text; pass strings (decode bytes first)")
     return list(prompts)
-
-
-def _is_allocation_error(error: BaseException) -> bool:
-    """Whether ``error`` is an allocator refusing memory (CUDA, the CPU's, MPS, or Python's own)."""
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    message = str(error).lower()
-    return isinstance(error, RuntimeError) and any(s in message for s in ("can't allocate memory", "out of memory"))
-
-
-def _requested_memory(error: BaseException) -> str:
-    """`` (N GiB requested)`` from an allocator's message, or nothing when it does not say."""
-    found = re.search(r"[Tt]ried to allocate ([\d.]+) ?(bytes|[KMGT]i?B)", str(error))
-    if found is None:
-        return ""
-    amount, unit = found.groups()
-    return f" ({int(amount) / 2**30:.2f} GiB requested)" if unit == "bytes" else f" ({amount} {unit} requested)"
 
 
 def _longest_match(group_tokens: torch.Tensor, block_tokens: torch.Tensor, count: torch.Tensor):

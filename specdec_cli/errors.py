@@ -6,6 +6,8 @@ anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import re
+
 USAGE_EXIT_CODE = 2
 FAILURE_EXIT_CODE = 1
 
@@ -32,3 +34,22 @@ class ModelLoadError(SpecdecError):
 
 class NonFiniteLogitsError(SpecdecError):
     """A model produced NaN or +inf logits; sampling from them would be meaningless."""
+
+
+def is_allocation_error(error: BaseException) -> bool:
+    """Whether ``error`` is an allocator refusing memory (CUDA, the CPU's, MPS, or Python's own)."""
+    import torch  # here: this module is imported before torch is (the CLI's fast paths never load it)
+
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and any(s in message for s in ("can't allocate memory", "out of memory"))
+
+
+def requested_memory(error: BaseException) -> str:
+    """`` (N GiB requested)`` from an allocator's message, or nothing when it does not say."""
+    found = re.search(r"[Tt]ried to allocate ([\d.]+) ?(bytes|[KMGT]i?B)", str(error))
+    if found is None:
+        return ""
+    amount, unit = found.groups()
+    return f" ({int(amount) / 2**30:.2f} GiB requested)" if unit == "bytes" else f" ({amount} {unit} requested)"

@@ -34,6 +34,10 @@ class SampleStats:
     forward_time_s: float = 0.0
     """Inside the models' forward calls (target and drafts): the part that is not the engine's own."""
     wall_time_s: float = 0.0
+    share_time_s: float = 0.0
+    """Its share of the time it ran in: in a batch, each step's time split evenly among the samples in it (so the
+    shares of a batch's samples add up to the batch's time, and tokens over shares is the batch's throughput);
+    alone, its wall time."""
     stop_reason: str = ""
     """'eos' or 'max_new_tokens'."""
 

@@ -1,0 +1,205 @@
+"""Batched decoding end to end on tiny models loaded through the recipe path (issue #22).
+
+- Exactness: the first tokens of samples decoded in batches of 3 and 8 follow the target's law (chi-square
+  against the law enumerated from the target alone) for every lossless verifier and K = 1..3, decoder-only
+  and encoder-decoder; the draft's own law is rejected by the same check (the test has power).
+- Batch invariance: greedy at batch 8 equals batch 1 token for token; sampled, a sample's tokens do not
+  depend on what else is in its batch (≥ 99 % identical), with sequences finishing and joining mid-run.
+- One read of the device per step for the whole batch (transformers' own mask checks included: none).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specdec_cli import SpeculativeDecoder
+from specdec_cli.batch_engine import BatchDecoding
+from specdec_cli.errors import UsageError
+from specdec_cli.recipe import build_recipe
+from specdec_cli.sampling import SamplingParams
+from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
+from specdec_cli.verifiers import device_path
+from tests.conftest import tiny_recipe
+from tests.test_device_reads import conversions  # noqa: F401 (a fixture)
+
+PROMPTS = ["a b c d", "e e a", "b", "d c b a e d c b a"]
+LOSSLESS = [("speculative", 1), ("block", 1), ("specinfer", 1), ("specinfer", 2), ("specinfer", 3), ("spectr", 2),
+            ("spectr", 3), ("is-lp", 2), ("is-truncated", 3)]  # fmt: skip
+
+
+def _decoder(models, family: str, verifier: str = "speculative", num_drafts: int = 1, drafts=None, **generation):
+    recipe = tiny_recipe(models, family, verifier={"name": verifier}, speculation={"num_drafts": num_drafts},
+                         generation=generation)  # fmt: skip
+    if drafts is not None:
+        recipe.pop("draft")
+        recipe["drafts"] = drafts
+    return SpeculativeDecoder.from_recipe(build_recipe(recipe))
+
+
+BATCH_CASES = [pytest.param(verifier, k, 8, id=f"{verifier}-K{k}-B8") for verifier, k in LOSSLESS] + [
+    pytest.param(verifier, k, 3, id=f"{verifier}-K{k}-B3") for verifier, k in (("speculative", 1), ("specinfer", 2),
+                                                                              ("spectr", 3))]  # fmt: skip
+"""Every lossless verifier at batch 8; at batch 3 (more steps, and sequences joining more often) one per K."""
+
+
+@pytest.mark.parametrize("verifier,num_drafts,batch_size", BATCH_CASES)
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_batched_first_tokens_follow_the_target_law(tiny_models, family, verifier, num_drafts, batch_size):
+    depth, samples = 3, 600
+    decoder = _decoder(tiny_models, family, verifier, num_drafts, max_new_tokens=depth, temperature=1.0)
+    prompt_ids = decoder.encode_prompt(PROMPTS[0])
+    results = decoder.generate(PROMPTS[0], num_samples=samples, batch_size=batch_size)
+    counts = Counter(tuple(result.token_ids) for result in results)
+    law = exact_sequence_law(decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
+    assert chi_square_p_value(counts, law) > 1e-3
+    accepted = sum(result.stats.accepted_tokens for result in results)
+    assert 0.05 < accepted / sum(result.stats.drafted_tokens for result in results) < 0.95
+    draft_model = decoder.drafts[0].model.model
+    draft_law = exact_sequence_law(draft_model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
+    assert chi_square_p_value(counts, draft_law) < 1e-6  # negative control: the draft's law is told apart
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("verifier,num_drafts", [("speculative", 1), ("specinfer", 2), ("is-lp", 2)])
+def test_greedy_in_a_batch_of_eight_equals_greedy_alone(tiny_models, family, verifier, num_drafts):
+    decoder = _decoder(tiny_models, family, verifier, num_drafts, max_new_tokens=24, temperature=0.0)
+    alone = decoder.generate(PROMPTS, num_samples=3)
+    batched = decoder.generate(PROMPTS, num_samples=3, batch_size=8)  # 12 sequences: 4 join as others finish
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert [r.accepted_mask for r in batched] == [r.accepted_mask for r in alone]
+    assert [(r.prompt_index, r.sample_index) for r in batched] == [(r.prompt_index, r.sample_index) for r in alone]
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("verifier,num_drafts", [("speculative", 1), ("block", 1), ("spectr", 2), ("mentored", 1)])
+def test_a_sample_does_not_depend_on_its_batch(tiny_models, family, verifier, num_drafts):
+    decoder = _decoder(tiny_models, family, verifier, num_drafts, max_new_tokens=16, temperature=1.0)
+    runs = [decoder.generate(PROMPTS, num_samples=5, batch_size=size) for size in (1, 3, 8)]
+    samples = len(runs[0])
+    for other in runs[1:]:
+        same = sum(a.token_ids == b.token_ids for a, b in zip(runs[0], other))
+        assert same >= 0.99 * samples
+    # Not vacuous: samples of one prompt differ, and another seed draws other samples.
+    assert len({tuple(r.token_ids) for r in runs[0]}) > len(PROMPTS)
+    reseeded = decoder.with_config(seed=1).generate(PROMPTS, num_samples=5, batch_size=8)
+    assert sum(a.token_ids != b.token_ids for a, b in zip(runs[0], reseeded)) >= 3
+
+
+def test_stats_are_kept_per_sequence(tiny_models):
+    decoder = _decoder(tiny_models, "llama", max_new_tokens=12, temperature=1.0)
+    alone = decoder.generate(PROMPTS, num_samples=2)
+    batched = decoder.generate(PROMPTS, num_samples=2, batch_size=8)
+    for one, many in zip(alone, batched):
+        for name in ("new_tokens", "target_forwards", "blocks", "drafted_tokens", "accepted_tokens",
+                     "accepted_per_position", "drafted_per_position", "stop_reason"):  # fmt: skip
+            assert getattr(one.stats, name) == getattr(many.stats, name), name
+        assert many.stats.wall_time_s > 0
+
+
+def test_prompt_lookup_and_a_model_draft_mix_in_a_batch(tiny_models):
+    """A drafter without batch methods (prompt lookup) is run per sequence beside the batched model drafter,
+    and a sequence's block keeps only the rows that proposed, as it does alone."""
+    drafts = [{"model": str(tiny_models["llama-draft"])}, {"drafter": "prompt-lookup"}]
+    decoder = _decoder(tiny_models, "llama", "specinfer", 2, drafts=drafts, max_new_tokens=20, temperature=0.0)
+    prompts = ["a b c a b c a b", "d d d d", "e a e a e a"]
+    alone = decoder.generate(prompts, num_samples=2)
+    batched = decoder.generate(prompts, num_samples=2, batch_size=4)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert [r.stats.blocks for r in batched] == [r.stats.blocks for r in alone]
+
+
+def test_a_batch_reads_the_device_once_per_step(tiny_models, conversions, monkeypatch):  # noqa: F811
+    decoder = _decoder(tiny_models, "llama", max_new_tokens=16, temperature=1.0)
+    steps = joins = 0
+    step, join = BatchDecoding._step, BatchDecoding._join
+
+    def counted_step(self):
+        nonlocal steps
+        steps += 1
+        return step(self)
+
+    def counted_join(self, jobs):
+        nonlocal joins
+        joins += 1
+        return join(self, jobs)
+
+    monkeypatch.setattr(BatchDecoding, "_step", counted_step)
+    monkeypatch.setattr(BatchDecoding, "_join", counted_join)
+    prompt_ids = decoder.encode_prompt(PROMPTS[0])  # tokenizing reads nothing, but keep it out of the count
+    conversions.clear()
+    with device_path():
+        results = list(BatchDecoding(decoder, 8).run(_jobs(decoder, prompt_ids, 8)))
+    assert len(results) == 8 and steps >= 4 and joins == 1
+    assert dict(conversions) == {"tolist": steps}  # the step's read; transformers' mask checks read nothing
+
+
+def _jobs(decoder, prompt_ids, count):
+    from specdec_cli.batch_engine import SequenceJob
+
+    return [SequenceJob(PROMPTS[0], 0, sample, prompt_ids) for sample in range(count)]
+
+
+def test_batching_without_a_kv_cache_is_refused(tiny_models):
+    recipe = tiny_recipe(tiny_models, "llama", speculation={"kv_cache": False})
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    with pytest.raises(UsageError, match="needs the KV cache"):
+        decoder.generate("a b", batch_size=2)
+    with pytest.raises(UsageError, match="batch_size must be a whole number"):
+        decoder.generate("a b", batch_size=0)
+
+
+def test_a_bart_target_is_refused_before_decoding(tiny_models):
+    decoder = _decoder(tiny_models, "bart")
+    with pytest.raises(UsageError, match="--batch-size 1"):
+        decoder.generate("a b", batch_size=2)
+    assert torch.is_inference_mode_enabled() is False
+
+
+def test_running_out_of_memory_in_a_batch_is_one_line_naming_the_batch_size(tiny_models, monkeypatch):
+    from specdec_cli.batch_session import BatchSession
+    from specdec_cli.errors import SpecdecError
+
+    decoder = _decoder(tiny_models, "llama")
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123456789 bytes")
+
+    monkeypatch.setattr(BatchSession, "_run", refuse)
+    with pytest.raises(SpecdecError, match=r"out of memory \(0.11 GiB requested\) decoding a batch of 4; lower --batch-size"):
+        decoder.generate(PROMPTS, batch_size=4)
+
+
+def test_a_run_after_an_interrupted_one_gives_the_same_samples(tiny_models):
+    """A batched drafter keeps its sequences between calls: the next run must not see an interrupted run's."""
+    decoder = _decoder(tiny_models, "llama", max_new_tokens=10, temperature=1.0)
+    expected = decoder.generate(PROMPTS, batch_size=2)
+    stopped = decoder.samples(PROMPTS, batch_size=2)
+    next(stopped)
+    stopped.close()  # the caller stops mid-run: sequences stay in the drafter's session
+    assert [r.token_ids for r in decoder.generate(PROMPTS, batch_size=2)] == [r.token_ids for r in expected]
+
+
+@pytest.mark.parametrize("bad", ["shape", "lengths", "raises"])
+def test_a_batched_drafters_bad_proposal_is_one_line_naming_it(tiny_models, monkeypatch, bad):
+    from specdec_cli.drafting import BatchProposal
+    from specdec_cli.errors import SpecdecError
+    from specdec_plugins.model_drafter import ModelDrafter
+
+    decoder = _decoder(tiny_models, "llama")
+    original = ModelDrafter.propose_batch
+
+    def broken(self, request):
+        if bad == "raises":
+            raise KeyError("boom")
+        proposal = original(self, request)
+        if bad == "shape":
+            return BatchProposal(proposal.tokens[:, :, :1].float(), proposal.laws, proposal.finite, proposal.lengths)
+        return BatchProposal(proposal.tokens, proposal.laws, proposal.finite, [99] * len(proposal.lengths))
+
+    monkeypatch.setattr(ModelDrafter, "propose_batch", broken)
+    with pytest.raises(SpecdecError, match="drafter 'model'") as caught:
+        decoder.generate(PROMPTS, batch_size=3)
+    assert "\n" not in str(caught.value)
