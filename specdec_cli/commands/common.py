@@ -120,6 +120,11 @@ def apply_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+BatchSizeOption = Annotated[int, typer.Option(metavar="B", help=(
+    "Decode B samples at a time in one batch (each drafts, is verified and commits on its own; finished samples "
+    "leave and waiting ones join). A sample's tokens do not depend on B, up to float rounding."))]
+
+
 def check_at_least_one(value: int | None, option: str) -> None:
     """Counts the option parser leaves unchecked (its range note would clutter the help)."""
     if value is not None and value < 1:

@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Optional, TypeVar
@@ -57,6 +58,7 @@ def generate(
     sets: common.SetOption = None,
     compile_steps: common.CompileOption = False,
     num_samples: Annotated[int, typer.Option(metavar="N", help="Independent samples per prompt, each with its own seed.")] = 1,
+    batch_size: common.BatchSizeOption = 1,
     chat: common.ChatOption = None,
     autoregressive: Annotated[bool, typer.Option(
         "--autoregressive", metavar="", help="Decode with the target alone (the baseline); the same as --verifier none.")] = False,
@@ -75,14 +77,20 @@ def generate(
     Ctrl-C or SIGTERM prints what finished (exit code 130).
     """
     common.check_at_least_one(num_samples, "--num-samples")
+    common.check_at_least_one(batch_size, "--batch-size")
     names = _verifier_names(verifier, autoregressive)
     comparing = len(names) > 1
+    if comparing and batch_size > 1:
+        raise UsageError("--batch-size decodes one configuration at a time; compare verifiers at --batch-size 1, or "
+                         "run each verifier on its own with --batch-size")  # fmt: skip
     options = common.RecipeOptions(
         recipe=recipe, sets=common.with_compile(sets, compile_steps), verifier=None if comparing else (names or [None])[0],
         drafter=drafter, kl=None if comparing else kl, num_drafts=num_drafts, draft_length=draft_length, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat,
     )  # fmt: skip
     resolved = options.resolve()
+    if batch_size > 1 and not resolved.speculation.kv_cache:
+        raise UsageError("--batch-size needs the KV cache; drop kv_cache: false from the recipe, or use --batch-size 1")
     if not comparing and resolved.verifier.name.strip().lower() == AUTOREGRESSIVE:
         _check_nothing_to_draft(kl, num_drafts, draft_length)
     prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
@@ -93,7 +101,7 @@ def generate(
         if comparing:
             _compare(resolved, names, kl, prompts, num_samples, as_json, recalibrate)
         else:
-            _generate(resolved, prompts, num_samples, as_json, recalibrate)
+            _generate(resolved, prompts, num_samples, as_json, recalibrate, batch_size)
 
 
 def _verifier_names(verifier: str | None, autoregressive: bool) -> list[str]:
@@ -142,14 +150,18 @@ class _StdoutConsole(Console):
         raise BrokenPipeError
 
 
-def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: bool, recalibrate: bool) -> None:
-    """One configuration: the text streams as blocks are committed, then a table of its statistics."""
+def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: bool, recalibrate: bool,
+              batch_size: int = 1) -> None:  # fmt: skip
+    """One configuration: the text streams as blocks are committed (as samples finish, in a batch), then a table
+    of its statistics."""
     from ..calibration import note_for
     from ..engine import SpeculativeDecoder
 
     err = Console(stderr=True)
     with err.status(LOADING):
         decoder = SpeculativeDecoder.from_recipe(recipe)
+    if batch_size > 1:
+        decoder.check_batching()
     first = decoder.encode_prompt(prompts[0])
     decoder.warm_up(first)
     _print_note(err, note_for(decoder, first, recalibrate=recalibrate))
@@ -157,30 +169,45 @@ def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: boo
     stream = None if as_json else _Stream(decoder.target.tokenizer, out, several=len(prompts) * num_samples > 1)
     budget = recipe.generation.max_new_tokens
     results: list[GenerationResult] = []
+    began = time.perf_counter()
     # A terminal that shows the text needs no bar; a pipe or --json would otherwise be silent.
     with common.token_progress(len(prompts) * num_samples * budget, enabled=as_json or not out.is_terminal) as progress:
         def on_block(prompt_index: int, sample_index: int, new_tokens: list[int], accepted: list[bool]) -> None:
             progress.advance(len(new_tokens))
-            if stream is not None:
+            if stream is not None and batch_size == 1:
                 stream.on_block(prompt_index, sample_index, new_tokens, accepted)
 
         def finished(result: GenerationResult) -> None:
             results.append(result)
             progress.advance(budget - len(result.token_ids))  # the budget an early end of text left unused
+            if stream is not None and batch_size > 1:  # a batch's samples interleave: each is shown whole
+                stream.on_block(result.prompt_index, result.sample_index, result.token_ids, result.accepted_mask)
 
-        interrupted = _until_interrupted(decoder.samples(prompts, num_samples, on_block), finished)
+        interrupted = _until_interrupted(decoder.samples(prompts, num_samples, on_block, batch_size), finished)
+    throughput = _throughput(results, time.perf_counter() - began, batch_size)
     if stream is not None:
         stream.finish()
     if interrupted:
         err.print(f"interrupted after {len(results)} of {len(prompts) * num_samples} samples; the statistics cover "
                   f"those {len(results)}", highlight=False)  # fmt: skip
+    results.sort(key=lambda result: (result.prompt_index, result.sample_index))
     if as_json:
         _write_json(_json_header(recipe, decoder, interrupted) | {
-            "autoregressive": decoder.verifier is None, "samples": [r.to_dict() for r in results]})  # fmt: skip
+            "autoregressive": decoder.verifier is None, "throughput": throughput,
+            "samples": [r.to_dict() for r in results]})  # fmt: skip
     elif results:
         err.print(_stats_table(decoder, results, colour_caption=out.is_terminal))
+        err.print(f"batch size {batch_size}: {throughput['new_tokens']} tokens in {throughput['wall_time_s']:.2f} s, "
+                  f"{throughput['tokens_per_s']:.1f} tokens/s over all samples", highlight=False)  # fmt: skip
     if interrupted:
         raise typer.Exit(INTERRUPTED_EXIT)
+
+
+def _throughput(results: list[GenerationResult], wall_time_s: float, batch_size: int) -> dict:
+    """The run's tokens per second over all samples (in a batch, what a sample's own rate does not show)."""
+    tokens = sum(len(result.token_ids) for result in results)
+    return {"batch_size": batch_size, "new_tokens": tokens, "wall_time_s": wall_time_s,
+            "tokens_per_s": tokens / wall_time_s if wall_time_s > 0 else 0.0}  # fmt: skip
 
 
 def _compare(recipe: Recipe, names: list[str], kl: float | None, prompts: list[str], num_samples: int,

@@ -1,0 +1,50 @@
+"""`specdec generate --batch-size B`: the same samples as batch 1, shown whole as each finishes, with the
+run's throughput; bad uses are one line before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import tiny_recipe
+from tests.test_cli import _one_error_line, recipe_path, run  # noqa: F401 (fixtures)
+
+
+def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path):  # noqa: F811
+    args = ["generate", "-r", recipe_path, "--json", "--num-samples", "3", "--max-new-tokens", "8"]
+    code, out, err = run([*args, "--batch-size", "4"], stdin="a b c\ne d\n")
+    assert code == 0, err
+    batched = json.loads(out)
+    alone = json.loads(run(args, stdin="a b c\ne d\n")[1])
+    assert [s["token_ids"] for s in batched["samples"]] == [s["token_ids"] for s in alone["samples"]]
+    assert [(s["prompt"], s["sample_index"]) for s in batched["samples"]] == [
+        (s["prompt"], s["sample_index"]) for s in alone["samples"]]  # fmt: skip
+    throughput = batched["throughput"]
+    assert throughput["batch_size"] == 4 and throughput["tokens_per_s"] > 0
+    assert throughput["new_tokens"] == sum(len(s["token_ids"]) for s in batched["samples"])
+
+
+def test_a_batch_shows_each_sample_whole(run, recipe_path):  # noqa: F811
+    code, out, err = run(["generate", "-r", recipe_path, "--temperature", "0", "--num-samples", "2", "--batch-size", "2",
+                          "--max-new-tokens", "6"], stdin="a b c\nd\n")  # fmt: skip
+    assert code == 0, err
+    assert [line for line in out.splitlines() if "prompt" in line and "sample" in line] and "batch size 2" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--batch-size", "2", "--verifier", "speculative,none"], "--batch-size decodes one configuration at a time"),
+    (["--batch-size", "2", "--set", "speculation.kv_cache=false"], "--batch-size needs the KV cache"),
+])  # fmt: skip
+def test_bad_batch_uses_are_one_line(run, recipe_path, args, message):  # noqa: F811
+    code, _, err = run(["generate", "-r", recipe_path, *args, "a b"])
+    assert code == 2
+    _one_error_line(err, message)
+
+
+def test_a_target_that_cannot_batch_is_one_line(run, tiny_models, write_recipe):  # noqa: F811
+    path = str(write_recipe(tiny_recipe(tiny_models, "bart")))
+    code, _, err = run(["generate", "-r", path, "--batch-size", "2", "a b"])
+    assert code == 2
+    _one_error_line(err, "use --batch-size 1")
