@@ -29,11 +29,13 @@ class GridCell:
     drafter: str | None = None
     """Draft with this drafter only (``--drafter``: the recipe's entries of it, or one with its defaults); None:
     the recipe's drafts."""
+    batch_size: int = 1
+    """Samples decoded at a time (``--batch-size``); its speedup is over the target alone at the same batch size."""
 
     @classmethod
-    def baseline(cls, temperature: float) -> "GridCell":
+    def baseline(cls, temperature: float, batch_size: int = 1) -> "GridCell":
         return cls(verifier=BASELINE, kl=None, num_drafts=0, draft_length=0, temperature=temperature,
-                   draft_temperatures=None)  # fmt: skip
+                   draft_temperatures=None, batch_size=batch_size)  # fmt: skip
 
     @classmethod
     def from_config(cls, spec: dict) -> "GridCell":
@@ -43,16 +45,17 @@ class GridCell:
 
     @property
     def key(self) -> str:
+        batch = "" if self.batch_size == 1 else f" B={self.batch_size}"  # keys from before batches stay
         if self.verifier == BASELINE:
-            return f"baseline T={self.temperature:g}"
+            return f"baseline T={self.temperature:g}{batch}"
         name = self.verifier if self.kl is None else f"{self.verifier} D={self.kl:g}"
         drafts = "" if self.draft_temperatures is None else " dT=" + ",".join(f"{t:g}" for t in self.draft_temperatures)
         drafter = "" if self.drafter is None else f" drafter={self.drafter}"  # keys from before drafters stay
-        return f"{name} K={self.num_drafts} L={self.draft_length} T={self.temperature:g}{drafts}{drafter}"
+        return f"{name} K={self.num_drafts} L={self.draft_length} T={self.temperature:g}{drafts}{drafter}{batch}"
 
     @property
     def baseline_key(self) -> str:
-        return GridCell.baseline(self.temperature).key
+        return GridCell.baseline(self.temperature, self.batch_size).key
 
     def recipe(self, base: Recipe, registry: VerifierRegistry) -> Recipe:
         """The base recipe with this cell's settings; the verifier gets the base's parameters it takes."""
@@ -87,22 +90,24 @@ class Grid:
     temperatures: tuple[float, ...]
     draft_temperatures: tuple[tuple[float, ...] | None, ...] = (None,)
     drafters: tuple[str | None, ...] = (None,)
+    batch_sizes: tuple[int, ...] = (1,)
 
     def cells(self, registry: VerifierRegistry, base: Recipe) -> tuple[list[GridCell], list[str]]:
         """Baselines first, then every combination whose verifier takes the cell's draft rows (counted
         from the cell's own recipe over ``base``, as the engine counts them); and why the others were left out."""
-        cells = [GridCell.baseline(t) for t in self.temperatures]
+        cells = [GridCell.baseline(t, b) for b in self.batch_sizes for t in self.temperatures]
         skipped = []
         drafters = [None if name is None else DrafterRegistry().canonical(name) for name in self.drafters]
         for name in self.verifiers:
             name = registry.canonical(name)
             verifier_class = registry.load_class(name)
             bounds: tuple[float | None, ...] = self.kl if verifier_class.kl_bound_parameter and self.kl else (None,)
-            for kl, k, length, temperature, draft_temps, drafter in itertools.product(
-                bounds, self.num_drafts, self.draft_lengths, self.temperatures, self.draft_temperatures, drafters
-            ):
+            for kl, k, length, temperature, draft_temps, drafter, batch in itertools.product(
+                bounds, self.num_drafts, self.draft_lengths, self.temperatures, self.draft_temperatures, drafters,
+                self.batch_sizes,
+            ):  # fmt: skip
                 cell = GridCell(verifier=name, kl=kl, num_drafts=k, draft_length=length, temperature=temperature,
-                                draft_temperatures=draft_temps, drafter=drafter)  # fmt: skip
+                                draft_temperatures=draft_temps, drafter=drafter, batch_size=batch)  # fmt: skip
                 rows = recipe_draft_rows(cell.recipe(base, registry))
                 reason = registry.refusal(name, rows)
                 if reason is not None:

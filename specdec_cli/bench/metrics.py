@@ -50,6 +50,9 @@ STAT_TOTALS = ("new_tokens", "target_forwards", "draft_forwards", "drafted_token
 def speed_summary(stats: list[dict]) -> dict:
     """Pooled speed metrics of one cell's samples (their ``stats`` dicts)."""
     total = {key: sum(s[key] for s in stats) for key in STAT_TOTALS}
+    # A batch's samples share its time: tokens over their shares is the batch's throughput (alone, share = wall time;
+    # results written before batches have no shares).
+    total["share_time_s"] = sum(s.get("share_time_s") or s["wall_time_s"] for s in stats)
     positions = max((len(s["drafted_per_position"]) for s in stats), default=0)
     per_position = []
     for t in range(positions):
@@ -66,7 +69,7 @@ def speed_summary(stats: list[dict]) -> dict:
         "acceptance_rate": _ratio(total["accepted_tokens"], total["drafted_tokens"]),
         "token_acceptance": _ratio(total["accepted_tokens"], total["verified_tokens"]),
         "acceptance_per_position": per_position,
-        "tokens_per_second": _ratio(total["new_tokens"], total["wall_time_s"]),
+        "tokens_per_second": _ratio(total["new_tokens"], total["share_time_s"]),
         "draft_s_per_forward": _ratio(total["draft_time_s"], total["draft_forwards"]),
         "target_s_per_forward": _ratio(total["target_time_s"], total["target_forwards"]),
     }

@@ -230,7 +230,8 @@ def _example_speedups(samples: list[dict], baseline: list[dict]) -> list[float]:
 
 
 def _rate(stats: dict) -> float | None:
-    return stats["new_tokens"] / stats["wall_time_s"] if stats["wall_time_s"] > 0 else None
+    share = stats.get("share_time_s") or stats["wall_time_s"]  # as speed_summary: a batch's samples share its time
+    return stats["new_tokens"] / share if share > 0 else None
 
 
 def _by_category(samples: list[dict]) -> dict[str, float]:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..batch_engine import BatchDecoding, SequenceJob
 from ..engine import SpeculativeDecoder
 from ..randomness import sample_key
 from ..errors import SpecdecError, UsageError
@@ -92,12 +94,15 @@ class BenchRunner:
         for seed in self.seeds:
             for index, example in mine:
                 for cell, run in prepared.items():
-                    if self.store.done((cell.key, seed, example.id)):
+                    if cell.batch_size > 1 or self.store.done((cell.key, seed, example.id)):
                         continue
                     if cell.key not in self.failures:
                         self._sample(cell, run, seed, index, example, on_tokens)
                     elif on_tokens is not None:
                         on_tokens(cell.key, budget)  # a skipped sample's share of the progress
+            for cell, run in prepared.items():  # a batch holds several examples: each batched cell runs them together
+                if cell.batch_size > 1:
+                    self._batch(cell, run, seed, mine, on_tokens)
 
     def _prepare(self, mine: list[tuple[int, Example]]) -> dict[GridCell, _CellRun]:
         """A decoder for every cell with pending samples, each pending prompt encoded once (and so checked
@@ -110,6 +115,8 @@ class BenchRunner:
                 decoder = self.decoder(cell)
                 prompt_ids = {key: decoder.encode_prompt(self.prompt(example)) for key, example in pending.items()}
                 try:
+                    if cell.batch_size > 1:
+                        decoder.check_batching()
                     decoder.warm_up(next(iter(prompt_ids.values())))
                 except SpecdecError as error:
                     self._fail(CellFailure(cell=cell.key, example_id=None, seed=None, reason=str(error)))
@@ -127,13 +134,42 @@ class BenchRunner:
         except SpecdecError as error:  # only the generation: a failing write (a full disk) stops the run
             self._fail(CellFailure(cell=cell.key, example_id=example.id, seed=seed, reason=str(error)))
             return
+        self._keep(cell, decoder, seed, index, example, tokens, mask, stats.to_dict(), on_tokens)
+
+    def _batch(self, cell: GridCell, run: _CellRun, seed: int, mine: list[tuple[int, Example]],
+               on_tokens: Callable[[str, int], None] | None) -> None:  # fmt: skip
+        """The cell's pending examples of ``seed``, decoded ``cell.batch_size`` at a time; each sample is kept as it
+        finishes, with the key it has alone (a resumed run's batches differ, its samples do not)."""
+        pending = [(index, example) for index, example in mine if not self.store.done((cell.key, seed, example.id))]
+        if cell.key in self.failures:
+            if on_tokens is not None:
+                on_tokens(cell.key, len(pending) * self.recipe.generation.max_new_tokens)
+            return
+        by_index = dict(pending)
+        decoder = run.decoder
+        progress = None if on_tokens is None else (lambda _p, _s, new, _mask: on_tokens(cell.key, len(new)))
+        jobs = [SequenceJob(self.prompt(example), index, 0, run.prompt_ids[example.id],
+                            None if progress is None else functools.partial(progress, index, 0),
+                            sample_key(seed, index, 0)) for index, example in pending]  # fmt: skip
+        try:
+            for result in BatchDecoding(decoder, cell.batch_size).run(jobs):
+                example = by_index[result.prompt_index]
+                self._keep(cell, decoder, seed, result.prompt_index, example, result.token_ids, result.accepted_mask,
+                           result.stats.to_dict(), on_tokens)  # fmt: skip
+        except SpecdecError as error:
+            self._fail(CellFailure(cell=cell.key, example_id=None, seed=seed, reason=str(error)))
+
+    def _keep(
+        self, cell: GridCell, decoder: SpeculativeDecoder, seed: int, index: int, example: Example, tokens: list[int],
+        mask: list[bool], stats: dict, on_tokens: Callable[[str, int], None] | None,
+    ) -> None:  # fmt: skip
+        """Append one sample to the store (it is on disk before the next one starts)."""
         if on_tokens is not None:
             on_tokens(cell.key, decoder.config.generation.max_new_tokens - len(tokens))  # an early EOS's unused budget
         self.store.append(BenchSample(
             cell=cell.key, seed=seed, example_id=example.id, index=index, category=example.category,
             prompt=self.prompt(example), text=decoder.target.tokenizer.decode(tokens, skip_special_tokens=True),
-            reference=example.reference, token_ids=tokens, accepted_mask=mask, stats=stats.to_dict(),
-            conditions=self.conditions,
+            reference=example.reference, token_ids=tokens, accepted_mask=mask, stats=stats, conditions=self.conditions,
         ).to_record())  # fmt: skip
 
     def _fail(self, failure: CellFailure) -> None:
@@ -148,13 +184,16 @@ class CellFailure:
 
     cell: str
     example_id: str | None
-    """None: it failed on its warm-up, before its first sample."""
+    """None: it failed on its warm-up, before its first sample (``seed`` None too), or in a batch."""
     seed: int | None
     reason: str
 
     def summary(self) -> str:
         """'on example 3 (seed 0): <the error>', as results.json keeps it."""
-        where = "its warm-up" if self.example_id is None else f"example {self.example_id} (seed {self.seed})"
+        if self.example_id is None:  # a batch's failure names its seed, not one example
+            where = "its warm-up" if self.seed is None else f"a batch (seed {self.seed})"
+        else:
+            where = f"example {self.example_id} (seed {self.seed})"
         return f"on {where}: {self.reason}"
 
     def line(self) -> str:

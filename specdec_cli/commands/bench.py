@@ -67,6 +67,9 @@ def bench(
         f"Comma list of temperatures (grid). {common.from_recipe(common.DEFAULT_RECIPE.generation.temperature)}"))] = None,
     draft_temperatures: Annotated[Optional[str], typer.Option(metavar="T,T[;T,T]", help=(
         "Draft temperature sets: '1.0,1.2' is one set of two drafts; ';' separates sets (grid)."))] = None,
+    batch_sizes: Annotated[Optional[str], typer.Option("--batch-size", metavar="B[,B…]", help=(
+        "Comma list of batch sizes (grid): each cell decodes B samples at a time, and its speedup is over the target "
+        "alone at the same B (batch 1: latency; larger: throughput). [dim]\\[default: 1][/dim]"))] = None,
     max_new_tokens: common.MaxNewTokensOption = None,
     top_k: common.TopKOption = None,
     top_p: common.TopPOption = None,
@@ -95,6 +98,7 @@ def bench(
         source_field=source_field, reference_field=reference_field, limit=limit, shuffle=shuffle, seed=shuffle_seed,
     ))  # fmt: skip
     grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures, drafters)
+    grid = dataclasses.replace(grid, batch_sizes=_batch_sizes(batch_sizes, base))
     hint = "name the reference field with --reference-field NAME" if dataset else "give --reference FILE"
     plan = _Plan(base=base, task=get_task(task), lang_pair=lang_pair, template=template, examples=examples, grid=grid,
                  seeds=common.grid_values(seeds, int, "--seeds") or [base.seed], reference_hint=hint)  # fmt: skip
@@ -123,6 +127,16 @@ def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, dr
         draft_temperatures=_draft_temperature_sets(draft_temperatures),
         drafters=tuple(common.grid_values(drafters, str, "--drafter")) or (None,),
     )
+
+
+def _batch_sizes(values: str | None, base: Recipe) -> tuple[int, ...]:
+    """``--batch-size``'s values, each at least 1; more than 1 needs the KV cache."""
+    sizes = tuple(common.grid_values(values, int, "--batch-size")) or (1,)
+    for size in sizes:
+        common.check_at_least_one(size, "--batch-size")
+    if max(sizes) > 1 and not base.speculation.kv_cache:
+        raise UsageError("--batch-size needs the KV cache; drop kv_cache: false from the recipe, or use --batch-size 1")
+    return sizes
 
 
 @dataclasses.dataclass(kw_only=True)
