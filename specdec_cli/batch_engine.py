@@ -35,7 +35,8 @@ from .drafting import (
     DraftRequest,
     batch_proposal_problem,
     block_length,
-)
+    empty_proposal,
+)  # fmt: skip
 from .errors import SpecdecError, is_allocation_error, requested_memory
 from .randomness import BatchRandomness, Draws, Stream, block_generator, sample_key
 from .sampling import sample_with
@@ -84,8 +85,6 @@ class _Sequence:
 class _SequenceDrafters:
     """A drafter without batch methods, run as one instance per sequence of the batch (one call each)."""
 
-    batched = True
-
     def __init__(self, decoder: "SpeculativeDecoder", index: int) -> None:
         self.decoder, self.index = decoder, index
         self.template = decoder.drafters[index]
@@ -102,16 +101,19 @@ class _SequenceDrafters:
         self.instances = [self.instances[b] for b in kept]
 
     def propose_batch(self, request: BatchDraftRequest) -> BatchProposal:
+        vocab, device = self.decoder.vocab_size, self.decoder.device
         proposals = []
         for b, drafter in enumerate(self.instances):
             length = request.max_lengths[b]
+            if not length:  # as alone: a sequence with one token left asks no drafter
+                proposals.append(empty_proposal(self.rows, vocab, device))
+                continue
             one = DraftRequest(request.contexts[b], length, request.uniforms[b, :length], request.sampling_law,
                                request.timer)  # fmt: skip
             proposals.append(self.decoder.checked_proposal(drafter, one))
-        width = max(request.max_lengths)
-        vocab, device = self.decoder.vocab_size, self.decoder.device
+        width, dtype = max(request.max_lengths), proposals[0].laws.dtype
         tokens = torch.zeros(len(proposals), self.rows, width, dtype=torch.long, device=device)  # [B, rows, n]
-        laws = torch.zeros(len(proposals), self.rows, width, vocab, device=device)  # [B, rows, n, V]
+        laws = torch.zeros(len(proposals), self.rows, width, vocab, dtype=dtype, device=device)  # [B, rows, n, V]
         for b, proposal in enumerate(proposals):
             tokens[b, :, : proposal.length] = proposal.tokens
             laws[b, :, : proposal.length] = proposal.laws
@@ -209,10 +211,12 @@ class BatchDecoding:
         uniforms = self.draws.batch_uniforms(Stream.DRAFT, max(width, 1), self.lanes[-1] or 1)  # [B, L, K]
         proposals: list[BatchProposal | None] = [None] * len(self.drafters)
         lengths = list(limits)
+        asked: list[list[int]] = [[]] * len(self.drafters)  # [drafters][B]: what each drafter was asked for
         for runs_model in (False, True):
             for index, drafter in enumerate(self.drafters):
                 if drafter.uses_model != runs_model:
                     continue
+                asked[index] = lengths
                 if max(lengths) == 0:
                     proposals[index] = _empty(batch, drafter.rows, self.decoder.vocab_size, self.device)
                     continue
@@ -222,9 +226,9 @@ class BatchDecoding:
             if not runs_model:
                 lengths = [block_length([p.lengths[b] for p in proposals if p is not None], limit)
                            for b, limit in enumerate(limits)]  # fmt: skip
-        for sequence in self.sequences:
-            sequence.stats.draft_forwards += sum(proposal.forwards for proposal in proposals)
-        return _BatchDrafted.of(proposals, lengths, self.decoder.vocab_size, self.device)
+        for b, sequence in enumerate(self.sequences):  # a model drafter ran as many forwards as it drafted for b
+            sequence.stats.draft_forwards += sum(min(p.forwards, asked[j][b]) for j, p in enumerate(proposals))
+        return _BatchDrafted.of(proposals, batch, self.decoder.vocab_size, self.device)
 
     def _proposal(self, drafter: Any, request: BatchDraftRequest) -> BatchProposal:
         """``drafter``'s batch proposal, checked on the host: a plugin's exception or a bad proposal is one line."""
@@ -242,7 +246,8 @@ class BatchDecoding:
         batch, rows, width = drafted.tokens.shape
         self.target.fan_out(rows)
         repeated = [context for context in contexts for _ in range(rows)]
-        logits = self.target.forward(repeated, drafted.tokens.reshape(batch * rows, width), width + 1, self.timer)
+        tokens = drafted.tokens.reshape(batch * rows, width)  # [B K, n]
+        logits = self.target.forward(repeated, tokens, width + 1, self.timer)  # [B K, n+1, V]
         probs, finite = self.decoder._sampling_law(logits, self.decoder.target_params)  # [B K, n+1, V], [B K, n+1]
         for sequence in self.sequences:
             sequence.stats.target_forwards += 1
@@ -390,13 +395,13 @@ class _BatchDrafted:
     proposed: list[list[bool]]  # [drafters][B]: the drafter proposed something for the sequence
 
     @classmethod
-    def of(
-        cls, proposals: list[BatchProposal], lengths: list[int], vocab_size: int, device: torch.device
-    ) -> "_BatchDrafted":
-        """The rows of every drafter's proposal, each cut (or padded) to the longest block of the step. Token ids
-        outside the vocabulary are told by ``in_vocab`` in the step's read and clamped until then."""
+    def of(cls, proposals: list[BatchProposal], batch: int, vocab_size: int, device: torch.device) -> "_BatchDrafted":
+        """The rows of every drafter's proposal. A sequence's block is as long as its shortest non-empty proposal (as
+        alone: :class:`~specdec_cli.engine._Drafted`), and the step's tensors as long as its longest block. Token
+        ids outside the vocabulary are told by ``in_vocab`` in the step's read and clamped until then."""
+        lengths = [min((p.lengths[b] for p in proposals if p.lengths[b]), default=0) for b in range(batch)]  # [B]
         width = max(lengths, default=0)
-        blocks = proposals or [_empty(len(lengths), 1, vocab_size, device)]  # the target alone: an empty row
+        blocks = proposals or [_empty(batch, 1, vocab_size, device)]  # the target alone: an empty row
         tokens = torch.cat([_pad(p.tokens[:, :, :width], width, 2) for p in blocks], 1)  # [B, K, n]
         laws = torch.cat([_pad(p.laws[:, :, :width], width, 2) for p in blocks], 1)  # [B, K, n, V]
         flags = [torch.stack([p.finite, ((p.tokens >= 0) & (p.tokens < vocab_size)).all()]) for p in proposals]
@@ -404,9 +409,7 @@ class _BatchDrafted:
         proposed = [[n > 0 for n in p.lengths] for p in proposals]  # [drafters][B]
         ends = list(itertools.accumulate([0] + [p.tokens.shape[1] for p in proposals]))  # drafter j: ends[j]..
         present = [tuple(row for j, of_j in enumerate(proposed) if of_j[b] for row in range(ends[j], ends[j + 1]))
-                   for b in range(len(lengths))]  # fmt: skip
-        lengths = [n if rows else 0 for n, rows in zip(lengths, present)]
-        present = [rows or (0,) for rows in present]
+                   or (0,) for b in range(batch)]  # fmt: skip
         return cls(tokens.clamp(0, vocab_size - 1), laws, finite, in_vocab, lengths, present, proposed)
 
     def groups(self) -> dict[tuple[int, tuple[int, ...]], list[int]]:
@@ -447,7 +450,8 @@ def _count_to_eos(decision: BatchDecision, eos: torch.Tensor) -> torch.Tensor:
 def _departs(decision: BatchDecision, draft_tokens: torch.Tensor) -> torch.Tensor:
     """``[B]`` bool: a sequence's accepted tokens are not its row's draft tokens (which no verifier may commit)."""
     batch, rows, width = draft_tokens.shape
-    drafted = draft_tokens.gather(1, decision.row.clamp(0, rows - 1).view(batch, 1, 1).expand(-1, 1, width))[:, 0]
+    index = decision.row.clamp(0, rows - 1).view(batch, 1, 1).expand(-1, 1, width)  # [B, 1, n]
+    drafted = draft_tokens.gather(1, index)[:, 0]  # [B, n]: each sequence's decided row
     positions = torch.arange(width, device=draft_tokens.device)  # [n]
     accepted = positions < decision.num_accepted.view(-1, 1)  # [B, n]
     return ((decision.tokens[:, :width] != drafted) & accepted).any(1)
@@ -461,7 +465,8 @@ def _longest_matches(rows: torch.Tensor, block_tokens: torch.Tensor, count: torc
         zeros = count * 0
         return zeros, zeros
     positions = torch.arange(width, device=rows.device)  # [n]
-    agrees = (rows == block_tokens[:, None, :width]) & (positions < count.view(-1, 1, 1)) & verified[:, None]
+    committed = (positions < count.view(-1, 1, 1)) & verified[:, None]  # [B, 1, n]
+    agrees = (rows == block_tokens[:, None, :width]) & committed  # [B, K_j, n]
     length = agrees.long().cumprod(-1).sum(-1)  # [B, K_j]
     best = length.argmax(1)  # [B]
     return best, length.gather(1, best.view(-1, 1)).squeeze(1)

@@ -39,8 +39,12 @@ def batch_problem(loaded: LoadedModel) -> str | None:
     number a padded row's tokens wrongly.
     """
     parameters = inspect.signature(loaded.model.forward).parameters
+    config = loaded.model.config
+    if getattr(config, "sliding_window", None) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return (f"model '{loaded.name}' attends through a sliding window, whose cache the batch's alignment does not "
+                "handle; use --batch-size 1")  # fmt: skip
     if loaded.is_encoder_decoder:
-        if getattr(loaded.model.config, "max_position_embeddings", None) is not None:
+        if getattr(config, "max_position_embeddings", None) is not None:
             return (f"model '{loaded.name}' numbers its decoder's positions from the cache, so rows of different "
                     "lengths cannot share one; use --batch-size 1")  # fmt: skip
         return None
@@ -80,31 +84,25 @@ class BatchSession:
     # ----------------------------------------------------------------------- rows joining and leaving
 
     def add(self, prompts: list[list[int]], contexts: list[list[int]], timer: RegionTimer | None = None) -> None:
-        """Sequences join at the end of the batch: an encoder-decoder encodes ``prompts``; the decoder reads each
-        of ``contexts`` (the committed ids, left-padded to the longest) in one forward, and caches all of each
-        but its last id, which the next block feeds."""
-        joining = BatchSession(self.loaded, self.vocab_size)
-        if self.loaded.is_encoder_decoder:
-            joining.encoder_hidden, joining.encoder_mask = self._encode(prompts)
-        width = max(len(context) for context in contexts)
-        inputs = torch.zeros(len(contexts), width, dtype=torch.long, device=self.device)  # [n, width]
-        for row, context in enumerate(contexts):
-            inputs[row, width - len(context) :] = torch.tensor(context, device=self.device)
-        joining.starts, joining.lengths = [width - len(context) for context in contexts], [0] * len(contexts)
-        joining._run(inputs, 1, timer)
-        joining.lengths = [len(context) - 1 for context in contexts]
-        self._merge(joining)
+        """Sequences join at the end of the batch: an encoder-decoder encodes each of ``prompts``; the decoder reads
+        each of ``contexts`` (the committed ids) and caches all of it but its last id, which the next block feeds.
 
-    def _encode(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The encoder's output for each prompt, right-padded → (hidden ``[n, source, d]``, mask ``[n, source]``)."""
-        source = max(len(prompt) for prompt in prompts)
-        ids = torch.zeros(len(prompts), source, dtype=torch.long, device=self.device)  # [n, source]
-        mask = torch.zeros(len(prompts), source, dtype=torch.long, device=self.device)  # [n, source]
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
-            mask[row, : len(prompt)] = 1
-        hidden = self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state  # [n, source, d]
-        return hidden, mask
+        Each sequence is read on its own, as at batch 1: reading prompts of different lengths together would
+        compute their padding too, and on a compute-bound device that costs more than it saves."""
+        for prompt, context in zip(prompts, contexts):
+            joining = BatchSession(self.loaded, self.vocab_size)
+            if self.loaded.is_encoder_decoder:
+                joining.encoder_hidden, joining.encoder_mask = self._encode(prompt)
+            joining.starts, joining.lengths = [0], [0]
+            joining._run(torch.tensor([context], dtype=torch.long, device=self.device), 1, timer)  # [1, context]
+            joining.lengths = [len(context) - 1]
+            self._merge(joining)
+
+    def _encode(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder's output for ``prompt`` → (hidden ``[1, source, d]``, mask ``[1, source]``, all ones)."""
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, source]
+        hidden = self.model.get_encoder()(input_ids=ids).last_hidden_state  # [1, source, d]
+        return hidden, torch.ones_like(ids)
 
     def _merge(self, other: "BatchSession") -> None:
         """``other``'s rows after this session's: caches left-padded to one width (cross-attention caches and
@@ -133,7 +131,7 @@ class BatchSession:
         if not rows:
             self.cache = self.encoder_hidden = self.encoder_mask = None
             return
-        index = torch.tensor(rows, device=self.device)  # [rows']
+        index = torch.tensor(rows, device=self.device)  # [rows']: the kept rows
         self.cache.batch_select_indices(index)
         if self.encoder_hidden is not None:
             self.encoder_hidden = self.encoder_hidden.index_select(0, index)  # [rows', source, d]
@@ -190,8 +188,9 @@ class BatchSession:
         columns = torch.arange(width + new, device=self.device)  # [width + m]
         starts = torch.tensor(self.starts, device=self.device).view(rows, 1)  # [rows, 1]
         # The whole mask, additive: transformers would read a 2D one on the host to see whether it can skip it.
-        causal = columns <= width + columns[:new].view(new, 1)  # [m, W + m]: query i is column W + i
-        seen = (columns >= starts.view(rows, 1, 1)) & causal  # [rows, m, W + m]
+        own = width + columns[:new].view(new, 1)  # [m, 1]: query i is column W + i
+        # A padding query sees its own column too: a row that sees nothing would be NaN in float16, and NaN spreads.
+        seen = ((columns >= starts.view(rows, 1, 1)) & (columns <= own)) | (columns == own)  # [rows, m, W + m]
         mask = _additive(~seen, self.model.dtype).unsqueeze(1)  # [rows, 1, m, width + m]
         kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": self.cache}
         if self.keeps_logits:

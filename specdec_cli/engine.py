@@ -245,13 +245,6 @@ class SpeculativeDecoder:
         """One sample of one prompt, with the key of (run seed, prompt index, sample index): its draws do not
         depend on which samples ran before it or beside it."""
         key = sample_key(self.config.seed, prompt_index, sample_index)
-        return self.sample_with_key(prompt, prompt_index, sample_index, prompt_ids, key, on_block)
-
-    def sample_with_key(
-        self, prompt: str, prompt_index: int, sample_index: int, prompt_ids: list[int], key: int,
-        on_block: Callable[[list[int], list[bool]], None] | None = None,
-    ) -> GenerationResult:  # fmt: skip
-        """:meth:`sample` with its randomness given as a key (:func:`~specdec_cli.randomness.sample_key`)."""
         tokens, mask, stats = self.generate_ids(prompt_ids, key, on_block)
         text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
         return GenerationResult(prompt, prompt_index, sample_index, tokens, text, stats, mask)

@@ -197,6 +197,7 @@ def _mapped_decisions(
 
     with device_path():
         fields = torch.func.vmap(decide)(target_probs, draft_probs, draft_tokens, draws.key, draws.block_start)
+        # fields: tokens [B, L+1], num_accepted [B], row [B]
     return BatchDecision(*fields).as_long()
 
 

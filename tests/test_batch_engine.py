@@ -17,13 +17,19 @@ import torch
 
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.batch_engine import BatchDecoding
+from specdec_cli.drafting import BatchProposal, Proposal
 from specdec_cli.errors import UsageError
 from specdec_cli.recipe import build_recipe
 from specdec_cli.sampling import SamplingParams
 from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
 from specdec_cli.verifiers import device_path
+from specdec_plugins.model_drafter import ModelDrafter
+from specdec_plugins.prompt_lookup import PromptLookup
+from specdec_plugins.speculative import SpeculativeSampling
 from tests.conftest import tiny_recipe
 from tests.test_device_reads import conversions  # noqa: F401 (a fixture)
+from tests.test_drafters import RegistryWith as DrafterRegistryWith
+from tests.test_reliability_plugins import RegistryWith as VerifierRegistryWith
 
 PROMPTS = ["a b c d", "e e a", "b", "d c b a e d c b a"]
 LOSSLESS = [("speculative", 1), ("block", 1), ("specinfer", 1), ("specinfer", 2), ("specinfer", 3), ("spectr", 2),
@@ -93,7 +99,7 @@ def test_stats_are_kept_per_sequence(tiny_models):
     alone = decoder.generate(PROMPTS, num_samples=2)
     batched = decoder.generate(PROMPTS, num_samples=2, batch_size=8)
     for one, many in zip(alone, batched):
-        for name in ("new_tokens", "target_forwards", "blocks", "drafted_tokens", "accepted_tokens",
+        for name in ("new_tokens", "target_forwards", "draft_forwards", "blocks", "drafted_tokens", "accepted_tokens",
                      "accepted_per_position", "drafted_per_position", "stop_reason"):  # fmt: skip
             assert getattr(one.stats, name) == getattr(many.stats, name), name
         assert many.stats.wall_time_s > 0
@@ -168,7 +174,8 @@ def test_running_out_of_memory_in_a_batch_is_one_line_naming_the_batch_size(tiny
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123456789 bytes")
 
     monkeypatch.setattr(BatchSession, "_run", refuse)
-    with pytest.raises(SpecdecError, match=r"out of memory \(0.11 GiB requested\) decoding a batch of 4; lower --batch-size"):
+    message = r"out of memory \(0.11 GiB requested\) decoding a batch of 4; lower --batch-size"
+    with pytest.raises(SpecdecError, match=message):
         decoder.generate(PROMPTS, batch_size=4)
 
 
@@ -203,3 +210,77 @@ def test_a_batched_drafters_bad_proposal_is_one_line_naming_it(tiny_models, monk
     with pytest.raises(SpecdecError, match="drafter 'model'") as caught:
         decoder.generate(PROMPTS, batch_size=3)
     assert "\n" not in str(caught.value)
+
+
+# --------------------------------------------------------------------------- plugins in a batch
+
+
+def _short(context_length: int, length: int) -> int:
+    """Drafts one token fewer after a context of odd length (as a drafter that stops early may)."""
+    return max(1, length - 1) if context_length % 2 and length else length
+
+
+class ShortModel(ModelDrafter):
+    """A batched model drafter whose proposals are sometimes shorter than asked, alone and in a batch alike."""
+
+    name = "short-model"
+
+    def propose(self, request):
+        proposal = super().propose(request)
+        n = _short(len(request.context), proposal.length)
+        return Proposal(proposal.tokens[:, :n], proposal.laws[:, :n], proposal.finite, proposal.forwards)
+
+    def propose_batch(self, request):
+        proposal = super().propose_batch(request)
+        lengths = [_short(len(context), n) for context, n in zip(request.contexts, proposal.lengths)]
+        return BatchProposal(proposal.tokens, proposal.laws, proposal.finite, lengths, proposal.forwards)
+
+
+class FailingLookup(PromptLookup):
+    """A drafter without batch methods that raises."""
+
+    name = "failing-lookup"
+
+    def propose(self, request):
+        raise KeyError("no index")
+
+
+class Unkeyed(SpeculativeSampling):
+    """Speculative sampling handed a seeded generator per block, as a plugin without keyed randomness is."""
+
+    name = "unkeyed"
+    keyed_randomness = False
+    batches_by_vmap = False
+
+
+def test_a_proposal_shorter_than_asked_cuts_the_block_as_alone(tiny_models):
+    drafters = DrafterRegistryWith({"short-model": ShortModel})
+    recipe = tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 16, "temperature": 1.0})
+    recipe["draft"] = {"drafter": "short-model", "model": str(tiny_models["llama-draft"])}
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe), drafters=drafters)
+    alone = decoder.generate(PROMPTS, num_samples=3)
+    batched = decoder.generate(PROMPTS, num_samples=3, batch_size=5)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert [r.stats.drafted_tokens for r in batched] == [r.stats.drafted_tokens for r in alone]
+
+
+def test_a_drafter_without_batch_methods_that_raises_is_one_line(tiny_models):
+    from specdec_cli.errors import SpecdecError
+
+    drafters = DrafterRegistryWith({"failing-lookup": FailingLookup})
+    recipe = tiny_recipe(tiny_models, "llama")
+    recipe.pop("draft")
+    recipe["drafts"] = [{"drafter": "failing-lookup"}]
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe), drafters=drafters)
+    with pytest.raises(SpecdecError, match="drafter 'failing-lookup'.*KeyError") as caught:
+        decoder.generate(PROMPTS, batch_size=3)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_verifier_drawing_from_a_generator_gives_batch_ones_samples(tiny_models):
+    registry = VerifierRegistryWith({"unkeyed": Unkeyed})
+    recipe = tiny_recipe(tiny_models, "t5", verifier={"name": "unkeyed"}, generation={"max_new_tokens": 12})
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=registry)
+    alone = decoder.generate(PROMPTS, num_samples=3)
+    batched = decoder.generate(PROMPTS, num_samples=3, batch_size=4)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]

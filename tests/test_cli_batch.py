@@ -11,12 +11,20 @@ from tests.conftest import tiny_recipe
 from tests.test_cli import _one_error_line, recipe_path, run  # noqa: F401 (fixtures)
 
 
-def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path):  # noqa: F811
-    args = ["generate", "-r", recipe_path, "--json", "--num-samples", "3", "--max-new-tokens", "8"]
-    code, out, err = run([*args, "--batch-size", "4"], stdin="a b c\ne d\n")
+def _prompt_file(tmp_path) -> str:
+    path = tmp_path / "prompts.txt"
+    path.write_text("a b c\nd\n")
+    return str(path)
+
+
+def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path, tmp_path):  # noqa: F811
+    args = ["generate", "-r", recipe_path, "--json", "--num-samples", "3", "--max-new-tokens", "8", "--prompt-file",
+            _prompt_file(tmp_path)]  # fmt: skip
+    code, out, err = run([*args, "--batch-size", "4"])
     assert code == 0, err
     batched = json.loads(out)
-    alone = json.loads(run(args, stdin="a b c\ne d\n")[1])
+    alone = json.loads(run(args)[1])
+    assert len(batched["samples"]) == 6
     assert [s["token_ids"] for s in batched["samples"]] == [s["token_ids"] for s in alone["samples"]]
     assert [(s["prompt"], s["sample_index"]) for s in batched["samples"]] == [
         (s["prompt"], s["sample_index"]) for s in alone["samples"]]  # fmt: skip
@@ -25,11 +33,19 @@ def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path):
     assert throughput["new_tokens"] == sum(len(s["token_ids"]) for s in batched["samples"])
 
 
-def test_a_batch_shows_each_sample_whole(run, recipe_path):  # noqa: F811
-    code, out, err = run(["generate", "-r", recipe_path, "--temperature", "0", "--num-samples", "2", "--batch-size", "2",
-                          "--max-new-tokens", "6"], stdin="a b c\nd\n")  # fmt: skip
+def test_a_batch_shows_each_sample_whole(run, recipe_path, tmp_path):  # noqa: F811
+    args = ["generate", "-r", recipe_path, "--num-samples", "2", "--max-new-tokens", "6", "--prompt-file",
+            _prompt_file(tmp_path)]  # fmt: skip
+    code, out, err = run([*args, "--batch-size", "2"])
     assert code == 0, err
-    assert [line for line in out.splitlines() if "prompt" in line and "sample" in line] and "batch size 2" in err
+    samples = json.loads(run([*args, "--json"])[1])["samples"]
+    texts = {(s["prompt"], s["sample_index"]): s["text"] for s in samples}
+    shown = out.split("\n")
+    headers = [i for i, line in enumerate(shown) if "prompt" in line and "sample" in line]
+    assert len(headers) == 4 and "batch size 2" in err
+    for (prompt, sample), text in texts.items():  # each sample's whole text on the line after its own header
+        header = next(i for i in headers if f"prompt {['a b c', 'd'].index(prompt) + 1}, sample {sample + 1}" in shown[i])
+        assert shown[header + 1].strip() == text.strip()
 
 
 @pytest.mark.parametrize("args,message", [
