@@ -74,7 +74,8 @@ def main() -> None:
             for rows, new in ((1, 1), (1, 5), (8, 1), (8, 5)):
                 plain, masked = forward_costs(loaded.model, rows, new, args.context, args.repeats)
                 single = single or masked
-                print(f"| {name} | {rows} × {new} | {plain:.1f} | {masked:.1f} | {masked / single / (rows * new):.2f} |")
+                per_token = masked / single / (rows * new)
+                print(f"| {name} | {rows} × {new} | {plain:.1f} | {masked:.1f} | {per_token:.2f} |")
 
 
 if __name__ == "__main__":
