@@ -54,7 +54,7 @@ import torch
 from specdec_cli.laws import TINY, normalized_or
 from specdec_cli.randomness import Draws, Randomness, Stream, uniforms_from
 from specdec_cli.sampling import sample_with
-from specdec_cli.verifiers import BlockDecision, Verifier, reads_are_free
+from specdec_cli.verifiers import BatchDecision, BlockDecision, Verifier, device_path, reads_are_free
 
 from ._pair_selection import FreeSet, Tail, solve_free_problems
 from .speculative import SpeculativeSampling
@@ -155,9 +155,9 @@ class Chain:
             at_token.append(left.gather(1, x))
             offered.append(share.gather(1, x))
             skipped.append(~alive.expand_as(x))
-            left = (left - share).clamp_(min=0)
+            left = (left - share).clamp(min=0)  # clamp, not clamp_: vmap (verify_batch) has no rule for clamp_
             mass = left.sum(-1, keepdim=True)
-        accepts = (torch.cat(at_token, 1) / torch.cat(offered, 1).clamp_min(TINY)).clamp_(max=1)  # [P, n]
+        accepts = (torch.cat(at_token, 1) / torch.cat(offered, 1).clamp_min(TINY)).clamp(max=1)  # [P, n]
         return cls(accepts.masked_fill_(torch.cat(skipped, 1), 0), left, (start - mass).squeeze(-1))
 
     def output_law(self, target: torch.Tensor, tokens, choice) -> torch.Tensor:
@@ -412,7 +412,42 @@ class ImportanceSampling(Verifier):
         problems = Problems.block(target_probs, draft_probs, draft_tokens)
         pair = self._first_pair(problems)
         # Called here, not deeper: under dynamo the host call is then the one break of verify_block's graph.
-        plan = self._plan(problems, pair, _solve_on_host(self, pair.packed))
+        solution = _solve_on_host(self, pair.packed)
+        return self._decide_solved(problems, pair, solution, target_probs, draft_tokens, randomness)
+
+    def verify_batch(self, target_probs, draft_probs, draft_tokens, randomness):
+        """B blocks with one host read in all: every block's free LPs are packed on the device (mapped over the batch
+        by ``torch.func.vmap``), solved in one host call, and the blocks decided with them (mapped again). On the
+        CPU, where reads are free, and with one draft or a generator, the blocks are decided one by one."""
+        batch, num_drafts, _ = draft_tokens.shape
+        if num_drafts == 1 or not isinstance(randomness, Draws) or reads_are_free(target_probs):
+            return super().verify_batch(target_probs, draft_probs, draft_tokens, randomness)
+
+        def packed(target, draft, tokens):  # one block's free LPs [P, 4 M + 2]
+            return self._first_pair(Problems.block(target, draft, tokens)).packed
+
+        def decide(target, draft, tokens, solution, key, block_start):  # one block, its LPs solved
+            problems = Problems.block(target, draft, tokens)
+            decision = self._decide_solved(problems, self._first_pair(problems), solution, target, tokens,
+                                           Draws(key, block_start))  # fmt: skip
+            return decision.tokens, decision.num_accepted, decision.row
+
+        with device_path():
+            lps = torch.func.vmap(packed)(target_probs, draft_probs, draft_tokens)  # [B, P, 4 M + 2]
+        solutions = _solve_on_host(self, lps.flatten(0, 1)).view(batch, lps.shape[1], -1)  # [B, P, M M + M]
+        with device_path():
+            fields = torch.func.vmap(decide)(target_probs, draft_probs, draft_tokens, solutions, randomness.key,
+                                             randomness.block_start)  # fmt: skip
+        return BatchDecision(*fields).as_long()  # tokens [B, L+1], num_accepted [B], row [B]
+
+    def _decide_solved(
+        self, problems: Problems, pair: "_FirstPair", solution: torch.Tensor, target_probs: torch.Tensor,
+        draft_tokens: torch.Tensor, randomness: Randomness,
+    ) -> BlockDecision:  # fmt: skip
+        """A block's decision once its free LPs are solved (``solution`` ``[P, M M + M]``); target_probs
+        ``[K, L+1, V]``, draft_tokens ``[K, L]``."""
+        num_drafts, draft_length = draft_tokens.shape
+        plan = self._plan(problems, pair, solution)
         uniforms = BlockUniforms.of(randomness, num_drafts, draft_length, draft_tokens.device, plan.outside is not None)
         outputs = plan.sample(problems.tokens, uniforms).view(num_drafts, draft_length)  # [K, L]
         return commit_runs(outputs, problems.leader, draft_tokens, target_probs, uniforms.bonus)

@@ -85,9 +85,21 @@ def test_the_mapped_batch_dispatches_the_same_operations_at_any_batch_size_and_r
     assert eight.reads == 0, eight.read_names
 
 
-def test_importance_sampling_with_several_drafts_loops_its_host_solve():
-    """is-lp solves its LPs on the host: vmap cannot map that, so its batch is looped (one read per block)."""
-    assert not type(load_verifier("is-lp")).batches_by_vmap
+@pytest.mark.parametrize("name", ["is-lp", "is-truncated"])
+def test_importance_sampling_solves_a_whole_batchs_lps_in_one_host_read(name):
+    """Importance sampling solves its free LPs on the host: its batch packs every block's LPs (mapped), reads them
+    once, and decides every block with its solutions (mapped again), in as many operations at B = 8 as at B = 2."""
+    verifier = load_verifier(name)
+
+    def count(batch: int) -> OperationCount:
+        target, draft, tokens = random_batch(batch, 3, 4, False)
+        with torch.inference_mode(), device_path(), OperationCount() as counted:
+            verifier.verify_batch(target, draft, tokens, batch_draws(batch))
+        return counted
+
+    two, eight = count(2), count(8)
+    assert two.reads == eight.reads == 1, eight.read_names
+    assert two.ops == eight.ops
 
 
 class OnlyBlocks(BlockVerifier):
