@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .batch_session import BatchSession
+from .batch_session import BatchSession, pad_to
 from .drafting import (
     BatchDraftRequest,
     BatchProposal,
@@ -42,7 +42,7 @@ from .randomness import BatchRandomness, Draws, Stream, block_generator, sample_
 from .sampling import sample_with
 from .stats import GenerationResult, SampleStats
 from .timing import RegionTimer
-from .verifiers import BatchDecision, batch_decision_problem, decision_value_problem
+from .verifiers import BatchDecision, batch_decision_problem, batch_departs_from_drafts, decision_value_problem
 
 if TYPE_CHECKING:
     from .engine import SpeculativeDecoder
@@ -87,9 +87,9 @@ class _SequenceDrafters:
 
     def __init__(self, decoder: "SpeculativeDecoder", index: int) -> None:
         self.decoder, self.index = decoder, index
-        self.template = decoder.drafters[index]
         self.instances: list[Drafter] = []
-        self.name, self.rows, self.uses_model = self.template.name, self.template.rows, self.template.uses_model
+        template = decoder.drafters[index]
+        self.name, self.rows, self.uses_model = template.name, template.rows, template.uses_model
 
     def add_sequences(self, prompts: list[list[int]], contexts: list[list[int]], timer: RegionTimer | None) -> None:
         for prompt in prompts:
@@ -138,8 +138,8 @@ class BatchDecoding:
                          for index, drafter in enumerate(decoder.drafters)]  # fmt: skip
         for drafter in self.drafters:  # a batched drafter may hold the sequences of an interrupted run
             decoder._call_drafter(drafter, "keep", drafter.remove_sequences, [])
-        self.rows = [drafter.rows for drafter in decoder.drafters]  # [drafters]
-        self.lanes = list(itertools.accumulate([0, *self.rows]))  # drafter j's rows are lanes[j] .. lanes[j+1] - 1
+        rows = [drafter.rows for drafter in decoder.drafters]  # [drafters]
+        self.lanes = list(itertools.accumulate([0, *rows]))  # drafter j's rows are lanes[j] .. lanes[j+1] - 1
         self.sequences: list[_Sequence] = []
         self.timer = RegionTimer(self.device)
 
@@ -256,11 +256,11 @@ class BatchDecoding:
     def _decide(self, target_probs: torch.Tensor, target_finite: torch.Tensor, drafted: "_BatchDrafted") -> list[int]:
         """Every sequence's decision, EOS, flags and longest-agreeing rows, packed and read in the step's one read."""
         decision, local_rows = self._decisions(target_probs, drafted)
-        count = _count_to_eos(decision, self.decoder.eos_tensor)  # [B]
-        departs = _departs(decision, drafted.tokens)  # [B]
+        count = count_to_eos(decision, self.decoder.eos_tensor)  # [B]
+        departs = batch_departs_from_drafts(decision, drafted.tokens)  # [B]
         positions = torch.arange(drafted.tokens.shape[2], device=self.device)  # [n]
         verified = positions < torch.tensor(drafted.lengths, device=self.device).view(-1, 1)  # [B, n]
-        matches = [_longest_matches(drafted.tokens[:, self.lanes[j] : self.lanes[j + 1]], decision.tokens, count,
+        matches = [longest_matches(drafted.tokens[:, self.lanes[j] : self.lanes[j + 1]], decision.tokens, count,
                                     verified & torch.tensor(proposed, device=self.device).view(-1, 1))
                    for j, proposed in enumerate(drafted.proposed)]  # fmt: skip
         packed = torch.cat([
@@ -402,8 +402,8 @@ class _BatchDrafted:
         lengths = [min((p.lengths[b] for p in proposals if p.lengths[b]), default=0) for b in range(batch)]  # [B]
         width = max(lengths, default=0)
         blocks = proposals or [_empty(batch, 1, vocab_size, device)]  # the target alone: an empty row
-        tokens = torch.cat([_pad(p.tokens[:, :, :width], width, 2) for p in blocks], 1)  # [B, K, n]
-        laws = torch.cat([_pad(p.laws[:, :, :width], width, 2) for p in blocks], 1)  # [B, K, n, V]
+        tokens = torch.cat([pad_to(p.tokens[:, :, :width], width, 2) for p in blocks], 1)  # [B, K, n]
+        laws = torch.cat([pad_to(p.laws[:, :, :width], width, 2) for p in blocks], 1)  # [B, K, n, V]
         flags = [torch.stack([p.finite, ((p.tokens >= 0) & (p.tokens < vocab_size)).all()]) for p in proposals]
         finite, in_vocab = torch.stack(flags, 1) if flags else torch.ones(2, 0, dtype=torch.bool, device=device)
         proposed = [[n > 0 for n in p.lengths] for p in proposals]  # [drafters][B]
@@ -420,16 +420,6 @@ class _BatchDrafted:
         return grouped
 
 
-def _pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """``tensor`` padded with zeros to ``width`` along ``dim``."""
-    missing = width - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim)
-
-
 def _empty(batch: int, rows: int, vocab_size: int, device: torch.device) -> BatchProposal:
     """No tokens for any sequence (a step whose sequences all have one token left)."""
     tokens = torch.empty(batch, rows, 0, dtype=torch.long, device=device)  # [B, rows, 0]
@@ -437,8 +427,9 @@ def _empty(batch: int, rows: int, vocab_size: int, device: torch.device) -> Batc
     return BatchProposal(tokens, laws, torch.ones((), dtype=torch.bool, device=device), [0] * batch)
 
 
-def _count_to_eos(decision: BatchDecision, eos: torch.Tensor) -> torch.Tensor:
-    """How many tokens each sequence commits ``[B]``: through its first EOS, if one comes before its block's end."""
+def count_to_eos(decision: BatchDecision, eos: torch.Tensor) -> torch.Tensor:
+    """How many tokens each block commits ``[B]``: through its first EOS (of ``eos`` ``[ids]``), if one comes before
+    its end. The engine's block is a batch of one."""
     count = decision.num_accepted + 1  # [B]
     if eos.numel() == 0:
         return count
@@ -447,25 +438,20 @@ def _count_to_eos(decision: BatchDecision, eos: torch.Tensor) -> torch.Tensor:
     return torch.where(is_eos.any(1), is_eos.to(torch.uint8).argmax(1) + 1, count)
 
 
-def _departs(decision: BatchDecision, draft_tokens: torch.Tensor) -> torch.Tensor:
-    """``[B]`` bool: a sequence's accepted tokens are not its row's draft tokens (which no verifier may commit)."""
-    batch, rows, width = draft_tokens.shape
-    index = decision.row.clamp(0, rows - 1).view(batch, 1, 1).expand(-1, 1, width)  # [B, 1, n]
-    drafted = draft_tokens.gather(1, index)[:, 0]  # [B, n]: each sequence's decided row
-    positions = torch.arange(width, device=draft_tokens.device)  # [n]
-    accepted = positions < decision.num_accepted.view(-1, 1)  # [B, n]
-    return ((decision.tokens[:, :width] != drafted) & accepted).any(1)
-
-
-def _longest_matches(rows: torch.Tensor, block_tokens: torch.Tensor, count: torch.Tensor, verified: torch.Tensor):
-    """For each sequence, the row of ``rows`` ``[B, K_j, n]`` that agrees longest with its first ``count`` committed
-    tokens (``block_tokens`` ``[B, n+1]``) within its verified positions → (rows ``[B]``, lengths ``[B]``)."""
+def longest_matches(
+    rows: torch.Tensor, block_tokens: torch.Tensor, count: torch.Tensor, verified: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each block, the row of ``rows`` ``[B, K_j, n]`` that agrees longest with its first ``count`` ``[B]``
+    committed tokens (``block_tokens`` ``[B, n+1]``), within its ``verified`` positions ``[B, n]`` (None: all)
+    → (rows ``[B]``, lengths ``[B]``). The engine's block is a batch of one."""
     width = rows.shape[2]
     if rows.shape[1] == 0 or width == 0:
         zeros = count * 0
         return zeros, zeros
     positions = torch.arange(width, device=rows.device)  # [n]
-    committed = (positions < count.view(-1, 1, 1)) & verified[:, None]  # [B, 1, n]
+    committed = positions < count.view(-1, 1, 1)  # [B, 1, n]
+    if verified is not None:
+        committed = committed & verified[:, None]
     agrees = (rows == block_tokens[:, None, :width]) & committed  # [B, K_j, n]
     length = agrees.long().cumprod(-1).sum(-1)  # [B, K_j]
     best = length.argmax(1)  # [B]

@@ -253,13 +253,15 @@ def _join_layers(own: list[Any], joining: list[Any], size: int, left: bool) -> N
 
 def _joined(own: torch.Tensor, new: torch.Tensor, size: int, left: bool, dim: int = 2) -> torch.Tensor:
     """``own`` then ``new`` along dim 0, each padded with zeros to ``size`` along ``dim`` (on the left or right)."""
-    padded = []
-    for tensor in (own, new):
-        missing = size - tensor.shape[dim]
-        if missing:
-            shape = list(tensor.shape)
-            shape[dim] = missing
-            zeros = tensor.new_zeros(shape)
-            tensor = torch.cat([zeros, tensor] if left else [tensor, zeros], dim=dim)
-        padded.append(tensor)
-    return torch.cat(padded)
+    return torch.cat([pad_to(own, size, dim, left), pad_to(new, size, dim, left)])
+
+
+def pad_to(tensor: torch.Tensor, size: int, dim: int, left: bool = False) -> torch.Tensor:
+    """``tensor`` padded with zeros to ``size`` along ``dim``, on the right (or the left)."""
+    missing = size - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    zeros = tensor.new_zeros(shape)
+    return torch.cat([zeros, tensor] if left else [tensor, zeros], dim=dim)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .batch_engine import BatchDecoding, SequenceJob
+from .batch_engine import BatchDecoding, SequenceJob, count_to_eos, longest_matches
 from .batch_session import batch_problem
 from .decoding import Draft, create_verifier, target_sampling
 from .draft_rows import DraftRows, recipe_draft_rows, rows_per_config
@@ -47,7 +47,7 @@ from .stats import GenerationResult, SampleStats
 from .timing import RegionTimer
 from .registry import error_line
 from .verifiers import (
-    BlockDecision, VerifierRegistry, decision_problem, decision_value_problem, departs_from_drafts,
+    BatchDecision, BlockDecision, VerifierRegistry, decision_problem, decision_value_problem, departs_from_drafts,
 )  # fmt: skip
 
 BlockCallback = Callable[[int, int, list[int], list[bool]], None]
@@ -220,7 +220,8 @@ class SpeculativeDecoder:
         if batch_size > 1:
             self.check_batching()
         encoded = [self.encode_prompt(p) for p in prompts]
-        jobs = [SequenceJob(prompts[p], p, s, encoded[p], None if on_block is None else functools.partial(on_block, p, s))
+        jobs = [SequenceJob(prompts[p], p, s, encoded[p],
+                            None if on_block is None else functools.partial(on_block, p, s))
                 for p, s in itertools.product(range(len(prompts)), range(num_samples))]  # fmt: skip
         if batch_size > 1:
             yield from BatchDecoding(self, batch_size).run(jobs)
@@ -352,12 +353,13 @@ class SpeculativeDecoder:
             else:
                 decision = _target_token(target_probs, draws)
                 departs = torch.zeros_like(target_finite)  # []: the engine drew the token itself
-            count = self._count_to_eos(decision)  # []
-            matches = [_longest_match(rows, decision.tokens, count) for rows in drafted.by_drafter()]
+            count = count_to_eos(BatchDecision.of_block(decision), self.eos_tensor)[0]  # []
+            block_tokens = decision.tokens.unsqueeze(0)  # [1, L+1]: the block as a batch of one
+            matches = [longest_matches(rows.unsqueeze(0), block_tokens, count.view(1)) for rows in drafted.by_drafter()]
             flags = [decision.num_accepted, decision.row, count, target_finite.long(), departs.long()]
             packed = torch.cat([
                 decision.tokens, torch.stack(flags), drafted.finite.long(), drafted.in_vocab.long(),
-                *(torch.stack(match) for match in matches),
+                *(torch.cat(match) for match in matches),
             ])  # fmt: skip
             values = packed.tolist()  # the one device read of the block
             block = self._commit(values, drafted, committed)
@@ -425,15 +427,6 @@ class SpeculativeDecoder:
         if problem is not None:
             raise self.registry.fault(self.verifier.name, problem)
         return decision.as_long()
-
-    def _count_to_eos(self, decision: BlockDecision) -> torch.Tensor:
-        """How many tokens to commit ``[]``: through the first EOS, if one comes before the block's end."""
-        count = decision.num_accepted + 1  # []
-        if self.eos_tensor.numel() == 0:
-            return count
-        positions = torch.arange(decision.tokens.shape[0], device=self.device)  # [L+1]
-        is_eos = torch.isin(decision.tokens, self.eos_tensor) & (positions < count)  # [L+1]
-        return torch.where(is_eos.any(), is_eos.to(torch.uint8).argmax() + 1, count)
 
     def _score(
         self, committed: list[int], draft_tokens: torch.Tensor, timer: RegionTimer
@@ -559,18 +552,6 @@ def _prompt_list(prompts: object) -> list[str]:
         if not isinstance(prompt, str):
             raise PromptTypeError(f"prompt {index} is {type(prompt).__name__}, not text; pass strings (decode bytes first)")
     return list(prompts)
-
-
-def _longest_match(group_tokens: torch.Tensor, block_tokens: torch.Tensor, count: torch.Tensor):
-    """The row of ``group_tokens`` ``[K_j, L]`` that agrees longest with the first ``count`` committed
-    ``block_tokens`` ``[L+1]``, and how long → (row ``[]``, length ``[]``).
-    """
-    draft_length = group_tokens.shape[1]
-    positions = torch.arange(draft_length, device=group_tokens.device)  # [L]
-    agrees = (group_tokens == block_tokens[:draft_length]) & (positions < count)  # [K_j, L]
-    length = agrees.long().cumprod(-1).sum(-1)  # [K_j]
-    best = length.argmax()  # []
-    return best, length.gather(0, best.view(1)).squeeze(0)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -34,7 +34,7 @@ from .randomness import BatchRandomness, Draws, Randomness, Stream, at, uniforms
 from .sampling import sample, sample_with
 
 __all__ = [  # the registry's names stay importable from here, where plugin authors look
-    "BatchDecision", "BlockDecision", "BlockVerifier", "batch_decision_problem", "Verifier", "VerifierFault",
+    "BatchDecision", "BlockDecision", "BlockVerifier", "batch_decision_problem", "batch_departs_from_drafts", "Verifier", "VerifierFault",
     "VerifierParameterError",
     "VerifierParameterValueError", "VerifierRegistry", "load_verifier", "parameter_defaults", "first_rejection",
     "shared_prefix_length", "walk_alive_rows", "decision_problem", "departs_from_drafts", "decision_value_problem",
@@ -108,6 +108,11 @@ class BatchDecision:
         fields = ("tokens", "num_accepted", "row")
         return cls(*(torch.stack([getattr(decision, field) for decision in decisions]) for field in fields))
 
+    @classmethod
+    def of_block(cls, decision: BlockDecision) -> "BatchDecision":
+        """One block's decision as a batch of one (views, no copy)."""
+        return cls(decision.tokens.unsqueeze(0), decision.num_accepted.view(1), decision.row.view(1))
+
     def as_long(self) -> "BatchDecision":
         if self.tokens.dtype == self.num_accepted.dtype == self.row.dtype == torch.long:
             return self
@@ -153,13 +158,23 @@ def departs_from_drafts(decision: BlockDecision, draft_tokens: torch.Tensor) -> 
     """``[]`` bool, on the device: the decision's accepted tokens are not its row's draft tokens
     (``tokens[:num_accepted] != draft_tokens[row, :num_accepted]``), which no verifier may commit.
 
-    draft_tokens ``[K, L]``. The row is clamped so that indexing cannot fail on the device: a row out
-    of range is reported by :func:`decision_value_problem` from the values read anyway.
+    draft_tokens ``[K, L]``: :func:`batch_departs_from_drafts` for a batch of one block.
     """
-    num_rows, draft_length = draft_tokens.shape
-    drafted = draft_tokens.index_select(0, decision.row.clamp(0, num_rows - 1).view(1))[0]  # [L]
-    positions = torch.arange(draft_length, device=draft_tokens.device)  # [L]
-    return ((decision.tokens[:draft_length] != drafted) & (positions < decision.num_accepted)).any()
+    return batch_departs_from_drafts(BatchDecision.of_block(decision), draft_tokens.unsqueeze(0))[0]
+
+
+def batch_departs_from_drafts(decision: BatchDecision, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: :func:`departs_from_drafts` for each block of a batch (draft_tokens ``[B, K, L]``).
+
+    The row is clamped so that indexing cannot fail on the device: a row out of range is reported by
+    :func:`decision_value_problem` from the values read anyway.
+    """
+    batch, rows, width = draft_tokens.shape
+    index = decision.row.clamp(0, rows - 1).view(batch, 1, 1).expand(-1, 1, width)  # [B, 1, L]
+    drafted = draft_tokens.gather(1, index)[:, 0]  # [B, L]: each block's decided row
+    positions = torch.arange(width, device=draft_tokens.device)  # [L]
+    accepted = positions < decision.num_accepted.view(-1, 1)  # [B, L]
+    return ((decision.tokens[:, :width] != drafted) & accepted).any(1)
 
 
 def decision_value_problem(

@@ -47,12 +47,16 @@ STAT_TOTALS = ("new_tokens", "target_forwards", "draft_forwards", "drafted_token
 """The counts and times of a sample's ``stats`` that a cell's speed metrics add up."""
 
 
+def share_time(stats: dict) -> float:
+    """A sample's share of its batch's time (tokens over shares is a batch's throughput): its wall time when it ran
+    alone, and in results written before batches, which have no shares."""
+    return stats.get("share_time_s") or stats["wall_time_s"]
+
+
 def speed_summary(stats: list[dict]) -> dict:
     """Pooled speed metrics of one cell's samples (their ``stats`` dicts)."""
     total = {key: sum(s[key] for s in stats) for key in STAT_TOTALS}
-    # A batch's samples share its time: tokens over their shares is the batch's throughput (alone, share = wall time;
-    # results written before batches have no shares).
-    total["share_time_s"] = sum(s.get("share_time_s") or s["wall_time_s"] for s in stats)
+    total["share_time_s"] = sum(share_time(s) for s in stats)
     positions = max((len(s["drafted_per_position"]) for s in stats), default=0)
     per_position = []
     for t in range(positions):

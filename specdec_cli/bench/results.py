@@ -14,7 +14,9 @@ from typing import Any
 from ..errors import UsageError
 from ..registry import VerifierRegistry
 from .grid import BASELINE, GridCell
-from .metrics import STAT_TOTALS, corpus_quality, expected_speedup, mean_and_std, speed_summary, spread
+from .metrics import (
+    STAT_TOTALS, corpus_quality, expected_speedup, mean_and_std, share_time, speed_summary, spread,
+)  # fmt: skip
 
 SUMMARIZED = ("block_efficiency", "acceptance_rate", "token_acceptance", "tokens_per_second", "speedup",
               "expected_speedup", "efficiency_vs_expected", "engine_overhead", "bleu", "chrf", "rougeL")  # fmt: skip
@@ -230,7 +232,7 @@ def _example_speedups(samples: list[dict], baseline: list[dict]) -> list[float]:
 
 
 def _rate(stats: dict) -> float | None:
-    share = stats.get("share_time_s") or stats["wall_time_s"]  # as speed_summary: a batch's samples share its time
+    share = share_time(stats)
     return stats["new_tokens"] / share if share > 0 else None
 
 

@@ -77,7 +77,6 @@ def generate(
     Ctrl-C or SIGTERM prints what finished (exit code 130).
     """
     common.check_at_least_one(num_samples, "--num-samples")
-    common.check_at_least_one(batch_size, "--batch-size")
     names = _verifier_names(verifier, autoregressive)
     comparing = len(names) > 1
     if comparing and batch_size > 1:
@@ -89,8 +88,7 @@ def generate(
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat,
     )  # fmt: skip
     resolved = options.resolve()
-    if batch_size > 1 and not resolved.speculation.kv_cache:
-        raise UsageError("--batch-size needs the KV cache; drop kv_cache: false from the recipe, or use --batch-size 1")
+    common.check_batch_sizes([batch_size], resolved)
     if not comparing and resolved.verifier.name.strip().lower() == AUTOREGRESSIVE:
         _check_nothing_to_draft(kl, num_drafts, draft_length)
     prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
