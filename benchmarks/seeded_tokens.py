@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -157,6 +158,13 @@ def file_digest(folder: Path) -> str:
 
 def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="seeded-tokens-"))
+    try:
+        return run_in(work, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_in(work: Path, args: argparse.Namespace) -> int:
     os.environ["SPECDEC_CACHE"] = str(work / "cache")  # before specdec_cli is imported
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
