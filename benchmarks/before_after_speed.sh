@@ -10,9 +10,9 @@
 # OLD_TREE: a checkout of the code before the refactor (e.g. `git worktree add ../wt-before 675b6ee --detach`).
 # SPEC_BENCH_JSONL: Spec-Bench's question.jsonl. OUT_DIR: default benchmarks/results/refactor_speed_cpu;
 # results go to OUT_DIR/before and OUT_DIR/after, each with command.txt (what ran, on which tree, versions,
-# CPU) and stdout.txt (bench's table). Settings can be changed with LIMIT, MAX_NEW_TOKENS, BATCH_SIZES and
-# THREADS in the environment. A folder that already holds results is refused (bench would resume it and
-# run nothing): delete it, or give another OUT_DIR.
+# CPU) and stdout.txt (bench's table). LIMIT, MAX_NEW_TOKENS, BATCH_SIZES and THREADS in the environment
+# change the settings; NEW_TREE runs another tree than this checkout as the new one. A folder that already
+# holds results is refused (bench would resume it and run nothing): delete it, or give another OUT_DIR.
 set -euo pipefail
 
 if [ $# -lt 2 ] || [ $# -gt 3 ]; then
@@ -23,8 +23,9 @@ fi
 [ -f "$2" ] || { echo "error: dataset '$2' not found" >&2; exit 2; }
 OLD=$(realpath "$1")
 DATASET=$(realpath "$2")
-NEW=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-OUT=$(realpath -m "${3:-$NEW/benchmarks/results/refactor_speed_cpu}")
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+NEW=$(realpath "${NEW_TREE:-$HERE}")
+OUT=$(realpath -m "${3:-$HERE/benchmarks/results/refactor_speed_cpu}")
 LIMIT=${LIMIT:-8}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-48}
 BATCH_SIZES=${BATCH_SIZES:-1,8}
