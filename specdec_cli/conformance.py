@@ -148,15 +148,18 @@ def _watch_proposals(decoder: Any, cls: type[Drafter]) -> None:
 
     def checked(request):
         proposal = propose(request)
-        if isinstance(proposal, Proposal) and proposal.length:
-            _check_laws(cls, proposal)
+        if isinstance(proposal, Proposal):
+            for b, length in enumerate(proposal.lengths):
+                if length:
+                    _check_laws(cls, proposal.laws[b, :, :length], proposal.tokens[b, :, :length])
         return proposal
 
     drafter.propose = checked
 
 
-def _check_laws(cls: type[Drafter], proposal: Proposal) -> None:
-    laws, tokens = proposal.laws.double(), proposal.tokens  # [rows, n, V], [rows, n]
+def _check_laws(cls: type[Drafter], laws: torch.Tensor, tokens: torch.Tensor) -> None:
+    """One sequence's proposed laws ``[rows, n, V]`` and tokens ``[rows, n]``."""
+    laws = laws.double()
     if not torch.allclose(laws.sum(-1), torch.ones_like(laws[..., 0]), atol=1e-5):
         raise ConformanceError(f"{cls.name}: proposed laws that do not sum to 1")
     if not bool((laws.gather(-1, tokens.unsqueeze(-1)) > 0).all()):

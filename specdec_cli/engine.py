@@ -1,19 +1,25 @@
-"""The speculative decoding engine: draft → score → verify → commit, block after block.
+"""The speculative decoding engine: draft → score → verify → commit, block after block, for every batch size.
 
-One block, with K draft rows (every draft config's ``num_drafts`` samples) and L draft tokens:
+A run advances B sequences (prompts × samples) together, each at its own pace; a single sample is a batch of one.
+One step is one block for every sequence of the batch, with K draft rows (every draft config's ``num_drafts``
+samples) and up to L draft tokens:
 
-1. each draft model extends its K_j rows by L tokens, one batched forward per position,
-   sampling from the shared :func:`~specdec_cli.sampling.sampling_law` law it records;
-2. the target scores all K × (L+1) positions in one forward;
-3. the verifier decides the block on the device (:meth:`~specdec_cli.verifiers.BlockVerifier.verify_block`):
-   an accepted draft prefix of one row and the token after it;
-4. EOS and non-finite logits are folded into the decision on the device, and the engine reads
-   it back once: the committed tokens, how many there are, and for every model the cache row
-   that agrees longest with them; every cache is then cropped from those numbers.
+1. every drafter proposes for every sequence (:meth:`~specdec_cli.drafting.Drafter.propose`: the model drafter runs
+   one forward per position for all rows); each sequence's block length is its own (its drafters' proposals, its
+   remaining tokens), and the model drafters are asked last, for what the others leave to verify;
+2. the target scores all B × K rows in one forward (:class:`~specdec_cli.model_session.ModelSession`);
+3. the verifier decides every sequence's block on the device, one call per distinct block shape: a block alone
+   through :meth:`~specdec_cli.verifiers.BlockVerifier.verify_block` (compiled, or replayed from a CUDA graph,
+   under ``--compile``), several through :meth:`~specdec_cli.verifiers.BlockVerifier.verify_batch`;
+4. EOS, finiteness and every model's longest-agreeing row are folded in on the device, and the step reads the
+   device once for the whole batch; each sequence then commits its own tokens and keeps its own cache rows.
 
-No other value crosses from the device to the host inside a block. An autoregressive run is the
-same loop with no drafts (L = 0: each block is one target forward and the token drawn from it),
-so baseline and speculative runs share sampler and stopping. docs/block-loop.md walks through it.
+No other value crosses from the device to the host inside a step. The target alone is the same loop with no
+drafts (L = 0: each block is one target forward and the token drawn from it), so baseline and speculative runs
+share sampler and stopping. Sequences that finish leave the batch after the step and waiting ones join it, so a
+long answer does not hold the others. A sequence's draws are keyed by its own (seed, prompt, sample) and its own
+block starts, so its tokens do not depend on what else is in its batch, up to the float rounding of batched
+forwards. docs/block-loop.md walks through it.
 """
 
 from __future__ import annotations
@@ -23,31 +29,31 @@ import itertools
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .batch_engine import BatchDecoding, SequenceJob, count_to_eos, longest_matches
-from .batch_session import batch_problem
 from .decoding import Draft, create_verifier, target_sampling
 from .draft_rows import DraftRows, recipe_draft_rows, rows_per_config
+from .drafted import Drafted, count_to_eos, longest_matches
 from .drafter_registry import DrafterRegistry
-from .drafting import DraftRequest, Drafter, DraftSetup, Proposal, block_length, empty_proposal, proposal_problem
+from .drafting import DraftRequest, Drafter, DraftSetup, Proposal, ProposalError, block_length, empty_proposal, proposal_problem
 from .errors import NonFiniteLogitsError, SpecdecError, UsageError, is_allocation_error, requested_memory
 from .graphs import CapturedVerifyStep
 from .inputs import require_text
 from .model_pool import ModelPool
-from .model_session import ModelSession
+from .model_session import ModelSession, batch_problem
 from .models import LoadedModel, shared_vocab_size
+from .randomness import Draws, Stream, block_generator, sample_key
 from .recipe import AUTOREGRESSIVE, DecodingConfig, Recipe
-from .randomness import Draws, Randomness, Stream, block_generator, sample_key
-from .sampling import non_finite_message, sample, sampling_law
+from .registry import error_line
+from .sampling import non_finite_message, sample_with, sampling_law
 from .stats import GenerationResult, SampleStats
 from .timing import RegionTimer
-from .registry import error_line
 from .verifiers import (
-    BatchDecision, BlockDecision, VerifierRegistry, decision_problem, decision_value_problem, departs_from_drafts,
+    BatchDecision, VerifierRegistry, batch_decision_problem, batch_departs_from_drafts, decision_problem,
+    decision_value_problem,
 )  # fmt: skip
 
 BlockCallback = Callable[[int, int, list[int], list[bool]], None]
@@ -81,7 +87,6 @@ class SpeculativeDecoder:
         self.drafter_registry = drafter_registry or DrafterRegistry()
         self.vocab_size = shared_vocab_size(target, [d.model for d in self.drafts if d.model is not None])
         self.target_params = target_sampling(config)
-        self.target_session = ModelSession(target, self.vocab_size, config.speculation.kv_cache)
         self.drafters, row_laws = self._drafters() if config.speculative else ([], [])
         rows = DraftRows.of(row_laws)
         self.verifier = create_verifier(config, rows, self.registry)
@@ -197,7 +202,7 @@ class SpeculativeDecoder:
     ) -> list[GenerationResult]:  # fmt: skip
         """``num_samples`` independent samples for each prompt (one string is one prompt), in order (prompt-major).
 
-        ``batch_size`` B > 1 decodes B samples at a time in one batch (:mod:`specdec_cli.batch_engine`); a sample's
+        ``batch_size`` B > 1 decodes B samples at a time in one batch (:class:`DecodingRun`); a sample's
         tokens do not depend on B, up to float rounding. Keyword ``changes`` to the decoding config apply to this
         call only (``verifier="block"``, ``draft_length=8``, ``temperature=0.3``, ...); the models stay loaded.
         """
@@ -212,7 +217,7 @@ class SpeculativeDecoder:
     ) -> Iterator[GenerationResult]:  # fmt: skip
         """What :meth:`generate` returns, yielded as each sample finishes (a caller that is stopped keeps
         the samples it was given): in order at batch size 1, in the order they finish in a batch. Every prompt
-        is checked before any model runs."""
+        is checked before any model runs. Every batch size runs the same loop (:class:`DecodingRun`)."""
         prompts = _prompt_list(prompts)
         for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -223,15 +228,11 @@ class SpeculativeDecoder:
         jobs = [SequenceJob(prompts[p], p, s, encoded[p],
                             None if on_block is None else functools.partial(on_block, p, s))
                 for p, s in itertools.product(range(len(prompts)), range(num_samples))]  # fmt: skip
-        if batch_size > 1:
-            yield from BatchDecoding(self, batch_size).run(jobs)
-            return
-        for job in jobs:
-            yield self.sample(job.prompt, job.prompt_index, job.sample_index, job.prompt_ids, job.on_block)
+        yield from DecodingRun(self, batch_size).run(jobs)
 
     def check_batching(self) -> None:
         """Refuse, in one line, what cannot decode in batches: no KV cache, or a model whose rows cannot keep
-        their own positions (:func:`~specdec_cli.batch_session.batch_problem`)."""
+        their own positions (:func:`~specdec_cli.model_session.batch_problem`)."""
         if not self.config.speculation.kv_cache:
             raise UsageError("batched decoding needs the KV cache; drop kv_cache: false or use --batch-size 1")
         for model in [self.target, *(draft.model for draft in self.drafts if draft.model is not None)]:
@@ -245,10 +246,9 @@ class SpeculativeDecoder:
     ) -> GenerationResult:  # fmt: skip
         """One sample of one prompt, with the key of (run seed, prompt index, sample index): its draws do not
         depend on which samples ran before it or beside it."""
-        key = sample_key(self.config.seed, prompt_index, sample_index)
-        tokens, mask, stats = self.generate_ids(prompt_ids, key, on_block)
-        text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
-        return GenerationResult(prompt, prompt_index, sample_index, tokens, text, stats, mask)
+        job = SequenceJob(prompt, prompt_index, sample_index, prompt_ids, on_block)
+        (result,) = DecodingRun(self, 1).run([job])
+        return result
 
     def warm_up(self, prompt_ids: list[int], max_new_tokens: int = 8) -> None:
         """One short untimed generation, so the first timed sample does not pay one-time costs
@@ -258,142 +258,17 @@ class SpeculativeDecoder:
         warm._verify_block, warm._sampling_law = self._verify_block, self._sampling_law
         warm.generate_ids(prompt_ids, key=-1)
 
-    @torch.inference_mode()
     def generate_ids(
         self, prompt_ids: list[int], key: int, on_block: Callable[[list[int], list[bool]], None] | None = None
     ) -> tuple[list[int], list[bool], SampleStats]:
         """Generate after ``prompt_ids`` with the randomness of ``key`` (:func:`~specdec_cli.randomness.sample_key`)
         → (new token ids, accepted mask, stats)."""
-        stats = SampleStats(prompt_tokens=len(prompt_ids))
-        with self._memory_guard(stats):
-            return self._generate_ids(prompt_ids, key, on_block, stats)
-
-    def _generate_ids(
-        self, prompt_ids: list[int], key: int, on_block: Callable[[list[int], list[bool]], None] | None,
-        stats: SampleStats,
-    ) -> tuple[list[int], list[bool], SampleStats]:  # fmt: skip
-        draws = Draws.create(key, 0, self.device)  # its block start is moved on the device, block by block
-        self.target_session.start(prompt_ids)
-        for drafter in self.drafters:
-            self._call_drafter(drafter, "start", drafter.start, prompt_ids)
-        committed = self.target.decoder_start_ids if self.target.is_encoder_decoder else list(prompt_ids)
-        start = len(committed)
-        timer = RegionTimer(self.device)
-        mask: list[bool] = []
-        max_new = self.config.generation.max_new_tokens
-        wall_start = time.perf_counter()
-        while True:
-            remaining = max_new - (len(committed) - start)
-            # Never overshoot: a block commits at most L + 1 tokens.
-            draft_length = min(self.draft_length, remaining - 1)
-            block_start = len(committed) - start
-            draws.block_start.fill_(block_start)
-            block = self._block(committed, draft_length, (draws, self._verifier_randomness(draws, key, block_start)),
-                                stats, timer)  # fmt: skip
-            new_tokens = block.tokens
-            accepted = [i < block.num_accepted for i in range(len(new_tokens))]
-            # The verifier decided every committed position but a bonus token (which follows all L accepted).
-            stats.record_block(block.draft_length, min(len(new_tokens), block.draft_length), sum(accepted))
-            committed += new_tokens
-            mask += accepted
-            if on_block is not None:
-                on_block(new_tokens, accepted)
-            if block.eos or len(committed) - start >= max_new:
-                stats.stop_reason = "eos" if block.eos else "max_new_tokens"
-                break
-        _synchronize(self.device)
-        stats.wall_time_s = stats.share_time_s = time.perf_counter() - wall_start
-        for name in ("draft", "target", "verify", "forward"):
-            setattr(stats, f"{name}_time_s", timer.seconds(name))
-        stats.new_tokens = len(committed) - start
-        return committed[start:], mask, stats
-
-    @contextmanager
-    def _memory_guard(self, stats: SampleStats) -> Iterator[None]:
-        """An allocation this machine cannot make (a long prompt to an encoder without a position limit,
-        many long draft rows) becomes one line naming what to lower, instead of the allocator's traceback."""
-        try:
-            yield
-        except (RuntimeError, MemoryError) as error:
-            if not is_allocation_error(error):
-                raise
-            drafts = f"--num-drafts ({self.config.speculation.num_drafts}) or --draft-length ({self.draft_length})"
-            if not stats.blocks:  # the prompt's encoding or prefill, with the first block's draft rows
-                advice = f"reading the prompt; shorten the prompt ({stats.prompt_tokens} tokens)"
-                advice += f", or lower {drafts}" if self.drafters else ""
-            else:
-                advice = f"while generating; lower --max-new-tokens ({self.config.generation.max_new_tokens})"
-                advice += f", {drafts}" if self.drafters else ""
-            raise SpecdecError(f"out of memory{requested_memory(error)} {advice}") from error
-
-    def _verifier_randomness(self, draws: Draws, key: int, block_start: int) -> Randomness:
-        """The block's keyed draws, or for a plugin that draws from a stateful generator one seeded from the
-        sample's key and the block's start, both known on the host."""
-        keyed = self.verifier is None or self.verifier.keyed_randomness  # None: the target alone, the engine's own draws
-        return draws if keyed else block_generator(key, block_start, self.device)
-
-    def _block(
-        self, committed: list[int], draft_length: int, randomness: tuple[Draws, Randomness], stats: SampleStats,
-        timer: RegionTimer,
-    ) -> "_Committed":  # fmt: skip
-        """One draft → score → verify round, and the block's one read of device values.
-
-        ``randomness``: the block's keyed draws (for the engine's own) and what the verifier draws from.
-        """
-        draws, verifier_randomness = randomness
-        with timer.region("draft"):
-            drafted = self._draft(committed, draft_length, draws, stats, timer)
-        with timer.region("target"):
-            target_probs, target_finite = self._score(committed, drafted.tokens, timer)  # [K, n+1, vocab], []
-            stats.target_forwards += 1
-        with timer.region("verify"):
-            if drafted.length:
-                decision = self._decide(target_probs, drafted.laws, drafted.tokens, verifier_randomness)
-                departs = departs_from_drafts(decision, drafted.tokens)  # []
-            else:
-                decision = _target_token(target_probs, draws)
-                departs = torch.zeros_like(target_finite)  # []: the engine drew the token itself
-            count = count_to_eos(BatchDecision.of_block(decision), self.eos_tensor)[0]  # []
-            block_tokens = decision.tokens.unsqueeze(0)  # [1, L+1]: the block as a batch of one
-            matches = [longest_matches(rows.unsqueeze(0), block_tokens, count.view(1)) for rows in drafted.by_drafter()]
-            flags = [decision.num_accepted, decision.row, count, target_finite.long(), departs.long()]
-            packed = torch.cat([
-                decision.tokens, torch.stack(flags), drafted.finite.long(), drafted.in_vocab.long(),
-                *(torch.cat(match) for match in matches),
-            ])  # fmt: skip
-            values = packed.tolist()  # the one device read of the block
-            block = self._commit(values, drafted, committed)
-        return block
-
-    def _commit(self, values: list[int], drafted: "_Drafted", committed: list[int]) -> "_Committed":
-        """Unpack the block's read, stop on non-finite logits or a decision no verifier may make, and crop
-        every cache to what was committed."""
-        block_size = drafted.length + 1
-        tokens = values[:block_size]
-        num_accepted, row, count, target_finite, departs = values[block_size : block_size + 5]
-        drafters = len(self.drafters)
-        drafts_finite = values[block_size + 5 : block_size + 5 + drafters]
-        drafts_in_vocab = values[block_size + 5 + drafters : block_size + 5 + 2 * drafters]
-        matches = iter(values[block_size + 5 + 2 * drafters :])
-        self.check_block_flags(bool(target_finite), drafts_finite, drafts_in_vocab)
-        if drafted.length:  # a verifier decided (a block without draft tokens is the engine's own draw)
-            problem = decision_value_problem(tokens, num_accepted, row, bool(departs), drafted.tokens.shape[0],
-                                             self.vocab_size)  # fmt: skip
-            if problem is not None:
-                raise self.registry.fault(self.verifier.name, problem)
-        # Rows cache the committed prefix then their own drafts; the last committed token stays uncached.
-        reusable = len(committed) + min(num_accepted, count - 1)
-        self.target_session.keep(row, min(self.target_session.cached_length, reusable))
-        for drafter, rows in zip(self.drafters, drafted.sizes):
-            drafter_row, agreeing = (next(matches), next(matches)) if rows else (0, 0)
-            self._call_drafter(drafter, "keep", drafter.keep, drafter_row, len(committed) + min(agreeing, count - 1))
-        new_tokens = tokens[:count]
-        eos = any(t in self.eos_ids for t in new_tokens)
-        return _Committed(new_tokens, min(num_accepted, count), eos, drafted.length)
+        (result,) = DecodingRun(self, 1).run([SequenceJob("", 0, 0, prompt_ids, on_block, key)])
+        return result.token_ids, result.accepted_mask, result.stats
 
     def check_block_flags(self, target_finite: bool, drafts_finite: list[int], drafts_in_vocab: list[int]) -> None:
         """Stop the run, in one line, on a drafter's token ids outside the vocabulary or on non-finite logits
-        (the flags of a block's read, one per drafter)."""
+        (the flags of a step's read, one per drafter)."""
         for drafter, in_vocab in zip(self.drafters, drafts_in_vocab):
             if not in_vocab:
                 raise self.drafter_registry.fault(drafter.name, f"proposed token ids outside the vocabulary "
@@ -406,8 +281,8 @@ class SpeculativeDecoder:
 
     def guarded_decision(self, verify: Callable[..., Any], *inputs: Any) -> Any:
         """``verify(*inputs)`` (the verifier's verify_block or verify_batch): a plugin's exception is its fault, named
-        in one line with the original chained for ``--debug``; running out of memory is not, and reaches
-        :meth:`_memory_guard`."""
+        in one line with the original chained for ``--debug``; running out of memory is not, and reaches the run's
+        memory guard."""
         try:
             return verify(*inputs)
         except SpecdecError:
@@ -417,129 +292,358 @@ class SpeculativeDecoder:
                 raise
             raise self.registry.fault(self.verifier.name, f"raised {error_line(error)}") from error
 
-    def _decide(
-        self, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
-        randomness: Randomness,
-    ) -> BlockDecision:  # fmt: skip
-        """The verifier's decision, its types, shapes and devices checked on the host (no device read)."""
-        decision = self.guarded_decision(self._verify_block, target_probs, draft_probs, draft_tokens, randomness)
-        problem = decision_problem(decision, draft_tokens.shape[1] + 1, target_probs.device)
-        if problem is not None:
-            raise self.registry.fault(self.verifier.name, problem)
-        return decision.as_long()
-
-    def _score(
-        self, committed: list[int], draft_tokens: torch.Tensor, timer: RegionTimer
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's laws after every prefix of every row ``[K, L+1, vocab]``, and whether all are finite ``[]``."""
-        rows, draft_length = draft_tokens.shape
-        session = self.target_session
-        session.fan_out(rows)
-        pending = session.pending(committed)  # [K, pending]
-        logits = session.forward(torch.cat([pending, draft_tokens], dim=1), draft_length + 1, timer)
-        probs, finite = self._sampling_law(logits, self.target_params)  # [K, L+1, vocab], [K, L+1]
-        return probs, finite.all()
-
-    def _draft(
-        self, committed: list[int], draft_length: int, draws: Draws, stats: SampleStats, timer: RegionTimer
-    ) -> "_Drafted":
-        """Every drafter's proposal as the block's rows. Drafters that run no model are asked first: their
-        shortest non-empty proposal is the block's length (:func:`~specdec_cli.drafting.block_length`), which
-        the model drafters then draft, so no draft forward is paid for a position that is not verified."""
-        if not draft_length:
-            empty = [empty_proposal(drafter.rows, self.vocab_size, self.device) for drafter in self.drafters]
-            return _Drafted.of(empty, self.vocab_size, self.device)
-        # Row k's token at offset t is (stream DRAFT, t, lane k), whichever drafter fills it: one table per block.
-        uniforms = draws.uniforms(Stream.DRAFT, draft_length, self.num_draft_rows)  # [L, K]
-        lanes = _lanes([drafter.rows for drafter in self.drafters])
-        proposals: list[Proposal] = [None] * len(self.drafters)  # type: ignore[list-item]
-        length = draft_length
-        for runs_model in (False, True):
-            for index, drafter in enumerate(self.drafters):
-                if drafter.uses_model == runs_model:
-                    own_uniforms = uniforms[:length, lanes[index]]  # [n, K_j]: this drafter's rows' lanes
-                    request = DraftRequest(committed, length, own_uniforms, self._sampling_law, timer)
-                    proposals[index] = self.checked_proposal(drafter, request)
-            if not runs_model:
-                length = block_length([p.length for p in proposals if p is not None], draft_length)
-        stats.draft_forwards += sum(proposal.forwards for proposal in proposals)
-        return _Drafted.of(proposals, self.vocab_size, self.device)
-
     def checked_proposal(self, drafter: Drafter, request: DraftRequest) -> Proposal:
-        """``drafter``'s proposal (one of this decoder's), its shapes, types and devices checked on the host (no device
-        read): a plugin's exception or a bad proposal is one line naming it."""
-        proposal = self._call_drafter(drafter, "propose", drafter.propose, request)
-        problem = proposal_problem(proposal, drafter.rows, request.max_length, self.vocab_size, self.device)
+        """``drafter``'s proposal (one of this decoder's), checked on the host (no device read): a plugin's exception
+        or a bad proposal is one line naming it."""
+        try:
+            proposal = self._call_drafter(drafter, "propose", drafter.propose, request)
+        except ProposalError as error:  # a sequence drafter's own proposal, checked by its base class
+            raise self.drafter_registry.fault(drafter.name, str(error)) from None
+        problem = proposal_problem(proposal, len(request.contexts), drafter.rows, request.max_lengths,
+                                   self.vocab_size, self.device)  # fmt: skip
         if problem is not None:
             raise self.drafter_registry.fault(drafter.name, problem)
         return proposal
 
     def _call_drafter(self, drafter: Drafter, what: str, method: Callable[..., Any], *args: Any) -> Any:
         """``method(*args)`` of ``drafter``: a plugin's exception is its fault, one line (running out of memory is
-        not, and reaches :meth:`_memory_guard`)."""
+        not, and reaches the run's memory guard)."""
         return self.drafter_registry.guarded(drafter.name, what, method, *args)
 
+    def memory_advice(self, batch_size: int, stats: SampleStats | None) -> str:
+        """What to lower when an allocation failed: in a batch, its size first; alone, the prompt while it was read
+        (``stats`` None or before the first block), the output length after."""
+        drafts = f"--num-drafts ({self.config.speculation.num_drafts}) or --draft-length ({self.draft_length})"
+        if batch_size > 1:
+            return (f"decoding a batch of {batch_size}; lower --batch-size, --max-new-tokens, --num-drafts or "
+                    "--draft-length")  # fmt: skip
+        if stats is None or not stats.blocks:  # the prompt's encoding or prefill, or the first block's draft rows
+            advice = f"reading the prompt; shorten the prompt ({stats.prompt_tokens if stats else '?'} tokens)"
+            return advice + (f", or lower {drafts}" if self.drafters else "")
+        advice = f"while generating; lower --max-new-tokens ({self.config.generation.max_new_tokens})"
+        return advice + (f", {drafts}" if self.drafters else "")
+
 
 @dataclass
-class _Drafted:
-    """A block's draft rows: those of the drafters that proposed, cut to the block's length."""
+class SequenceJob:
+    """One sample to generate: its prompt, where it stands in the run, and its prompt's ids."""
 
-    tokens: torch.Tensor  # [K', n]: K' rows of the drafters that proposed (one empty row [1, 0] when none did)
-    laws: torch.Tensor  # [K', n, vocab]
-    finite: torch.Tensor  # [drafters] bool: each drafter's laws came from finite logits
-    in_vocab: torch.Tensor  # [drafters] bool: each drafter's tokens are ids of the vocabulary
-    sizes: list[int]  # rows each drafter has in the block (0: it proposed nothing)
+    prompt: str
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    on_block: Callable[[list[int], list[bool]], None] | None = None
+    key: int | None = None
+    """Its randomness (:func:`~specdec_cli.randomness.sample_key`); None: the key of (the decoder's seed, prompt index,
+    sample index)."""
 
-    @classmethod
-    def of(cls, proposals: list[Proposal], vocab_size: int, device: torch.device) -> "_Drafted":
-        """The rows of the non-empty ``proposals``, each cut to the shortest of them. Token ids outside the
-        vocabulary are told by ``in_vocab`` in the block's one read and clamped until then: on a GPU such an id
-        in the target's embedding is a device-side assert, which no message could follow."""
-        flags = [torch.stack([p.finite, ((p.tokens >= 0) & (p.tokens < vocab_size)).all()]) for p in proposals]
-        finite, in_vocab = torch.stack(flags, 1) if flags else torch.ones(2, 0, dtype=torch.bool, device=device)
-        present = [proposal for proposal in proposals if proposal.length]
-        sizes = [proposal.tokens.shape[0] if proposal.length else 0 for proposal in proposals]
-        if not present:
-            empty = empty_proposal(1, vocab_size, device)
-            return cls(empty.tokens, empty.laws, finite, in_vocab, sizes)
-        length = min(proposal.length for proposal in present)
-        tokens = torch.cat([proposal.tokens[:, :length] for proposal in present]).clamp(0, vocab_size - 1)  # [K', n]
-        laws = torch.cat([proposal.laws[:, :length] for proposal in present])  # [K', n, vocab]
-        return cls(tokens, laws, finite, in_vocab, sizes)
+
+@dataclass
+class _Sequence:
+    """A sequence in the batch: what it has committed and its stats so far."""
+
+    job: SequenceJob
+    key: int
+    committed: list[int]
+    start: int
+    stats: SampleStats
+    began: float
+    regions_at_start: dict[str, float]
+    mask: list[bool] = field(default_factory=list)
 
     @property
-    def length(self) -> int:
-        return self.tokens.shape[1]
-
-    def by_drafter(self) -> list[torch.Tensor]:
-        """The rows ``[K_j, n]`` of each drafter in the block (none when nothing was drafted)."""
-        if not self.length:
-            return []
-        return list(self.tokens.split([size for size in self.sizes if size]))
+    def generated(self) -> int:
+        return len(self.committed) - self.start
 
 
-def _lanes(rows: list[int]) -> list[slice]:
-    """The uniforms' lanes of each drafter: its rows' places among all drafters' rows."""
-    ends = list(itertools.accumulate(rows))
-    return [slice(end - count, end) for end, count in zip(ends, rows)]
+_REGIONS = ("draft", "target", "verify", "forward")
 
 
-@dataclass
-class _Committed:
-    """A block's outcome on the host: tokens to commit, how many are accepted drafts, and whether it hit EOS."""
+class DecodingRun:
+    """One run of a decoder over a list of jobs: sequences join up to ``batch_size`` at a time, and leave when done."""
 
-    tokens: list[int]
-    num_accepted: int
-    eos: bool
-    draft_length: int
-    """Tokens each row proposed in the block (what the verifier decided on)."""
+    def __init__(self, decoder: SpeculativeDecoder, batch_size: int) -> None:
+        self.decoder = decoder
+        self.batch_size = batch_size
+        self.device = decoder.device
+        self.target = ModelSession(decoder.target, decoder.vocab_size, decoder.config.speculation.kv_cache)
+        self.drafters = decoder.drafters
+        for drafter in self.drafters:  # a drafter may hold the sequences of an interrupted run
+            decoder._call_drafter(drafter, "remove_sequences", drafter.remove_sequences, [])
+        rows = [drafter.rows for drafter in self.drafters]  # [drafters]
+        self.lanes = list(itertools.accumulate([0, *rows]))  # drafter j's rows are lanes[j] .. lanes[j+1] - 1
+        self.sequences: list[_Sequence] = []
+        self.draws = Draws.batch([], self.device)
+        self.timer = RegionTimer(self.device)
+
+    def run(self, jobs: list[SequenceJob]) -> Iterator[GenerationResult]:
+        """Every job's result, yielded as each finishes (in the jobs' order at batch size 1)."""
+        waiting = list(jobs)
+        while waiting or self.sequences:
+            began = time.perf_counter()
+            with torch.inference_mode(), self._memory_guard():
+                free = self.batch_size - len(self.sequences)
+                if waiting and free:
+                    self._join(waiting[:free])
+                    waiting = waiting[free:]
+                finished = self._step()
+                done = self._leave(finished) if finished else []
+            share = (time.perf_counter() - began) / (len(self.sequences) + len(done))  # the step ended in a read
+            for sequence in self.sequences + done:
+                sequence.stats.share_time_s += share
+            yield from (self._result(sequence) for sequence in done)
+
+    @contextmanager
+    def _memory_guard(self) -> Iterator[None]:
+        """An allocation this machine cannot make (a long prompt to an encoder without a position limit, many long
+        draft rows, a large batch) becomes one line naming what to lower, instead of the allocator's traceback."""
+        try:
+            yield
+        except (RuntimeError, MemoryError) as error:
+            if not is_allocation_error(error):
+                raise
+            stats = self.sequences[0].stats if self.sequences else None
+            advice = self.decoder.memory_advice(self.batch_size, stats)
+            raise SpecdecError(f"out of memory{requested_memory(error)} {advice}") from error
+
+    def _join(self, jobs: list[SequenceJob]) -> None:
+        """``jobs`` join the batch: each model reads their prompts, and their draws are keyed."""
+        decoder = self.decoder
+        contexts = [decoder.target.decoder_start_ids if decoder.target.is_encoder_decoder else list(job.prompt_ids)
+                    for job in jobs]  # fmt: skip
+        regions = {name: self.timer.seconds(name) for name in _REGIONS}
+        for job, context in zip(jobs, contexts):
+            key = sample_key(decoder.config.seed, job.prompt_index, job.sample_index) if job.key is None else job.key
+            stats = SampleStats(prompt_tokens=len(job.prompt_ids))
+            self.sequences.append(_Sequence(job, key, list(context), len(context), stats, time.perf_counter(), regions))
+        prompts = [job.prompt_ids for job in jobs]
+        self.target.add(prompts, contexts, self.timer)
+        for drafter in self.drafters:
+            decoder._call_drafter(drafter, "start", drafter.add_sequences, prompts, contexts, self.timer)
+        self.draws = Draws.batch([sequence.key for sequence in self.sequences], self.device)
+
+    def _step(self) -> list[int]:
+        """One block for every sequence → the indices of those that finished."""
+        decoder, sequences = self.decoder, self.sequences
+        max_new = decoder.config.generation.max_new_tokens
+        limits = [min(decoder.draft_length, max_new - sequence.generated - 1) for sequence in sequences]  # [B]
+        self.draws.block_start.copy_(torch.tensor([sequence.generated for sequence in sequences]))
+        contexts = [sequence.committed for sequence in sequences]
+        with self.timer.region("draft"):
+            drafted = self._draft(contexts, limits)
+        with self.timer.region("target"):
+            target_probs, target_finite = self._score(contexts, drafted)  # [B, K, n+1, V], []
+        with self.timer.region("verify"):
+            values = self._decide(target_probs, target_finite, drafted)
+            return self._commit(values, drafted)
+
+    # ----------------------------------------------------------------------- the step's stages
+
+    def _draft(self, contexts: list[list[int]], limits: list[int]) -> Drafted:
+        """Every drafter's proposals, the model drafters asked last for what the others leave to verify, so that no
+        draft forward is paid for a position that is not verified (:func:`~specdec_cli.drafting.block_length`)."""
+        batch, width = len(contexts), max(limits)
+        # Row k's token at offset t is (stream DRAFT, t, lane k), whichever drafter fills it: one table per step.
+        uniforms = self.draws.batch_uniforms(Stream.DRAFT, max(width, 1), self.lanes[-1] or 1)  # [B, L, K]
+        proposals: list[Proposal | None] = [None] * len(self.drafters)
+        lengths = list(limits)
+        asked: list[list[int]] = [[]] * len(self.drafters)  # [drafters][B]: what each drafter was asked for
+        for runs_model in (False, True):
+            for index, drafter in enumerate(self.drafters):
+                if drafter.uses_model != runs_model:
+                    continue
+                asked[index] = lengths
+                if max(lengths) == 0:
+                    proposals[index] = empty_proposal(batch, drafter.rows, self.decoder.vocab_size, self.device)
+                    continue
+                lanes = uniforms[:, : max(lengths), self.lanes[index] : self.lanes[index + 1]]  # [B, n, K_j]
+                request = DraftRequest(contexts, lengths, lanes, self.decoder._sampling_law, self.timer)
+                proposals[index] = self.decoder.checked_proposal(drafter, request)
+            if not runs_model:
+                lengths = [block_length([p.lengths[b] for p in proposals if p is not None], limit)
+                           for b, limit in enumerate(limits)]  # fmt: skip
+        for b, sequence in enumerate(self.sequences):  # a model drafter ran as many forwards as it drafted for b
+            sequence.stats.draft_forwards += sum(min(p.forwards, asked[j][b]) for j, p in enumerate(proposals))
+        return Drafted.of(proposals, batch, self.decoder.vocab_size, self.device)
+
+    def _score(self, contexts: list[list[int]], drafted: Drafted) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's laws after every prefix of every row of every sequence ``[B, K, n+1, V]``, and whether all
+        are finite ``[]``."""
+        batch, rows, width = drafted.tokens.shape
+        self.target.fan_out(rows)
+        repeated = [context for context in contexts for _ in range(rows)]
+        tokens = drafted.tokens.reshape(batch * rows, width)  # [B K, n]
+        logits = self.target.forward(repeated, tokens, width + 1, self.timer)  # [B K, n+1, V]
+        probs, finite = self.decoder._sampling_law(logits, self.decoder.target_params)  # [B K, n+1, V], [B K, n+1]
+        for sequence in self.sequences:
+            sequence.stats.target_forwards += 1
+        return probs.view(batch, rows, width + 1, -1), finite.all()
+
+    def _decide(self, target_probs: torch.Tensor, target_finite: torch.Tensor, drafted: Drafted) -> list[int]:
+        """Every sequence's decision, EOS, flags and longest-agreeing rows, packed and read in the step's one read."""
+        decision, local_rows = self._decisions(target_probs, drafted)
+        count = count_to_eos(decision, self.decoder.eos_tensor)  # [B]
+        departs = batch_departs_from_drafts(decision, drafted.tokens)  # [B]
+        positions = torch.arange(drafted.tokens.shape[2], device=self.device)  # [n]
+        verified = positions < torch.tensor(drafted.lengths, device=self.device).view(-1, 1)  # [B, n]
+        matches = [longest_matches(drafted.tokens[:, self.lanes[j] : self.lanes[j + 1]], decision.tokens, count,
+                                    verified & torch.tensor(proposed, device=self.device).view(-1, 1))
+                   for j, proposed in enumerate(drafted.proposed)]  # fmt: skip
+        packed = torch.cat([
+            decision.tokens.flatten(), decision.num_accepted, decision.row, local_rows, count, departs.long(),
+            target_finite.long().view(1), drafted.finite.long(), drafted.in_vocab.long(),
+            *(torch.cat(match) for match in matches),
+        ])  # fmt: skip
+        return packed.tolist()  # the step's one device read
+
+    def _decisions(self, target_probs: torch.Tensor, drafted: Drafted) -> tuple[BatchDecision, torch.Tensor]:
+        """The verifier's decision for each group of sequences with one block shape (length, rows that proposed),
+        as one batch ``[B, L+1]``, and each sequence's row among those that proposed ``[B]``."""
+        groups = drafted.groups()
+        if len(groups) == 1:  # every sequence's block has one shape: decide them in place, as one group
+            ((length, present), members), = groups.items()
+            decision = self._decide_group(target_probs, drafted, length, present, members)
+            rows = decision.row if len(present) == drafted.tokens.shape[1] else self._rows_of(present, decision.row)
+            return BatchDecision(decision.tokens, decision.num_accepted, rows), decision.row
+        batch, _, width = drafted.tokens.shape
+        tokens = torch.zeros(batch, width + 1, dtype=torch.long, device=self.device)  # [B, n+1]
+        num_accepted = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]
+        rows = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]: among all K rows
+        local = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]: among the rows that proposed
+        for (length, present), members in groups.items():
+            index = torch.tensor(members, device=self.device)  # [G]
+            group = self._decide_group(target_probs, drafted, length, present, members)
+            tokens[index, : length + 1] = group.tokens
+            num_accepted[index], local[index] = group.num_accepted, group.row
+            rows[index] = self._rows_of(present, group.row)
+        return BatchDecision(tokens, num_accepted, rows), local
+
+    def _rows_of(self, present: tuple[int, ...], local: torch.Tensor) -> torch.Tensor:
+        """Rows among all K ``[G]`` of rows ``local`` ``[G]`` among those that proposed (``present``)."""
+        return torch.tensor(present, device=self.device)[local.clamp(0, len(present) - 1)]
+
+    def _decide_group(
+        self, target_probs: torch.Tensor, drafted: Drafted, length: int, present: tuple[int, ...], members: list[int]
+    ) -> BatchDecision:
+        """The decision of the sequences ``members``, whose blocks are ``length`` tokens in the rows ``present``."""
+        if length == 0:  # no draft token: the target's own token, stream TARGET
+            uniforms = self._draws_of(members).batch_uniforms(Stream.TARGET, 1, 1)[:, 0, 0]  # [G]
+            token = sample_with(_group(target_probs, members)[:, 0, 0], uniforms).view(-1, 1)  # [G, 1]
+            zeros = torch.zeros(len(members), dtype=torch.long, device=self.device)  # [G]
+            return BatchDecision(token, zeros, zeros)
+        rows = None if len(present) == drafted.tokens.shape[1] else torch.tensor(present, device=self.device)
+        return self._verify(_group(target_probs, members, rows, length + 1), _group(drafted.laws, members, rows, length),
+                            _group(drafted.tokens, members, rows, length), members)  # fmt: skip
+
+    def _verify(self, target_probs, draft_probs, draft_tokens, members: list[int]) -> BatchDecision:
+        """The verifier's decision for the sequences ``members``: one block through this decoder's verify step
+        (compiled or captured under ``--compile``), several through ``verify_batch``; its exceptions and its
+        decision's form checked on the host (no device read)."""
+        decoder, verifier = self.decoder, self.decoder.verifier
+        sequences = [self.sequences[b] for b in members]
+        if len(members) == 1:
+            sequence = sequences[0]
+            randomness = self._draws_of(members).row(0) if verifier.keyed_randomness else block_generator(
+                sequence.key, sequence.generated, self.device)  # fmt: skip
+            inputs = (target_probs[0], draft_probs[0], draft_tokens[0], randomness)
+            decision = decoder.guarded_decision(decoder._verify_block, *inputs)
+            problem = decision_problem(decision, draft_tokens.shape[2] + 1, self.device)
+            decision = BatchDecision.of_block(decision) if problem is None else decision
+        else:
+            randomness = self._draws_of(members) if verifier.keyed_randomness else [
+                block_generator(sequence.key, sequence.generated, self.device) for sequence in sequences]  # fmt: skip
+            inputs = (target_probs, draft_probs, draft_tokens, randomness)
+            decision = decoder.guarded_decision(verifier.verify_batch, *inputs)
+            problem = batch_decision_problem(decision, len(members), draft_tokens.shape[2] + 1, self.device)
+        if problem is not None:
+            raise decoder.registry.fault(verifier.name, problem)
+        return decision.as_long()
+
+    def _draws_of(self, members: list[int]) -> Draws:
+        """The draws of the sequences ``members`` (the batch's own when they are all of it)."""
+        if len(members) == len(self.sequences):
+            return self.draws
+        index = torch.tensor(members, device=self.device)  # [G]
+        return Draws(self.draws.key[index], self.draws.block_start[index])
+
+    # ----------------------------------------------------------------------- after the read
+
+    def _commit(self, values: list[int], drafted: Drafted) -> list[int]:
+        """Unpack the step's read, stop on a fault, commit each sequence's tokens and crop every cache → the
+        sequences that finished."""
+        decoder, sequences = self.decoder, self.sequences
+        batch, block = len(sequences), drafted.tokens.shape[2] + 1
+        fields = iter(values[batch * block :])
+        tokens = [values[b * block : (b + 1) * block] for b in range(batch)]
+        num_accepted, rows, local, count, departs = ([next(fields) for _ in range(batch)] for _ in range(5))
+        target_finite = next(fields)
+        drafts_finite, in_vocab = ([next(fields) for _ in self.drafters] for _ in range(2))
+        matches = [([next(fields) for _ in range(batch)], [next(fields) for _ in range(batch)]) for _ in self.drafters]
+        decoder.check_block_flags(bool(target_finite), drafts_finite, in_vocab)
+        for b in range(batch):
+            if drafted.lengths[b]:  # a verifier decided (a block without draft tokens is the engine's own draw)
+                problem = decision_value_problem(tokens[b][: drafted.lengths[b] + 1], num_accepted[b], local[b],
+                                                 bool(departs[b]), len(drafted.present[b]), decoder.vocab_size)  # fmt: skip
+                if problem is not None:
+                    raise decoder.registry.fault(decoder.verifier.name, problem)
+        # Rows cache the committed prefix then their own drafts; the last committed token stays uncached.
+        before = [len(sequence.committed) for sequence in sequences]
+        self.target.keep([b * drafted.tokens.shape[1] + rows[b] for b in range(batch)],
+                         [before[b] + min(num_accepted[b], count[b] - 1) for b in range(batch)])  # fmt: skip
+        for drafter, (match_rows, agreeing) in zip(self.drafters, matches):
+            lengths = [before[b] + min(agreeing[b], count[b] - 1) for b in range(batch)]
+            decoder._call_drafter(drafter, "keep", drafter.keep, match_rows, lengths)
+        return [b for b in range(batch) if self._commit_sequence(sequences[b], tokens[b][: count[b]],
+                                                                 min(num_accepted[b], count[b]), drafted.lengths[b])]
+
+    def _commit_sequence(self, sequence: _Sequence, new_tokens: list[int], num_accepted: int, length: int) -> bool:
+        """Commit one sequence's tokens and record its block → whether it is done."""
+        accepted = [i < num_accepted for i in range(len(new_tokens))]
+        # The verifier decided every committed position but a bonus token (which follows all L accepted).
+        sequence.stats.record_block(length, min(len(new_tokens), length), sum(accepted))
+        sequence.committed += new_tokens
+        sequence.mask += accepted
+        if sequence.job.on_block is not None:
+            sequence.job.on_block(new_tokens, accepted)
+        eos = any(token in self.decoder.eos_ids for token in new_tokens)
+        if eos or sequence.generated >= self.decoder.config.generation.max_new_tokens:
+            sequence.stats.stop_reason = "eos" if eos else "max_new_tokens"
+            return True
+        return False
+
+    def _leave(self, finished: list[int]) -> list[_Sequence]:
+        """The finished sequences leave the batch; the others stay, in order."""
+        kept = [b for b in range(len(self.sequences)) if b not in finished]
+        done = [self.sequences[b] for b in finished]
+        self.target.select(kept)
+        for drafter in self.drafters:
+            self.decoder._call_drafter(drafter, "remove_sequences", drafter.remove_sequences, kept)
+        self.sequences = [self.sequences[b] for b in kept]
+        self.draws = Draws.batch([sequence.key for sequence in self.sequences], self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return done
+
+    def _result(self, sequence: _Sequence) -> GenerationResult:
+        stats = sequence.stats
+        stats.wall_time_s = time.perf_counter() - sequence.began
+        for name in _REGIONS:  # the batch's time in each region while this sequence was in it
+            setattr(stats, f"{name}_time_s", self.timer.seconds(name) - sequence.regions_at_start[name])
+        stats.new_tokens = sequence.generated
+        job = sequence.job
+        tokens = sequence.committed[sequence.start :]
+        text = self.decoder.target.tokenizer.decode(tokens, skip_special_tokens=True)
+        return GenerationResult(job.prompt, job.prompt_index, job.sample_index, tokens, text, stats, sequence.mask)
 
 
-def _target_token(target_probs: torch.Tensor, draws: Draws) -> BlockDecision:
-    """No draft tokens: the block is one token drawn from q (target_probs ``[1, 1, V]``), stream TARGET."""
-    token = sample(target_probs[0, 0], draws, Stream.TARGET).view(1)  # [1]
-    zero = torch.zeros((), dtype=torch.long, device=token.device)
-    return BlockDecision(token, zero, zero)
+def _group(tensor: torch.Tensor, members: list[int], rows: torch.Tensor | None = None, width: int | None = None):
+    """``tensor`` ``[B, K, n, ...]`` narrowed to the sequences ``members``, the rows ``rows`` (None: all) and the first
+    ``width`` positions: a view where it is all of them, as a block alone always is."""
+    if len(members) < tensor.shape[0]:
+        tensor = tensor[torch.tensor(members, device=tensor.device)]
+    if rows is not None:
+        tensor = tensor[:, rows]
+    return tensor if width is None or width == tensor.shape[2] else tensor[:, :, :width]
 
 
 def _prompt_list(prompts: object) -> list[str]:
@@ -576,8 +680,3 @@ def _check_context(prompt: int, max_new_tokens: int, draft_length: int, context:
             f"(and {draft_length} draft tokens); lower --max-new-tokens or --draft-length"
             + ("" if encoder_decoder else ", or shorten the prompt")
         )
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec_cli.batch_session import BatchSession
-from specdec_cli.drafting import BatchDraftRequest, BatchProposal, DraftRequest, Drafter, DraftSetup, Proposal
+from specdec_cli.drafting import DraftRequest, Drafter, DraftSetup, Proposal
 from specdec_cli.model_session import ModelSession
 from specdec_cli.sampling import SamplingParams, sample_with
 
@@ -23,7 +22,6 @@ class ModelDrafter(Drafter):
 
     name = "model"
     uses_model = True
-    batched = True
 
     def entry_problem(self, entry):
         if entry.model is None:
@@ -56,50 +54,22 @@ class ModelDrafter(Drafter):
                 first.row_params = first.row_params + drafter.row_params
         return list(by_model.values())
 
-    def start(self, prompt_ids: list[int]) -> None:
-        self.session.start(prompt_ids)
-
-    def keep(self, row: int, length: int) -> None:
-        self.session.keep(row, min(self.session.cached_length, length))
-
-    def propose(self, request: DraftRequest) -> Proposal:
-        rows, length, vocab, device = self.rows, request.max_length, self.draft_setup.vocab_size, self.draft_setup.device
-        session = self.session
-        session.fan_out(rows)
-        tokens = torch.empty(rows, length, dtype=torch.long, device=device)  # [rows, L]
-        laws = torch.empty(rows, length, vocab, device=device)  # [rows, L, V]
-        finite = torch.ones((), dtype=torch.bool, device=device)  # []
-        step_input = session.pending(request.context)  # [rows, pending]
-        rows_by_params = self._rows_by_params()
-        for t in range(length):
-            logits = session.forward(step_input, 1, request.timer)[:, -1].to(device)  # [rows, V]
-            for params, same in rows_by_params:
-                law, row_finite = request.sampling_law(logits[same], params)  # [rows', V], [rows']
-                laws[same, t] = law
-                finite &= row_finite.all()
-            tokens[:, t] = sample_with(laws[:, t], request.uniforms[t])
-            step_input = tokens[:, t : t + 1].to(session.device)  # [rows, 1]
-        return Proposal(tokens, laws, finite, forwards=length)
-
     def add_sequences(self, prompts: list[list[int]], contexts: list[list[int]], timer=None) -> None:
-        if "batch_session" not in self.__dict__:
-            self.batch_session = BatchSession(self.draft_setup.model, self.draft_setup.vocab_size)
-        self.batch_session.add(prompts, contexts, timer)
+        self.session.add(prompts, contexts, timer)
 
     def remove_sequences(self, kept: list[int]) -> None:
-        if "batch_session" in self.__dict__:
-            self.batch_session.select(kept)
+        self.session.select(kept)
 
-    def keep_batch(self, rows: list[int], lengths: list[int]) -> None:
-        session, batch = self.batch_session, len(rows)
+    def keep(self, rows: list[int], lengths: list[int]) -> None:
+        session, batch = self.session, len(rows)
         fanned = session.rows == batch * self.rows  # a block drafted: sequence b's rows are b K .. b K + K - 1
         session.keep([b * self.rows + row if fanned else b for b, row in enumerate(rows)], lengths)
 
-    def propose_batch(self, request: BatchDraftRequest) -> BatchProposal:
+    def propose(self, request: DraftRequest) -> Proposal:
         """Every sequence's rows in one forward per position (``[B K, 1]`` after the first), each sequence's tokens
-        drawn with its own uniforms: sequence b's rows are what :meth:`propose` drafts for it alone."""
+        drawn with its own uniforms."""
         rows, batch, length = self.rows, len(request.contexts), max(request.max_lengths)
-        vocab, device, session = self.draft_setup.vocab_size, self.draft_setup.device, self.batch_session
+        vocab, device, session = self.draft_setup.vocab_size, self.draft_setup.device, self.session
         session.fan_out(rows)
         tokens = torch.empty(batch * rows, length, dtype=torch.long, device=device)  # [B K, n]
         laws = torch.empty(batch * rows, length, vocab, device=device)  # [B K, n, V]
@@ -108,15 +78,15 @@ class ModelDrafter(Drafter):
         by_params = [(params, [b * rows + row for b in range(batch) for row in same])
                      for params, same in self._rows_by_params()]  # fmt: skip
         for t in range(length):
-            logits = session.forward(contexts if t == 0 else None, tokens[:, t - 1 : t] if t else None, 1,
-                                     request.timer)[:, -1].to(device)  # fmt: skip  # [B K, V]
+            step = tokens[:, t - 1 : t] if t else None  # [B K, 1]: each row's last draft token
+            logits = session.forward(contexts if t == 0 else None, step, 1, request.timer)[:, -1].to(device)  # [B K, V]
             for params, same in by_params:
                 law, row_finite = request.sampling_law(logits[same], params)  # [rows', V], [rows']
                 laws[same, t] = law
                 finite &= row_finite.all()
             tokens[:, t] = sample_with(laws[:, t], request.uniforms[:, t].reshape(-1))
-        return BatchProposal(tokens.view(batch, rows, length), laws.view(batch, rows, length, vocab), finite,
-                             list(request.max_lengths), forwards=length)  # fmt: skip
+        return Proposal(tokens.view(batch, rows, length), laws.view(batch, rows, length, vocab), finite,
+                        list(request.max_lengths), forwards=length)  # fmt: skip
 
     def _rows_by_params(self) -> list[tuple[SamplingParams, list[int]]]:
         """Rows that share sampling settings, so each settings' law is computed in one call."""

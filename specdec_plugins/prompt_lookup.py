@@ -17,14 +17,14 @@ from typing import Annotated
 
 import torch
 
-from specdec_cli.drafting import DraftRequest, Drafter, Proposal, empty_proposal, one_hot_laws
+from specdec_cli.drafting import SequenceDrafter, SequenceProposal, SequenceRequest, one_hot_laws
 
 
 _JOIN = -1
 """Between an encoder-decoder's prompt and its decoder ids in the searched sequence: no token's id."""
 
 
-class PromptLookup(Drafter):
+class PromptLookup(SequenceDrafter):
     """Copies what followed the latest earlier occurrence of the last n-gram of prompt and output (no model)."""
 
     name = "prompt-lookup"
@@ -52,17 +52,15 @@ class PromptLookup(Drafter):
         self._prompt = [*prompt_ids, _JOIN] if self.draft_setup.target.is_encoder_decoder else []
         self._index, self._indexed = {}, 0
 
-    def propose(self, request: DraftRequest) -> Proposal:
+    def propose_sequence(self, request: SequenceRequest) -> SequenceProposal:
         haystack = self._prompt + request.context if self._prompt else request.context
         limit = min(request.max_length, self.num_tokens or request.max_length)
         end = self._latest_match(haystack)
         found = haystack[end + 1 : end + 1 + limit] if end is not None else []
         found = found[: found.index(_JOIN)] if _JOIN in found else found
-        if not found:
-            return empty_proposal(1, self.draft_setup.vocab_size, self.draft_setup.device)
-        tokens = torch.tensor([found], dtype=torch.long, device=self.draft_setup.device)  # [1, n]
-        return Proposal(tokens, one_hot_laws(tokens, self.draft_setup.vocab_size),
-                        torch.ones((), dtype=torch.bool, device=self.draft_setup.device))  # fmt: skip
+        tokens = torch.tensor([found], dtype=torch.long, device=self.draft_setup.device).view(1, -1)  # [1, n]
+        return SequenceProposal(tokens, one_hot_laws(tokens, self.draft_setup.vocab_size),
+                                torch.ones((), dtype=torch.bool, device=self.draft_setup.device))
 
     def _latest_match(self, haystack: list[int]) -> int | None:
         """The end position of the latest occurrence, before the last position, of the haystack's final n-gram

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from specdec_cli import SpeculativeDecoder
-from specdec_cli.batch_engine import BatchDecoding
-from specdec_cli.drafting import BatchProposal, Proposal
+from specdec_cli.drafting import Proposal, SequenceRequest
+from specdec_cli.engine import DecodingRun, SequenceJob
 from specdec_cli.errors import UsageError
 from specdec_cli.recipe import build_recipe
 from specdec_cli.sampling import SamplingParams
@@ -120,7 +120,7 @@ def test_prompt_lookup_and_a_model_draft_mix_in_a_batch(tiny_models):
 def test_a_batch_reads_the_device_once_per_step(tiny_models, conversions, monkeypatch):  # noqa: F811
     decoder = _decoder(tiny_models, "llama", max_new_tokens=16, temperature=1.0)
     steps = joins = 0
-    step, join = BatchDecoding._step, BatchDecoding._join
+    step, join = DecodingRun._step, DecodingRun._join
 
     def counted_step(self):
         nonlocal steps
@@ -132,19 +132,17 @@ def test_a_batch_reads_the_device_once_per_step(tiny_models, conversions, monkey
         joins += 1
         return join(self, jobs)
 
-    monkeypatch.setattr(BatchDecoding, "_step", counted_step)
-    monkeypatch.setattr(BatchDecoding, "_join", counted_join)
+    monkeypatch.setattr(DecodingRun, "_step", counted_step)
+    monkeypatch.setattr(DecodingRun, "_join", counted_join)
     prompt_ids = decoder.encode_prompt(PROMPTS[0])  # tokenizing reads nothing, but keep it out of the count
     conversions.clear()
     with device_path():
-        results = list(BatchDecoding(decoder, 8).run(_jobs(decoder, prompt_ids, 8)))
+        results = list(DecodingRun(decoder, 8).run(_jobs(decoder, prompt_ids, 8)))
     assert len(results) == 8 and steps >= 4 and joins == 1
     assert dict(conversions) == {"tolist": steps}  # the step's read; transformers' mask checks read nothing
 
 
 def _jobs(decoder, prompt_ids, count):
-    from specdec_cli.batch_engine import SequenceJob
-
     return [SequenceJob(PROMPTS[0], 0, sample, prompt_ids) for sample in range(count)]
 
 
@@ -165,15 +163,15 @@ def test_a_bart_target_is_refused_before_decoding(tiny_models):
 
 
 def test_running_out_of_memory_in_a_batch_is_one_line_naming_the_batch_size(tiny_models, monkeypatch):
-    from specdec_cli.batch_session import BatchSession
     from specdec_cli.errors import SpecdecError
+    from specdec_cli.model_session import ModelSession
 
     decoder = _decoder(tiny_models, "llama")
 
     def refuse(*_args, **_kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123456789 bytes")
 
-    monkeypatch.setattr(BatchSession, "_run", refuse)
+    monkeypatch.setattr(ModelSession, "_run", refuse)
     message = r"out of memory \(0.11 GiB requested\) decoding a batch of 4; lower --batch-size"
     with pytest.raises(SpecdecError, match=message):
         decoder.generate(PROMPTS, batch_size=4)
@@ -191,22 +189,21 @@ def test_a_run_after_an_interrupted_one_gives_the_same_samples(tiny_models):
 
 @pytest.mark.parametrize("bad", ["shape", "lengths", "raises"])
 def test_a_batched_drafters_bad_proposal_is_one_line_naming_it(tiny_models, monkeypatch, bad):
-    from specdec_cli.drafting import BatchProposal
     from specdec_cli.errors import SpecdecError
     from specdec_plugins.model_drafter import ModelDrafter
 
     decoder = _decoder(tiny_models, "llama")
-    original = ModelDrafter.propose_batch
+    original = ModelDrafter.propose
 
     def broken(self, request):
         if bad == "raises":
             raise KeyError("boom")
         proposal = original(self, request)
         if bad == "shape":
-            return BatchProposal(proposal.tokens[:, :, :1].float(), proposal.laws, proposal.finite, proposal.lengths)
-        return BatchProposal(proposal.tokens, proposal.laws, proposal.finite, [99] * len(proposal.lengths))
+            return Proposal(proposal.tokens[:, :, :1].float(), proposal.laws, proposal.finite, proposal.lengths)
+        return Proposal(proposal.tokens, proposal.laws, proposal.finite, [99] * len(proposal.lengths))
 
-    monkeypatch.setattr(ModelDrafter, "propose_batch", broken)
+    monkeypatch.setattr(ModelDrafter, "propose", broken)
     with pytest.raises(SpecdecError, match="drafter 'model'") as caught:
         decoder.generate(PROMPTS, batch_size=3)
     assert "\n" not in str(caught.value)
@@ -227,21 +224,16 @@ class ShortModel(ModelDrafter):
 
     def propose(self, request):
         proposal = super().propose(request)
-        n = _short(len(request.context), proposal.length)
-        return Proposal(proposal.tokens[:, :n], proposal.laws[:, :n], proposal.finite, proposal.forwards)
-
-    def propose_batch(self, request):
-        proposal = super().propose_batch(request)
         lengths = [_short(len(context), n) for context, n in zip(request.contexts, proposal.lengths)]
-        return BatchProposal(proposal.tokens, proposal.laws, proposal.finite, lengths, proposal.forwards)
+        return Proposal(proposal.tokens, proposal.laws, proposal.finite, lengths, proposal.forwards)
 
 
 class FailingLookup(PromptLookup):
-    """A drafter without batch methods that raises."""
+    """A drafter written per sequence that raises."""
 
     name = "failing-lookup"
 
-    def propose(self, request):
+    def propose_sequence(self, request: SequenceRequest):
         raise KeyError("no index")
 
 

@@ -14,7 +14,7 @@ import torch
 
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.drafter_registry import DrafterRegistry
-from specdec_cli.drafting import DraftRequest, DraftSetup, Proposal, block_length
+from specdec_cli.drafting import DraftSetup, SequenceProposal, SequenceRequest, block_length
 from specdec_cli.errors import SpecdecError, UsageError
 from specdec_cli.recipe import build_recipe
 from specdec_cli.registry import VerifierRegistry
@@ -55,8 +55,8 @@ def _lookup(encoder_prompt: list[int] | None = None, **params) -> PromptLookup:
 
 
 def _proposed(drafter: PromptLookup, context: list[int], max_length: int = 3) -> list[int]:
-    request = DraftRequest(context, max_length, torch.rand(max_length, 1, dtype=torch.float64), sampling_law)
-    proposal = drafter.propose(request)
+    request = SequenceRequest(context, max_length, torch.rand(max_length, 1, dtype=torch.float64), sampling_law)
+    proposal = drafter.propose_sequence(request)
     assert proposal.laws.shape == (1, proposal.length, 10)
     assert torch.equal(proposal.laws.argmax(-1), proposal.tokens) and torch.all(proposal.laws.sum(-1) == 1)
     return proposal.tokens[0].tolist()
@@ -135,9 +135,10 @@ class LyingLookup(PromptLookup):
     name = "lying-lookup"
     deterministic = False  # as a drafter whose laws are not one-hot must say
 
-    def propose(self, request):
-        proposal = super().propose(request)
-        return Proposal(proposal.tokens, torch.full_like(proposal.laws, 1 / self.draft_setup.vocab_size), proposal.finite)
+    def propose_sequence(self, request):
+        proposal = super().propose_sequence(request)
+        laws = torch.full_like(proposal.laws, 1 / self.draft_setup.vocab_size)
+        return SequenceProposal(proposal.tokens, laws, proposal.finite)
 
 
 def _first_tokens(decoder: SpeculativeDecoder, depth: int, samples: int) -> tuple[Counter, float, dict]:
@@ -192,9 +193,10 @@ class NotOneHot(PromptLookup):
 
     name = "not-one-hot"
 
-    def propose(self, request):
-        proposal = super().propose(request)
-        return Proposal(proposal.tokens, proposal.laws * 0.9 + 0.1 / self.draft_setup.vocab_size, proposal.finite)
+    def propose_sequence(self, request):
+        proposal = super().propose_sequence(request)
+        laws = proposal.laws * 0.9 + 0.1 / self.draft_setup.vocab_size
+        return SequenceProposal(proposal.tokens, laws, proposal.finite)
 
 
 def test_the_conformance_kit_catches_a_false_deterministic_flag():
@@ -242,22 +244,22 @@ class Broken(PromptLookup):
     name = "broken"
     returns: object = None
 
-    def propose(self, request):
+    def propose_sequence(self, request):
         if isinstance(self.returns, Exception):
             raise self.returns
-        return self.returns(super().propose(request)) if callable(self.returns) else self.returns
+        return self.returns(super().propose_sequence(request)) if callable(self.returns) else self.returns
 
 
 @pytest.mark.parametrize("returns, message", [
-    (None, "returned NoneType instead of a Proposal"),
-    (lambda p: Proposal(p.tokens.float(), p.laws, p.finite), "returned tokens of shape"),
-    (lambda p: Proposal(p.tokens, p.laws[..., :3], p.finite), "returned laws of shape"),
-    (lambda p: Proposal(torch.zeros(1, 9, dtype=torch.long), torch.zeros(1, 9, 8), p.finite), "with n <= 3"),
+    (None, "returned NoneType instead of a SequenceProposal"),
+    (lambda p: SequenceProposal(p.tokens.float(), p.laws, p.finite), "returned tokens of shape"),
+    (lambda p: SequenceProposal(p.tokens, p.laws[..., :3], p.finite), "returned laws of shape"),
+    (lambda p: SequenceProposal(torch.zeros(1, 9, dtype=torch.long), torch.zeros(1, 9, 8), p.finite), "with n <= 3"),
     (RuntimeError("index out of range\nmore"), "raised RuntimeError: index out of range in propose"),
     # Read with the block's decision, not before the target scores them (clamped meanwhile: on a GPU an id
     # outside the embedding is a device-side assert).
-    (lambda p: Proposal(torch.full((1, 2), 8), torch.zeros(1, 2, 8), p.finite), "outside the vocabulary [0, 8)"),
-    (lambda p: Proposal(torch.full((1, 2), -1), torch.zeros(1, 2, 8), p.finite), "outside the vocabulary [0, 8)"),
+    (lambda p: SequenceProposal(torch.full((1, 2), 8), torch.zeros(1, 2, 8), p.finite), "outside the vocabulary [0, 8)"),
+    (lambda p: SequenceProposal(torch.full((1, 2), -1), torch.zeros(1, 2, 8), p.finite), "outside the vocabulary [0, 8)"),
 ])  # fmt: skip
 def test_a_misbehaving_drafter_stops_with_one_line_naming_the_plugin(tiny_models, returns, message):
     broken = type("Broken", (Broken,), {"returns": staticmethod(returns) if callable(returns) else returns})

@@ -439,16 +439,18 @@ def test_a_prompt_too_large_to_encode_says_to_shorten_it(tiny_models):
 
 
 def test_running_out_of_memory_later_names_the_options_to_lower(tiny_models, monkeypatch):
+    from specdec_cli.engine import DecodingRun
+
     decoder = _decoder(tiny_models, VerifierRegistry(), "speculative", generation={"max_new_tokens": 20})
-    forward = decoder.target_session.forward
+    score = DecodingRun._score
     calls = iter(range(10**6))
 
     def fails_on_the_third(*args, **kwargs):
         if next(calls) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total ...")
-        return forward(*args, **kwargs)
+        return score(*args, **kwargs)
 
-    monkeypatch.setattr(decoder.target_session, "forward", fails_on_the_third)
+    monkeypatch.setattr(DecodingRun, "_score", fails_on_the_third)
     with pytest.raises(SpecdecError) as caught:
         decoder.generate("a b c")
     message = str(caught.value)

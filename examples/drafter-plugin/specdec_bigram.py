@@ -13,11 +13,11 @@ from typing import Annotated
 
 import torch
 
-from specdec_cli.drafting import DraftRequest, Drafter, Proposal
+from specdec_cli.drafting import SequenceDrafter, SequenceProposal, SequenceRequest
 from specdec_cli.sampling import sample_with
 
 
-class ContextBigram(Drafter):
+class ContextBigram(SequenceDrafter):
     """Samples each row's tokens from the context's own bigram counts (no model)."""
 
     name = "bigram"
@@ -27,7 +27,7 @@ class ContextBigram(Drafter):
             raise ValueError(f"bigram: smoothing must be a finite number > 0, got {smoothing!r}")
         self.smoothing = float(smoothing)
 
-    def propose(self, request: DraftRequest) -> Proposal:
+    def propose_sequence(self, request: SequenceRequest) -> SequenceProposal:
         setup = self.draft_setup
         context = torch.tensor(request.context, dtype=torch.long)  # [n]
         counts = torch.full((setup.vocab_size, setup.vocab_size), self.smoothing, dtype=torch.float64)  # [V, V]
@@ -41,4 +41,4 @@ class ContextBigram(Drafter):
             tokens[:, t] = sample_with(laws[:, t], request.uniforms[t].cpu())
             last = tokens[:, t]
         finite = torch.ones((), dtype=torch.bool, device=setup.device)  # []
-        return Proposal(tokens.to(setup.device), laws.to(setup.device), finite)
+        return SequenceProposal(tokens.to(setup.device), laws.to(setup.device), finite)

@@ -320,20 +320,21 @@ def _proposed_laws(decoder: SpeculativeDecoder, prompt_ids: list[int], tokens: l
     where it proposed nothing) and where it proposed ``[T]``."""
     (drafter,) = decoder.drafters
     registry, device = decoder.drafter_registry, decoder.device
-    registry.guarded(drafter.name, "start", drafter.start, prompt_ids)
     context = decoder.target.decoder_start_ids if decoder.target.is_encoder_decoder else list(prompt_ids)
-    draws = Draws.create(key, 0, device)
+    registry.guarded(drafter.name, "remove_sequences", drafter.remove_sequences, [])
+    registry.guarded(drafter.name, "start", drafter.add_sequences, [prompt_ids], [context], None)
+    draws = Draws.batch([key], device)
     laws = torch.zeros(len(tokens), decoder.vocab_size, dtype=torch.float64, device=device)  # [T, V]
     proposed = torch.zeros(len(tokens), dtype=torch.bool, device=device)  # [T]
     for position, token in enumerate(tokens):
         draws.block_start.fill_(position)
-        request = DraftRequest(context, 1, draws.uniforms(Stream.DRAFT, 1, drafter.rows), sampling_law)  # [1, rows]
-        proposal = decoder.checked_proposal(drafter, request)
+        uniforms = draws.batch_uniforms(Stream.DRAFT, 1, drafter.rows)  # [1, 1, rows]
+        proposal = decoder.checked_proposal(drafter, DraftRequest([context], [1], uniforms, sampling_law))
         if not bool(proposal.finite):
             raise NonFiniteLogitsError(non_finite_message(f"draft {drafter.label}"))
-        if proposal.length:
-            laws[position], proposed[position] = proposal.laws[0, 0], True
-        registry.guarded(drafter.name, "keep", drafter.keep, 0, len(context))
+        if proposal.lengths[0]:
+            laws[position], proposed[position] = proposal.laws[0, 0, 0], True
+        registry.guarded(drafter.name, "keep", drafter.keep, [0], [len(context)])
         context.append(token)  # committed in place, as the engine commits a block
     return laws, proposed
 

@@ -7,8 +7,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..batch_engine import BatchDecoding, SequenceJob
-from ..engine import SpeculativeDecoder
+from ..engine import DecodingRun, SequenceJob, SpeculativeDecoder
 from ..randomness import sample_key
 from ..errors import SpecdecError, UsageError
 from ..model_pool import ModelPool
@@ -97,7 +96,7 @@ class BenchRunner:
                     if cell.batch_size > 1 or self.store.done((cell.key, seed, example.id)):
                         continue
                     if cell.key not in self.failures:
-                        self._sample(cell, run, seed, index, example, on_tokens)
+                        self._decode(cell, run, seed, [(index, example)], on_tokens)
                     elif on_tokens is not None:
                         on_tokens(cell.key, budget)  # a skipped sample's share of the progress
             for cell, run in prepared.items():  # a batch holds several examples: each batched cell runs them together
@@ -124,40 +123,38 @@ class BenchRunner:
                 prepared[cell] = _CellRun(decoder, prompt_ids)
         return prepared
 
-    def _sample(self, cell: GridCell, run: _CellRun, seed: int, index: int, example: Example,
-                on_tokens: Callable[[str, int], None] | None) -> None:  # fmt: skip
-        decoder = run.decoder
-        progress = None if on_tokens is None else (lambda new, _mask: on_tokens(cell.key, len(new)))
-        key_of_sample = sample_key(seed, index, 0)
-        try:
-            tokens, mask, stats = decoder.generate_ids(run.prompt_ids[example.id], key_of_sample, progress)
-        except SpecdecError as error:  # only the generation: a failing write (a full disk) stops the run
-            self._fail(CellFailure(cell=cell.key, example_id=example.id, seed=seed, reason=str(error)))
-            return
-        self._keep(cell, decoder, seed, index, example, tokens, mask, stats.to_dict(), on_tokens)
-
     def _batch(self, cell: GridCell, run: _CellRun, seed: int, mine: list[tuple[int, Example]],
                on_tokens: Callable[[str, int], None] | None) -> None:  # fmt: skip
-        """The cell's pending examples of ``seed``, decoded ``cell.batch_size`` at a time; each sample is kept as it
-        finishes, with the key it has alone (a resumed run's batches differ, its samples do not)."""
+        """The batched cell's pending examples of ``seed``, decoded ``cell.batch_size`` at a time."""
         pending = [(index, example) for index, example in mine if not self.store.done((cell.key, seed, example.id))]
         if cell.key in self.failures:
             if on_tokens is not None:
                 on_tokens(cell.key, len(pending) * self.recipe.generation.max_new_tokens)
             return
+        self._decode(cell, run, seed, pending, on_tokens)
+
+    def _decode(self, cell: GridCell, run: _CellRun, seed: int, pending: list[tuple[int, Example]],
+                on_tokens: Callable[[str, int], None] | None) -> None:  # fmt: skip
+        """The (index, example) pairs ``pending`` of ``seed``, decoded ``cell.batch_size`` at a time; each sample is
+        kept as it finishes, with the key it has alone (a resumed run's batches differ, its samples do not)."""
         by_index = dict(pending)
         decoder = run.decoder
         progress = None if on_tokens is None else (lambda _p, _s, new, _mask: on_tokens(cell.key, len(new)))
         jobs = [SequenceJob(self.prompt(example), index, 0, run.prompt_ids[example.id],
                             None if progress is None else functools.partial(progress, index, 0),
                             sample_key(seed, index, 0)) for index, example in pending]  # fmt: skip
-        try:
-            for result in BatchDecoding(decoder, cell.batch_size).run(jobs):
-                example = by_index[result.prompt_index]
-                self._keep(cell, decoder, seed, result.prompt_index, example, result.token_ids, result.accepted_mask,
-                           result.stats.to_dict(), on_tokens)  # fmt: skip
-        except SpecdecError as error:
-            self._fail(CellFailure(cell=cell.key, example_id=None, seed=seed, reason=str(error)))
+        results = DecodingRun(decoder, cell.batch_size).run(jobs)
+        while True:
+            try:  # only the generation: a failing write (a full disk) in _keep stops the run
+                result = next(results, None)
+            except SpecdecError as error:
+                failed = pending[0][1].id if len(pending) == 1 else None  # decoded alone: the failure is its example's
+                self._fail(CellFailure(cell=cell.key, example_id=failed, seed=seed, reason=str(error)))
+                return
+            if result is None:
+                return
+            self._keep(cell, decoder, seed, result.prompt_index, by_index[result.prompt_index], result.token_ids,
+                       result.accepted_mask, result.stats.to_dict(), on_tokens)
 
     def _keep(
         self, cell: GridCell, decoder: SpeculativeDecoder, seed: int, index: int, example: Example, tokens: list[int],

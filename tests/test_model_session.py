@@ -1,9 +1,10 @@
-"""BatchSession: rows of different lengths in one right-aligned cache give each row the logits it gets alone.
+"""ModelSession: rows of different lengths in one right-aligned cache give each row the logits it gets alone.
 
 Through sequences joining (prompts of different lengths), fanning out, rows keeping different lengths,
 a sequence leaving and another joining mid-way, every row's logits equal those of its sequence scored
 alone without a cache (to float rounding), for a decoder-only model with positions (llama, gpt2) and an
-encoder-decoder with relative attention (t5). BART numbers its decoder positions from the cache: refused.
+encoder-decoder with relative attention (t5), with the KV cache and without it (the ids held and recomputed).
+BART numbers its decoder positions from the cache: it decodes one sequence at a time, without padding.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec_cli.batch_session import BatchSession, batch_problem
-from specdec_cli.errors import UsageError
-from specdec_cli.model_session import next_token_logits
+from specdec_cli.model_session import ModelSession, batch_problem, next_token_logits
 from specdec_cli.models import LoadedModel
 from specdec_cli.testing import tiny_model, tiny_tokenizer
 
@@ -35,13 +34,14 @@ def alone(model: LoadedModel, prompt: list[int], context: list[int], new: list[i
     return logits[-(len(new) + 1) :]
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
 @torch.inference_mode()
-def test_each_row_sees_what_its_sequence_sees_alone(kind):
+def test_each_row_sees_what_its_sequence_sees_alone(kind, use_cache):
     model = loaded(kind)
     prompts = [[3, 4, 5, 6, 7], [6, 3], [5, 6, 7, 3, 4, 5, 6]]
     contexts = [start_ids(model, p) for p in prompts]
-    session = BatchSession(model, VOCAB)
+    session = ModelSession(model, VOCAB, use_cache)
     session.add(prompts[:2], contexts[:2])
     # Block 1: two rows per sequence, three draft tokens each.
     drafts = torch.tensor([[5, 6, 7], [5, 4, 4], [6, 5, 3], [3, 3, 3]])  # [B K, 3]
@@ -70,11 +70,24 @@ def test_each_row_sees_what_its_sequence_sees_alone(kind):
     for row, sequence in enumerate((0, 2)):
         expected = alone(model, kept[row], contexts[sequence], [4])
         torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
-    assert session.width == max(session.lengths)  # padding no wider than the longest row needs
+    assert session.columns == max(session.lengths)  # padding no wider than the longest row needs
 
 
-def test_a_decoder_that_numbers_positions_from_the_cache_is_refused():
+@pytest.mark.parametrize("use_cache", [True, False])
+@torch.inference_mode()
+def test_a_decoder_that_numbers_positions_from_the_cache_decodes_one_sequence_unpadded(use_cache):
     model = loaded("bart")
-    assert "--batch-size 1" in batch_problem(model)
-    with pytest.raises(UsageError, match="numbers its decoder's positions"):
-        BatchSession(model, VOCAB)
+    assert "numbers its decoder's positions" in batch_problem(model) and "--batch-size 1" in batch_problem(model)
+    prompt, context = [3, 4, 5], start_ids(model, [3, 4, 5])
+    session = ModelSession(model, VOCAB, use_cache)
+    assert not session.padded
+    session.add([prompt], [context])
+    session.fan_out(2)
+    drafts = torch.tensor([[5, 6, 7], [4, 4, 3]])  # [K, 3]
+    logits = session.forward([context] * 2, drafts, 4)
+    for row in range(2):
+        torch.testing.assert_close(logits[row], alone(model, prompt, context, drafts[row].tolist()), atol=1e-4, rtol=1e-4)
+    context = context + [4, 4]  # row 1's first token and a correction
+    session.keep([1], [len(context) - 1])
+    logits = session.forward([context], torch.tensor([[6]]), 2)
+    torch.testing.assert_close(logits[0], alone(model, prompt, context, [6]), atol=1e-4, rtol=1e-4)
