@@ -10,7 +10,8 @@ verifiers, and :class:`~specdec_cli.drafter_registry.DrafterRegistry` of drafter
 Plugins are third-party code, and a broken one must not take the command down with it: whatever a
 module raises on import (``sys.exit`` included), a class that breaks the contract, or two packages
 claiming one name becomes a load failure that ``specdec verifiers`` lists and that using the name
-reports in one line. The classes stay loadable by stevedore (``stevedore.driver.DriverManager``).
+reports in one line. stevedore imports each class (an ``ExtensionManager`` over the one entry point that holds
+the name) and hands what the import raised to :meth:`PluginRegistry.load_failed`, its ``on_load_failure_callback``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from stevedore.extension import ExtensionManager, OnLoadFailureCallbackT
 
 from .errors import SpecdecError, UsageError
 from .inputs import cache_dir, write_cache_file
@@ -130,13 +134,15 @@ class PluginRegistry:
         self._descriptions: dict[str, dict[str, Any]] | None = None
 
     def entry_points(self) -> list[PluginEntry]:
-        """Every installed entry point of the group, with the distribution that declares it."""
+        """Every installed entry point of the group, with the distribution that declares it (read here, not from
+        stevedore's listing of the group, which keeps no distribution: the package names and the built-in's claim)."""
         packages: dict[int, tuple[str, str]] = {}  # a distribution's metadata is parsed once: it is slow
         entries = []
         for entry_point in importlib.metadata.entry_points(group=self.group):
             dist = entry_point.dist
             if id(dist) not in packages:
-                packages[id(dist)] = _distribution(dist)
+                metadata = {"Name": "unknown", "Version": "?"} if dist is None else dist.metadata
+                packages[id(dist)] = (metadata["Name"], metadata["Version"])
             entries.append(PluginEntry(entry_point.name, entry_point.value, *packages[id(dist)]))
         return entries
 
@@ -178,9 +184,13 @@ class PluginRegistry:
         return self._classes[name]
 
     def _load(self, name: str, entry: PluginEntry) -> None:
-        """Import ``entry`` and check its class against the contract, recording a failure instead of raising."""
-        loaded, problem = _import(entry, self.group)
-        problem = problem or self.contract_problem(loaded)
+        """Import ``entry`` with stevedore and check its class against the contract, recording a failure instead of
+        raising: whatever a plugin's module raises on import, even ``sys.exit``, must not end the command."""
+        extensions = _ChosenEntryPoint(EntryPoint(entry.name, entry.value, self.group), self.load_failed).extensions
+        if not extensions:
+            return  # load_failed has recorded why
+        loaded = extensions[0].plugin
+        problem = self.contract_problem(loaded)
         if problem is not None:
             self._failures[name] = problem
             return
@@ -191,6 +201,15 @@ class PluginRegistry:
             loaded = type(loaded.__name__, (loaded,), {"name": name, "__module__": loaded.__module__,
                                                        "__qualname__": loaded.__qualname__})  # fmt: skip
         self._classes[name] = loaded
+
+    def load_failed(self, manager: ExtensionManager, entry_point: EntryPoint, error: BaseException) -> None:
+        """stevedore's ``on_load_failure_callback``: importing ``entry_point`` raised ``error``, kept as one line for
+        the listing and for whoever asks for the plugin."""
+        if isinstance(error, SystemExit):
+            reason = f"it called sys.exit({'' if error.code is None else repr(error.code)}) on import"
+        else:
+            reason = error_line(error)
+        self._failures[entry_point.name.lower()] = reason
 
     def contract_problem(self, loaded: Any) -> str | None:
         """What makes ``loaded`` unusable as a plugin of this kind, in the words of its author's fix, or None."""
@@ -381,25 +400,22 @@ def _resolve(entries: list[PluginEntry], kind: str) -> _Claims:
     return _Claims(winners, failures)
 
 
-def _distribution(dist: importlib.metadata.Distribution | None) -> tuple[str, str]:
-    """(name, version) of the distribution that declares an entry point."""
-    if dist is None:
-        return "unknown", "?"
-    metadata = dist.metadata
-    return metadata["Name"], metadata["Version"]
+class _ChosenEntryPoint(ExtensionManager):
+    """stevedore's manager of the one entry point that holds a name: stevedore's own listing of the group would
+    import every entry point of that name (a shadowed plugin's too) and misses those a test or an embedder lists."""
 
+    def __init__(self, entry_point: EntryPoint, on_load_failure: OnLoadFailureCallbackT) -> None:
+        self.entry_point = entry_point
+        try:
+            super().__init__(entry_point.group, invoke_on_load=False, on_load_failure_callback=on_load_failure)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # noqa: B036, BLE001 (stevedore lets sys.exit and an AssertionError through)
+            on_load_failure(self, entry_point, error)
+            self.extensions = []
 
-def _import(entry: PluginEntry, group: str) -> tuple[Any, str | None]:
-    """(what ``entry`` names, None), or (None, why it cannot be had): whatever a plugin's module raises on
-    import, even ``sys.exit`` (a BaseException, which stevedore lets through), must not end the command."""
-    try:
-        return importlib.metadata.EntryPoint(entry.name, entry.value, group).load(), None
-    except KeyboardInterrupt:
-        raise
-    except SystemExit as error:
-        return None, f"it called sys.exit({'' if error.code is None else repr(error.code)}) on import"
-    except BaseException as error:  # noqa: B036 (see the docstring)
-        return None, error_line(error)
+    def list_entry_points(self) -> list[EntryPoint]:
+        return [self.entry_point]
 
 
 def class_problem(loaded: Any, base: type, flags: tuple[str, ...]) -> str | None:
