@@ -7,14 +7,15 @@ cache, keyed by the installed entry points and the files of their modules. :clas
 finds, loads and describes plugins of one group; :class:`VerifierRegistry` adds what core asks of
 verifiers, and :class:`~specdec_cli.drafter_registry.DrafterRegistry` of drafters.
 
-Plugins are third-party code, and a broken one must not take the command down with it: whatever a
-module raises on import (``sys.exit`` included), a class that breaks the contract, or two packages
-claiming one name becomes a load failure that ``specdec verifiers`` lists and that using the name
-reports in one line. The classes stay loadable by stevedore (``stevedore.driver.DriverManager``).
+Plugins are third-party code, and a broken one must not take the command down with it: whatever a module raises on
+import (``sys.exit`` included), a class that breaks the contract, or two packages claiming one name becomes a load
+failure that ``specdec verifiers`` lists and that using the name reports in one line. stevedore imports each class and
+hands what its import raised to :meth:`PluginRegistry.load_failed`, its ``on_load_failure_callback``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -25,8 +26,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from stevedore.extension import ExtensionManager, OnLoadFailureCallbackT
 
 from .errors import SpecdecError, UsageError
 from .inputs import cache_dir, write_cache_file
@@ -107,12 +111,12 @@ class PluginEntry:
 class PluginRegistry:
     """The one way plugins of one kind are found: entry points of the group ``group``.
 
-    Names are case-insensitive. :meth:`entry_points` lists what is installed and :meth:`load_class` is
-    the one place a plugin class is loaded; tests and embedders override them. A name declared by the
-    built-in distribution is always the built-in; a plugin that fails to load (or whose name is taken)
-    is kept with its error, so the listing command can show it and using it names the failure.
-    A subclass names its ``kind`` ("verifier"), ``group``, ``contract_module`` (the file of its base
-    class, which decides what a description holds), and says what it checks and describes of a class.
+    Names are case-insensitive. :meth:`entry_points` lists what is installed and :meth:`load_class` is the one place a
+    plugin class is loaded (by stevedore); tests and embedders override them. A name declared by the built-in
+    distribution is always the built-in; a plugin that fails to load (or whose name is taken) is kept with its error,
+    so the listing command can show it and using it names the failure. A subclass names its ``kind`` ("verifier"),
+    ``group``, ``contract_module`` (the file of its base class, which decides what a description holds), and says
+    what it checks and describes of a class.
     """
 
     group: str
@@ -123,31 +127,31 @@ class PluginRegistry:
     description_types: dict[str, tuple[type, ...]]
 
     def __init__(self) -> None:
-        self._claims: _Claims | None = None
         self._classes: dict[str, type] = {}
         self._failures: dict[str, str] = {}
         self._notes: dict[str, str] = {}
         self._descriptions: dict[str, dict[str, Any]] | None = None
 
     def entry_points(self) -> list[PluginEntry]:
-        """Every installed entry point of the group, with the distribution that declares it."""
+        """Every installed entry point of the group, with the distribution that declares it (read here, not from
+        stevedore's listing of the group, which keeps no distribution: the package names and the built-in's claim)."""
         packages: dict[int, tuple[str, str]] = {}  # a distribution's metadata is parsed once: it is slow
         entries = []
         for entry_point in importlib.metadata.entry_points(group=self.group):
             dist = entry_point.dist
             if id(dist) not in packages:
-                packages[id(dist)] = _distribution(dist)
+                metadata = {"Name": "unknown", "Version": "?"} if dist is None else dist.metadata
+                packages[id(dist)] = (metadata["Name"], metadata["Version"])
             entries.append(PluginEntry(entry_point.name, entry_point.value, *packages[id(dist)]))
         return entries
 
-    def _resolved(self) -> _Claims:
-        if self._claims is None:
-            self._claims = _resolve(self.entry_points(), self.kind)
-        return self._claims
+    @functools.cached_property
+    def _claims(self) -> _Claims:
+        return _resolve(self.entry_points(), self.kind)
 
     def names(self) -> list[str]:
         """The installed plugins that load (loading each once)."""
-        return sorted(name for name in self._resolved().winners if self._loads(name))
+        return sorted(name for name in self._claims.winners if self._loads(name))
 
     def _loads(self, name: str) -> bool:
         try:
@@ -160,27 +164,28 @@ class PluginRegistry:
         """name → why it cannot be used, for installed plugins that failed to load or lost their name;
         a plugin shadowed by a built-in is listed as ``name (package version)``."""
         self.names()
-        return {**self._resolved().failures, **self._failures}
+        return {**self._claims.failures, **self._failures}
 
     def load_class(self, name: str) -> type:
         """The class of installed plugin ``name`` (its entry-point name, lower case), loaded once."""
         if name not in self._classes:
-            claims = self._resolved()
-            if name not in claims.winners:
-                reason = claims.failures.get(name)
-                if reason is None:
-                    raise UsageError(self._unknown(name))
-                raise UsageError(f"{self.kind} '{name}' cannot be used: {reason}")
+            if name in self._claims.failures:
+                raise UsageError(f"{self.kind} '{name}' cannot be used: {self._claims.failures[name]}")
+            if name not in self._claims.winners:
+                raise UsageError(self._unknown(name))
             if name not in self._failures:
-                self._load(name, claims.winners[name])
+                self._load(name, self._claims.winners[name])
             if name in self._failures:
                 raise UsageError(f"{self.kind} '{name}' is installed but failed to load: {self._failures[name]}")
         return self._classes[name]
 
     def _load(self, name: str, entry: PluginEntry) -> None:
-        """Import ``entry`` and check its class against the contract, recording a failure instead of raising."""
-        loaded, problem = _import(entry, self.group)
-        problem = problem or self.contract_problem(loaded)
+        """Import ``entry`` with stevedore and check its class against the contract, keeping a failure, not raising."""
+        extensions = _ChosenEntryPoint(EntryPoint(entry.name, entry.value, self.group), self.load_failed).extensions
+        if not extensions:
+            return  # load_failed has recorded why
+        loaded = extensions[0].plugin
+        problem = self.contract_problem(loaded)
         if problem is not None:
             self._failures[name] = problem
             return
@@ -192,13 +197,21 @@ class PluginRegistry:
                                                        "__qualname__": loaded.__qualname__})  # fmt: skip
         self._classes[name] = loaded
 
+    def load_failed(self, manager: ExtensionManager, entry_point: EntryPoint, error: BaseException) -> None:
+        """stevedore's ``on_load_failure_callback``: importing ``entry_point`` raised ``error``, kept as one line."""
+        if isinstance(error, SystemExit):
+            reason = f"it called sys.exit({'' if error.code is None else repr(error.code)}) on import"
+        else:
+            reason = error_line(error)
+        self._failures[entry_point.name.lower()] = reason
+
     def contract_problem(self, loaded: Any) -> str | None:
         """What makes ``loaded`` unusable as a plugin of this kind, in the words of its author's fix, or None."""
         raise NotImplementedError
 
     def package(self, name: str) -> str:
         """'distribution version' that provides plugin ``name`` (or the module of a class registered otherwise)."""
-        entry = self._resolved().winners.get(name)
+        entry = self._claims.winners.get(name)
         return entry.package if entry is not None else f"module {self.load_class(name).__module__}"
 
     def fault(self, name: str, what: str) -> PluginFault:
@@ -212,14 +225,14 @@ class PluginRegistry:
         that fails to load has only its ``error``."""
         if self._descriptions is None:
             # A registry whose loading a test or an embedder overrides describes other classes: its own key.
-            stamp = _files_stamp(self.entry_points(), f"{type(self).__module__}.{type(self).__qualname__}",
-                                 self.contract_module)  # fmt: skip
-            path = cache_dir() / f"{self.kind}s-{stamp.key}.json"
+            registry = f"{type(self).__module__}.{type(self).__qualname__}"
+            key, settled = _files_stamp(self.entry_points(), registry, self.contract_module)
+            path = cache_dir() / f"{self.kind}s-{key}.json"
             self._descriptions = _read_descriptions(path, self.description_types)
             if self._descriptions is None:
                 self._descriptions = {name: self._description(name) for name in self.names()}
                 self._descriptions |= {name: {"error": error} for name, error in self.failures().items()}
-                if stamp.settled:
+                if settled:
                     write_cache_file(path, json.dumps(self._descriptions))
         return self._descriptions
 
@@ -281,7 +294,21 @@ class VerifierRegistry(PluginRegistry):
     description_types = DESCRIPTION_TYPES
 
     def contract_problem(self, loaded: Any) -> str | None:
-        return _verifier_contract_problem(loaded)
+        from .verifiers import BlockVerifier  # imports torch, which loading any plugin did already
+
+        problem = class_problem(loaded, BlockVerifier, ("lossless", "identical_drafts", "token_level"))
+        if problem is not None:
+            return problem
+        if not hasattr(loaded, "max_drafts"):
+            return "its class does not set max_drafts (drafts per position it takes: an int >= 1, or None for any)"
+        drafts = loaded.max_drafts
+        if drafts is not None and (isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1):
+            return f"its class sets max_drafts = {drafts!r}; set an int >= 1, or None for any number of drafts"
+        bound = loaded.kl_bound_parameter
+        if bound is not None and bound not in parameter_defaults(loaded):
+            parameters = ", ".join(parameter_defaults(loaded))
+            return f"its kl_bound_parameter {bound!r} is not one of its parameters ({parameters})"
+        return None
 
     def class_description(self, cls: type) -> dict[str, Any]:
         return {"lossless": cls.lossless, "max_drafts": cls.max_drafts, "identical_drafts": cls.identical_drafts,
@@ -381,25 +408,22 @@ def _resolve(entries: list[PluginEntry], kind: str) -> _Claims:
     return _Claims(winners, failures)
 
 
-def _distribution(dist: importlib.metadata.Distribution | None) -> tuple[str, str]:
-    """(name, version) of the distribution that declares an entry point."""
-    if dist is None:
-        return "unknown", "?"
-    metadata = dist.metadata
-    return metadata["Name"], metadata["Version"]
+class _ChosenEntryPoint(ExtensionManager):
+    """stevedore's manager of the one entry point that holds a name: stevedore's own listing of the group would
+    import every entry point of that name (a shadowed plugin's too) and misses those a test or an embedder lists."""
 
+    def __init__(self, entry_point: EntryPoint, on_load_failure: OnLoadFailureCallbackT) -> None:
+        self.entry_point = entry_point
+        try:
+            super().__init__(entry_point.group, invoke_on_load=False, on_load_failure_callback=on_load_failure)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # noqa: B036, BLE001 (stevedore lets sys.exit and an AssertionError through)
+            on_load_failure(self, entry_point, error)
+            self.extensions = []
 
-def _import(entry: PluginEntry, group: str) -> tuple[Any, str | None]:
-    """(what ``entry`` names, None), or (None, why it cannot be had): whatever a plugin's module raises on
-    import, even ``sys.exit`` (a BaseException, which stevedore lets through), must not end the command."""
-    try:
-        return importlib.metadata.EntryPoint(entry.name, entry.value, group).load(), None
-    except KeyboardInterrupt:
-        raise
-    except SystemExit as error:
-        return None, f"it called sys.exit({'' if error.code is None else repr(error.code)}) on import"
-    except BaseException as error:  # noqa: B036 (see the docstring)
-        return None, error_line(error)
+    def list_entry_points(self) -> list[EntryPoint]:
+        return [self.entry_point]
 
 
 def class_problem(loaded: Any, base: type, flags: tuple[str, ...]) -> str | None:
@@ -415,36 +439,11 @@ def class_problem(loaded: Any, base: type, flags: tuple[str, ...]) -> str | None
     return None
 
 
-def _verifier_contract_problem(loaded: Any) -> str | None:
-    """What makes ``loaded`` unusable as a verifier class, in the words of its author's fix, or None."""
-    from .verifiers import BlockVerifier  # imports torch, which loading any plugin did already
-
-    problem = class_problem(loaded, BlockVerifier, ("lossless", "identical_drafts", "token_level"))
-    if problem is not None:
-        return problem
-    if not hasattr(loaded, "max_drafts"):
-        return "its class does not set max_drafts (drafts per position it takes: an int >= 1, or None for any)"
-    drafts = loaded.max_drafts
-    if drafts is not None and (isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1):
-        return f"its class sets max_drafts = {drafts!r}; set an int >= 1, or None for any number of drafts"
-    bound = loaded.kl_bound_parameter
-    if bound is not None and bound not in parameter_defaults(loaded):
-        return f"its kl_bound_parameter {bound!r} is not one of its parameters ({', '.join(parameter_defaults(loaded))})"
-    return None
-
-
-@dataclass(frozen=True)
-class _Stamp:
-    key: str
-    """A hash of the entry points and of every file their classes can come from."""
-    settled: bool
-    """No file was modified within :data:`SETTLE_NS`: a later edit will change its modification time."""
-
-
-def _files_stamp(entries: list[PluginEntry], registry: str, contract_module: str) -> _Stamp:
-    """The cache key of the descriptions: a plugin installed, removed, upgraded or edited (any file of
-    its top-level package, where its class may live in a submodule) gives another key. This module and
-    the plugins' contract (``contract_module``) count too, since they decide what a description holds."""
+def _files_stamp(entries: list[PluginEntry], registry: str, contract_module: str) -> tuple[str, bool]:
+    """(The cache key of the descriptions, whether no file was modified within :data:`SETTLE_NS`: a later edit then
+    changes the key). A plugin installed, removed, upgraded or edited (any file of its top-level package, where its
+    class may live in a submodule) gives another key. This module and the plugins' contract (``contract_module``)
+    count too, since they decide what a description holds."""
     tops = sorted({entry.value.split(":")[0].split(".")[0] for entry in entries})
     files = [Path(__file__), Path(__file__).with_name("parameters.py"), Path(__file__).with_name(contract_module),
              *(f for top in tops for f in _module_files(top))]  # fmt: skip
@@ -458,7 +457,7 @@ def _files_stamp(entries: list[PluginEntry], registry: str, contract_module: str
     described = [sys.version, registry, sorted((e.name, e.value, e.package) for e in entries), stats]
     key = hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
     newest = max((mtime for *_, mtime in stats), default=0)
-    return _Stamp(key, newest < time.time_ns() - SETTLE_NS)
+    return key, newest < time.time_ns() - SETTLE_NS
 
 
 def _module_files(top: str) -> list[Path]:
@@ -467,11 +466,9 @@ def _module_files(top: str) -> list[Path]:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return []
-    if spec is None:
-        return []
-    if spec.submodule_search_locations:
+    if spec is not None and spec.submodule_search_locations:
         return sorted(file for folder in spec.submodule_search_locations for file in Path(folder).rglob("*.py"))
-    return [Path(spec.origin)] if spec.has_location and spec.origin else []
+    return [Path(spec.origin)] if spec is not None and spec.has_location and spec.origin else []
 
 
 def _read_descriptions(path: Path, types: dict[str, tuple[type, ...]]) -> dict[str, dict[str, Any]] | None:

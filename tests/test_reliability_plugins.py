@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stevedore.extension import ExtensionManager
 
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.errors import SpecdecError, UsageError
@@ -271,6 +272,26 @@ def test_a_plugin_that_cannot_be_used_is_a_load_failure_not_the_end(plugin_modul
     assert failure in registry.failures()["broken"], registry.failures()
     with pytest.raises(UsageError, match=f"verifier 'broken' is installed but failed to load: .*{failure[:12]}"):
         registry.create("broken")
+
+
+IMPORT_FAILURES = [("raise ImportError('needs cupy')\n", ImportError), ("import sys\nsys.exit(3)\n", SystemExit)]
+
+
+@pytest.mark.parametrize(("source", "error_type"), IMPORT_FAILURES)
+def test_plugins_are_imported_by_stevedore_which_reports_a_failure_to_the_registry(plugin_modules, source, error_type):
+    """An ImportError stevedore catches itself; sys.exit it lets through, and the registry's manager hands it over."""
+    plugin_modules("broken_plugin", source)
+    reported = []
+
+    class Recording(RegistryWithEntries):
+        def load_failed(self, manager, entry_point, error):
+            reported.append((manager, entry_point.value, error))
+            super().load_failed(manager, entry_point, error)
+
+    registry = Recording([PluginEntry("broken", "broken_plugin:Plugin", "broken-plugin", "0.1")])
+    assert "broken" in registry.failures() and "speculative" in registry.names()
+    [(manager, value, error)] = reported
+    assert isinstance(manager, ExtensionManager) and value == "broken_plugin:Plugin" and type(error) is error_type
 
 
 def test_a_plugin_exiting_on_import_is_listed_and_other_commands_work(run, plugin_modules, tiny_models, write_recipe,
