@@ -231,10 +231,8 @@ class SpeculativeDecoder:
         yield from DecodingRun(self, batch_size).run(jobs)
 
     def check_batching(self) -> None:
-        """Refuse, in one line, what cannot decode in batches: no KV cache, or a model whose rows cannot keep
-        their own positions (:func:`~specdec_cli.model_session.batch_problem`)."""
-        if not self.config.speculation.kv_cache:
-            raise UsageError("batched decoding needs the KV cache; drop kv_cache: false or use --batch-size 1")
+        """Refuse, in one line, a model whose rows cannot keep their own positions, so cannot decode in batches
+        (:func:`~specdec_cli.model_session.batch_problem`): the one place that asks whether this decoder batches."""
         for model in [self.target, *(draft.model for draft in self.drafts if draft.model is not None)]:
             problem = batch_problem(model)
             if problem is not None:

@@ -146,11 +146,15 @@ def _jobs(decoder, prompt_ids, count):
     return [SequenceJob(PROMPTS[0], 0, sample, prompt_ids) for sample in range(count)]
 
 
-def test_batching_without_a_kv_cache_is_refused(tiny_models):
-    recipe = tiny_recipe(tiny_models, "llama", speculation={"kv_cache": False})
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_a_batch_without_the_kv_cache_recomputes_what_the_cache_holds(tiny_models, family):
+    """The reference path batches too: every forward recomputes the held ids, and gives the cached batch's samples."""
+    generation = {"max_new_tokens": 12, "temperature": 1.0}
+    cached = _decoder(tiny_models, family, **generation).generate(PROMPTS, num_samples=2, batch_size=3)
+    recipe = tiny_recipe(tiny_models, family, speculation={"kv_cache": False}, generation=generation)
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
-    with pytest.raises(UsageError, match="needs the KV cache"):
-        decoder.generate("a b", batch_size=2)
+    assert [r.token_ids for r in decoder.generate(PROMPTS, num_samples=2, batch_size=3)] == [r.token_ids for r in cached]
+    assert not decoder.drafters[0].session.use_cache  # the draft recomputed too
     with pytest.raises(UsageError, match="batch_size must be a whole number"):
         decoder.generate("a b", batch_size=0)
 

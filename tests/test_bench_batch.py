@@ -47,7 +47,6 @@ def test_batch_size_is_a_grid_axis_with_its_own_baseline(run, recipe_path, data,
 @pytest.mark.parametrize("args,message", [
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--batch-size", "2,x"], "--batch-size"),
-    (["--batch-size", "2", "--set", "speculation.kv_cache=false"], "--batch-size needs the KV cache"),
 ])  # fmt: skip
 def test_bad_batch_sizes_are_one_line_before_any_model_loads(run, recipe_path, data, tmp_path, args, message):  # noqa: F811
     code, _, err = run(_bench_args(recipe_path, data, tmp_path / "out", *args))

@@ -51,7 +51,6 @@ def test_a_batch_shows_each_sample_whole(run, recipe_path, tmp_path):  # noqa: F
 @pytest.mark.parametrize("args,message", [
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--batch-size", "2", "--verifier", "speculative,none"], "--batch-size decodes one configuration at a time"),
-    (["--batch-size", "2", "--set", "speculation.kv_cache=false"], "--batch-size needs the KV cache"),
 ])  # fmt: skip
 def test_bad_batch_uses_are_one_line(run, recipe_path, args, message):  # noqa: F811
     code, _, err = run(["generate", "-r", recipe_path, *args, "a b"])

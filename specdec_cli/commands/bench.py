@@ -132,7 +132,7 @@ def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, dr
 def _batch_sizes(values: str | None, base: Recipe) -> tuple[int, ...]:
     """``--batch-size``'s values, each at least 1; more than 1 needs the KV cache."""
     sizes = tuple(common.grid_values(values, int, "--batch-size")) or (1,)
-    common.check_batch_sizes(list(sizes), base)
+    common.check_batch_sizes(list(sizes))
     return sizes
 
 

@@ -125,12 +125,10 @@ BatchSizeOption = Annotated[int, typer.Option(metavar="B", help=(
     "leave and waiting ones join). A sample's tokens do not depend on B, up to float rounding."))]
 
 
-def check_batch_sizes(sizes: list[int], recipe: Recipe) -> None:
-    """``--batch-size`` values, before any model loads: each at least 1, and more than 1 only with the KV cache."""
+def check_batch_sizes(sizes: list[int]) -> None:
+    """``--batch-size`` values, before any model loads: each at least 1."""
     for size in sizes:
         check_at_least_one(size, "--batch-size")
-    if max(sizes) > 1 and not recipe.speculation.kv_cache:
-        raise UsageError("--batch-size needs the KV cache; drop kv_cache: false from the recipe, or use --batch-size 1")
 
 
 def check_at_least_one(value: int | None, option: str) -> None:

@@ -88,7 +88,7 @@ def generate(
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat,
     )  # fmt: skip
     resolved = options.resolve()
-    common.check_batch_sizes([batch_size], resolved)
+    common.check_batch_sizes([batch_size])
     if not comparing and resolved.verifier.name.strip().lower() == AUTOREGRESSIVE:
         _check_nothing_to_draft(kl, num_drafts, draft_length)
     prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
