@@ -90,9 +90,7 @@ class MentoredDecoding(Verifier):
     lossless = False
     max_drafts = 1
     kl_bound_parameter = "kl"
-    keyed_randomness = True
     batches_by_vmap = True
-    capturable = True
     reading_cpu_path = True
 
     def __init__(
