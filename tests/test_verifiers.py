@@ -338,14 +338,6 @@ def test_mentored_is_exact_on_sparse_laws_and_from_the_sorted_table(monkeypatch,
     assert checked >= 40
 
 
-def test_mentored_tolerance_is_accepted_and_ignored():
-    generator = torch.Generator().manual_seed(3)
-    target, draft = random_distributions(generator, (2, 6), sparsity=0.0)
-    drafts = draft.unsqueeze(0)
-    exact = load_verifier("mentored", {"kl": 0.05}).acceptance_probability(target, drafts)
-    assert load_verifier("mentored", {"kl": 0.05, "tolerance": 0.1}).acceptance_probability(target, drafts) == exact
-
-
 def test_mentored_acceptance_grows_with_the_bound_and_zero_is_speculative():
     generator = torch.Generator().manual_seed(5)
     target, draft = random_distributions(generator, (2, 6))
@@ -361,7 +353,7 @@ def test_mentored_acceptance_grows_with_the_bound_and_zero_is_speculative():
 def test_mentored_rejects_bad_parameters(kl):
     with pytest.raises(ValueError, match="kl must be a finite number >= 0"):
         load_verifier("mentored", {"kl": kl})
-    with pytest.raises(UsageError, match="valid parameters: kl, tolerance"):
+    with pytest.raises(UsageError, match=r"valid parameters: kl \(given"):
         load_verifier("mentored", {"kll": 0.1})
 
 
