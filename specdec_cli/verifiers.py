@@ -244,25 +244,21 @@ class BlockVerifier(ABC):
     """True for schemes defined only for K samples of one draft law (SpecTr)."""
     token_level: ClassVar[bool] = False
     keyed_randomness: ClassVar[bool] = False
-    """True when :meth:`verify_block` draws only through the :class:`~specdec_cli.randomness.Draws` it is
-    handed: the engine then passes the block's keyed draws. False (the default, unless ``capturable``, or a
-    :class:`Verifier` that draws only through the base class's methods): it passes a ``torch.Generator``
-    seeded from the sample and the block, so the draws still do not depend on what ran before, and
-    ``--compile`` refuses it."""
+    """True when :meth:`verify_block` draws only through the :class:`~specdec_cli.randomness.Draws` it is handed,
+    which the engine then passes. False (unless ``capturable``, or a :class:`Verifier` that draws only through the
+    base class): it is handed a ``torch.Generator`` seeded from the sample and the block; ``--compile`` refuses it."""
     capturable: ClassVar[bool] = False
-    """True when :meth:`verify_block` is a pure function of its tensors: no Python state it updates, no host
-    value it reads or uploads. ``--compile`` on a GPU may then capture it in a CUDA graph and replay it
-    (:mod:`specdec_cli.graphs`), which runs no Python at all. False (the default, unless ``batches_by_vmap``):
-    it is compiled, never captured."""
+    """True when :meth:`verify_block` is a pure function of its tensors (no Python state it updates, no host value it
+    reads or uploads): ``--compile`` on a GPU may then replay it from a CUDA graph (:mod:`specdec_cli.graphs`), which
+    runs no Python at all. False (unless ``batches_by_vmap``): it is compiled, never captured."""
     reading_cpu_path: ClassVar[bool] = False
     """True when :meth:`verify_block` takes a CPU path that reads the device to skip work (see
     :func:`reads_are_free`). torch.compile cannot trace the reads and sends it down the device path, which
     on a CPU costs more: ``--compile`` on the CPU then leaves its verify step eager."""
     batches_by_vmap: ClassVar[bool] = False
-    """True when :meth:`verify_block` on the device path (keyed randomness, no host read, no Python state it
-    updates) is a function ``torch.func.vmap`` can map over a batch: :meth:`verify_batch` then decides a whole
-    batch of blocks in one mapped call, with the launches of one block. False (the default):
-    :meth:`verify_batch` calls :meth:`verify_block` once per sequence, B times the launches."""
+    """True when :meth:`verify_block` on the device path is a function ``torch.func.vmap`` can map over a batch:
+    :meth:`verify_batch` then decides B blocks in one mapped call, with the launches of one block. False (the
+    default): :meth:`verify_batch` calls :meth:`verify_block` once per sequence, B times the launches."""
     kl_bound_parameter: ClassVar[str | None] = None
     """The constructor parameter that bounds KL(q ‖ output law) in nats, for a lossy scheme that has one:
     ``--kl`` sets it, and ``bench`` and ``acceptance`` sweep it (one configuration per bound)."""
@@ -365,10 +361,9 @@ class BlockVerifier(ABC):
 
 
 class _DrawsOnlyThroughVerifier:
-    """``keyed_randomness`` of a :class:`Verifier` subclass that neither sets it nor is ``capturable``: True
-    when it overrides none of the methods that draw, so that every draw is the base class's own (``select``
-    draws through :func:`~specdec_cli.sampling.sample`, the others through ``select``, :func:`first_rejection`
-    and :func:`walk_alive_rows`, and each takes keyed Draws)."""
+    """``keyed_randomness`` of a :class:`Verifier` subclass that neither sets it nor is ``capturable``: True when
+    it overrides none of the methods that draw, all of which draw keyed (``select`` through
+    :func:`~specdec_cli.sampling.sample`, the others through it, :func:`first_rejection`, :func:`walk_alive_rows`)."""
 
     def __get__(self, instance: object, owner: type) -> bool:
         drawing = ("select", "select_alive", "verify_block", "verify_batch")
