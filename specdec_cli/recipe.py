@@ -29,6 +29,11 @@ AUTOREGRESSIVE = "none"
 """Verifier name meaning "no speculation": the target decodes alone."""
 
 
+def target_alone(verifier_name: str) -> bool:
+    """Whether ``verifier_name`` is :data:`AUTOREGRESSIVE`, in any case and with any surrounding spaces."""
+    return verifier_name.strip().lower() == AUTOREGRESSIVE
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Where a model comes from and where it runs."""
@@ -132,7 +137,7 @@ class DecodingConfig:
 
     @property
     def speculative(self) -> bool:
-        return self.verifier.name.strip().lower() != AUTOREGRESSIVE
+        return not target_alone(self.verifier.name)
 
     def replace(self, **changes: Any) -> "DecodingConfig":
         """A copy with settings changed by flat name: ``verifier`` (a name; its parameters reset unless

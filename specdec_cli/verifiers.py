@@ -220,6 +220,11 @@ def _kind(value: object) -> str:
     return "None" if value is None else f"a {type(value).__name__}"
 
 
+def _set_below_contract(cls: type, flag: str) -> bool:
+    """Whether ``cls`` or one of its bases outside this module (a plugin's own classes) sets ``flag``."""
+    return any(flag in vars(klass) for klass in cls.__mro__ if klass.__module__ != __name__)
+
+
 class BlockVerifier(ABC):
     """Base class of every verifier: decides a whole block in one call.
 
@@ -227,6 +232,9 @@ class BlockVerifier(ABC):
     ``identical_drafts``, and take their parameters as keyword-only constructor arguments with
     defaults. ``token_level`` is False for schemes whose decision is not a walk over positions:
     for them a per-token acceptance is not defined.
+
+    Fast paths (docs/verifiers.md, "Capability flags"): ``batches_by_vmap`` implies ``capturable``, which
+    implies ``keyed_randomness``, unless the class or a plugin base of it sets them; each default is slow and safe.
     """
 
     name: ClassVar[str]
@@ -236,27 +244,33 @@ class BlockVerifier(ABC):
     """True for schemes defined only for K samples of one draft law (SpecTr)."""
     token_level: ClassVar[bool] = False
     keyed_randomness: ClassVar[bool] = False
-    """True when :meth:`verify_block` draws only through the :class:`~specdec_cli.randomness.Draws` it is
-    handed (every built-in does): the engine then passes the block's keyed draws. False (the default, for
-    plugins written against a stateful generator): it passes a ``torch.Generator`` seeded from the sample
-    and the block, so such a plugin's draws too do not depend on what ran before."""
+    """True when :meth:`verify_block` draws only through the :class:`~specdec_cli.randomness.Draws` it is handed,
+    which the engine then passes. False (unless ``capturable``, or a :class:`Verifier` that draws only through the
+    base class): it is handed a ``torch.Generator`` seeded from the sample and the block; ``--compile`` refuses it."""
     capturable: ClassVar[bool] = False
-    """True when :meth:`verify_block` is a pure function of its tensors: no Python state it updates, no host
-    value it reads or uploads. ``--compile`` on a GPU may then capture it in a CUDA graph and replay it
-    (:mod:`specdec_cli.graphs`), which runs no Python at all; every built-in is. False (the default): it
-    is compiled, never captured."""
+    """True when :meth:`verify_block` is a pure function of its tensors (no Python state it updates, no host value it
+    reads or uploads): ``--compile`` on a GPU may then replay it from a CUDA graph (:mod:`specdec_cli.graphs`), which
+    runs no Python at all. False (unless ``batches_by_vmap``): it is compiled, never captured."""
     reading_cpu_path: ClassVar[bool] = False
     """True when :meth:`verify_block` takes a CPU path that reads the device to skip work (see
     :func:`reads_are_free`). torch.compile cannot trace the reads and sends it down the device path, which
     on a CPU costs more: ``--compile`` on the CPU then leaves its verify step eager."""
     batches_by_vmap: ClassVar[bool] = False
-    """True when :meth:`verify_block` on the device path (keyed randomness, no host read, no Python state it
-    updates) is a function ``torch.func.vmap`` can map over a batch: :meth:`verify_batch` then decides a whole
-    batch of blocks in one mapped call, with the launches of one block. Every built-in that never solves on
-    the host is. False (the default): :meth:`verify_batch` calls :meth:`verify_block` once per sequence."""
+    """True when :meth:`verify_block` on the device path is a function ``torch.func.vmap`` can map over a batch:
+    :meth:`verify_batch` then decides B blocks in one mapped call, with the launches of one block. False (the
+    default): :meth:`verify_batch` calls :meth:`verify_block` once per sequence, B times the launches."""
     kl_bound_parameter: ClassVar[str | None] = None
     """The constructor parameter that bounds KL(q ‖ output law) in nats, for a lossy scheme that has one:
     ``--kl`` sets it, and ``bench`` and ``acceptance`` sweep it (one configuration per bound)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A block vmap can map reads nothing and updates no Python state, as a CUDA graph needs; a block that is
+        # a pure function of its tensors draws from keyed Draws, never from a generator (Python state).
+        if not _set_below_contract(cls, "capturable"):
+            cls.capturable = cls.batches_by_vmap
+        if cls.capturable and not _set_below_contract(cls, "keyed_randomness"):
+            cls.keyed_randomness = True
 
     def __new__(cls, *args: Any, **params: Any) -> "BlockVerifier":
         # Checked here, not in __init__, so that every construction path (stevedore's invoke_kwds included) says
@@ -346,6 +360,16 @@ class BlockVerifier(ABC):
         return None
 
 
+class _DrawsOnlyThroughVerifier:
+    """``keyed_randomness`` of a :class:`Verifier` subclass that neither sets it nor is ``capturable``: True when
+    it overrides none of the methods that draw, all of which draw keyed (``select`` through
+    :func:`~specdec_cli.sampling.sample`, the others through it, :func:`first_rejection`, :func:`walk_alive_rows`)."""
+
+    def __get__(self, instance: object, owner: type) -> bool:
+        drawing = ("select", "select_alive", "verify_block", "verify_batch")
+        return all(getattr(owner, method) is getattr(Verifier, method) for method in drawing)
+
+
 class Verifier(BlockVerifier):
     """A token-level verifier. All methods are batched over leading dimensions ``[...]``.
 
@@ -358,6 +382,7 @@ class Verifier(BlockVerifier):
     """
 
     token_level = True
+    keyed_randomness = _DrawsOnlyThroughVerifier()
 
     @abstractmethod
     def conditional(

@@ -356,7 +356,6 @@ class ImportanceSampling(Verifier):
 
     lossless = True
     max_drafts = None
-    keyed_randomness = True
     capturable = True
     reading_cpu_path = True
 

@@ -34,9 +34,7 @@ class BlockVerification(BlockVerifier):
     name = "block"
     lossless = True
     max_drafts = 1
-    keyed_randomness = True
     batches_by_vmap = True
-    capturable = True
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
         q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]

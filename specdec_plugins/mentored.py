@@ -46,10 +46,9 @@ Two exact solvers give that root; both end in :class:`_Segment`'s closed forms.
 Draft mass on tokens the target rules out (q = 0 < p, e.g. target top-p): the threshold form
 rejects them whole for every α > 0, but at α = 0+ their acceptance is free. So for ρ below their
 draft mass, α = 0, they share the rejection, and KL = band + Q_≥β ln β(ρ). The proof's Algorithm 1
-bisected into a band [(1-γ)D, (1+γ)D]; here KL(q ‖ π) = D to rounding, and ``tolerance`` (γ) is
-accepted and ignored. Tran-Thien & Nock (arXiv 2609.30474) build the same O(sort(n)) breakpoint structure for
-every f-divergence; their text was not reachable from this project's machines, so nothing here is
-taken from it.
+bisected into a band [(1-γ)D, (1+γ)D]; here KL(q ‖ π) = D to rounding. Tran-Thien & Nock (arXiv
+2609.30474) build the same O(sort(n)) breakpoint structure for every f-divergence; their text was not
+reachable from this project's machines, so nothing here is taken from it.
 """
 
 from __future__ import annotations
@@ -90,19 +89,14 @@ class MentoredDecoding(Verifier):
     lossless = False
     max_drafts = 1
     kl_bound_parameter = "kl"
-    keyed_randomness = True
     batches_by_vmap = True
-    capturable = True
     reading_cpu_path = True
 
     def __init__(
-        self, *, kl: Annotated[float, "the bound D on KL(q ‖ output law) per position, in nats (0: lossless)"] = 0.0,
-        tolerance: Annotated[float | None, "ignored: the bound is met exactly (kept so older recipes load)"] = None,
+        self, *, kl: Annotated[float, "the bound D on KL(q ‖ output law) per position, in nats (0: lossless)"] = 0.0
     ):
         if not 0 <= kl < math.inf:
             raise ValueError(f"mentored: kl must be a finite number >= 0 (nats), got {kl}")
-        if tolerance is not None and not 0 < tolerance < 1:
-            raise ValueError(f"mentored: tolerance must be in ]0, 1[, got {tolerance}")
         self.kl = float(kl)
 
     def conditional(self, target_probs, draft_probs, draft_tokens):

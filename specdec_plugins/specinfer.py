@@ -32,9 +32,7 @@ class SpecInfer(Verifier):
     name = "specinfer"
     lossless = True
     max_drafts = None
-    keyed_randomness = True
     batches_by_vmap = True
-    capturable = True
     reading_cpu_path = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):

@@ -64,9 +64,7 @@ class SpecTr(Verifier):
     lossless = True
     max_drafts = None
     identical_drafts = True
-    keyed_randomness = True
     batches_by_vmap = True
-    capturable = True
     reading_cpu_path = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):

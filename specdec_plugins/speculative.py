@@ -27,9 +27,7 @@ class SpeculativeSampling(Verifier):
     name = "speculative"
     lossless = True
     max_drafts = 1
-    keyed_randomness = True
     batches_by_vmap = True
-    capturable = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
         q, p = target_probs, draft_probs[..., 0, :]  # [..., V]

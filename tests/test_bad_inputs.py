@@ -19,7 +19,6 @@ GENERATE = [
     ("generate -r {recipe} --verifier mentored --kl inf ab", "kl must be a finite number >= 0"),
     ("generate -r {recipe} --verifier mentored --kl nan ab", "kl must be a finite number >= 0"),
     ("generate -r {recipe} --verifier mentored --kl -1 ab", "verifier 'mentored': kl must be a finite number >= 0"),
-    ("generate -r {recipe} --verifier mentored --set verifier.params.tolerance=2 ab", "tolerance must be in ]0, 1["),
     ("generate -r {recipe} --verifier is-lp --set verifier.params.max_support=0 ab", "max_support must be >= 1"),
     ("generate -r {recipe} --verifier is-truncated --num-drafts 2 --set verifier.params.alphabet=0 ab", "alphabet"),
     ("generate -r {recipe} --verifier is-truncated --num-drafts 2 --set verifier.params.s=x ab", "is-truncated"),

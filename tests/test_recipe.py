@@ -6,7 +6,9 @@ import pytest
 
 from specdec_cli.commands.common import RecipeOptions
 from specdec_cli.errors import RecipeError
-from specdec_cli.recipe import apply_overrides, build_recipe, load_recipe, read_recipe_file, shipped_recipe_names
+from specdec_cli.recipe import (
+    apply_overrides, build_recipe, load_recipe, read_recipe_file, shipped_recipe_names, target_alone
+)
 
 BASE = {"target": {"model": "some/target"}, "draft": {"model": "some/draft"}}
 
@@ -17,6 +19,12 @@ def test_defaults_and_single_draft_become_a_list():
     assert recipe.verifier.name == "speculative"
     assert (recipe.speculation.draft_length, recipe.speculation.num_drafts) == (4, 1)
     assert recipe.generation.temperature == 1.0 and recipe.seed == 0
+
+
+@pytest.mark.parametrize("name, alone", [("none", True), (" None ", True), ("NONE", True), ("speculative", False)])
+def test_the_target_alone_is_decided_once_from_the_verifier_name(name, alone):
+    recipe = build_recipe({**BASE, "verifier": {"name": name}})
+    assert target_alone(name) is alone and recipe.decoding_config().speculative is not alone
 
 
 def test_several_drafts_with_their_own_temperature():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specdec_cli.errors import UsageError
+from specdec_cli.registry import VerifierRegistry
 from specdec_cli.testing import (
     adversarial_distribution_pairs,
     candidate_acceptance,
@@ -17,7 +18,7 @@ from specdec_cli.testing import (
     optimal_acceptance,
     random_distributions,
 )
-from specdec_cli.verifiers import device_path, load_verifier
+from specdec_cli.verifiers import BlockVerifier, Verifier, device_path, load_verifier
 from specdec_plugins._importance import Problems
 
 LOSSLESS = ["speculative", "specinfer", "spectr", "is-lp", "is-truncated"]
@@ -337,14 +338,6 @@ def test_mentored_is_exact_on_sparse_laws_and_from_the_sorted_table(monkeypatch,
     assert checked >= 40
 
 
-def test_mentored_tolerance_is_accepted_and_ignored():
-    generator = torch.Generator().manual_seed(3)
-    target, draft = random_distributions(generator, (2, 6), sparsity=0.0)
-    drafts = draft.unsqueeze(0)
-    exact = load_verifier("mentored", {"kl": 0.05}).acceptance_probability(target, drafts)
-    assert load_verifier("mentored", {"kl": 0.05, "tolerance": 0.1}).acceptance_probability(target, drafts) == exact
-
-
 def test_mentored_acceptance_grows_with_the_bound_and_zero_is_speculative():
     generator = torch.Generator().manual_seed(5)
     target, draft = random_distributions(generator, (2, 6))
@@ -360,8 +353,62 @@ def test_mentored_acceptance_grows_with_the_bound_and_zero_is_speculative():
 def test_mentored_rejects_bad_parameters(kl):
     with pytest.raises(ValueError, match="kl must be a finite number >= 0"):
         load_verifier("mentored", {"kl": kl})
-    with pytest.raises(UsageError, match="valid parameters: kl, tolerance"):
+    with pytest.raises(UsageError, match=r"valid parameters: kl \(given"):
         load_verifier("mentored", {"kll": 0.1})
+
+
+# --------------------------------------------------------------------------- capability flags
+
+FLAGS = (
+    "lossless", "identical_drafts", "token_level", "keyed_randomness", "capturable", "reading_cpu_path", "batches_by_vmap"
+)
+FAST = {"keyed_randomness", "capturable", "batches_by_vmap"}
+BUILT_IN_FLAGS = {  # name: (the flags that are True, max_drafts, kl_bound_parameter), as each built-in once spelt them
+    "speculative": ({"lossless", "token_level", *FAST}, 1, None),
+    "mentored": ({"token_level", "reading_cpu_path", *FAST}, 1, "kl"),
+    "specinfer": ({"lossless", "token_level", "reading_cpu_path", *FAST}, None, None),
+    "spectr": ({"lossless", "identical_drafts", "token_level", "reading_cpu_path", *FAST}, None, None),
+    "block": ({"lossless", *FAST}, 1, None),
+    "is-lp": ({"lossless", "token_level", "keyed_randomness", "capturable", "reading_cpu_path"}, None, None),
+    "is-truncated": ({"lossless", "token_level", "keyed_randomness", "capturable", "reading_cpu_path"}, None, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN_FLAGS))
+def test_each_built_in_keeps_its_capability_flags(name):
+    cls = VerifierRegistry().load_class(name)
+    flags = {flag for flag in FLAGS if getattr(cls, flag)}
+    assert (flags, cls.max_drafts, cls.kl_bound_parameter) == BUILT_IN_FLAGS[name]
+
+
+class _ConditionalOnly(Verifier):
+    """A token-level plugin that writes only the law: every draw is the base class's own."""
+
+    name, lossless, max_drafts = "conditional-only", True, 1
+
+    def conditional(self, target_probs, draft_probs, draft_tokens):
+        return target_probs
+
+    def acceptance_probability(self, target_probs, draft_probs):
+        return target_probs.sum(-1)
+
+
+def test_the_weaker_flags_follow_from_the_stronger_and_from_what_a_plugin_overrides():
+    class Selects(_ConditionalOnly):
+        def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
+            raise NotImplementedError
+
+    class Maps(BlockVerifier):
+        name, lossless, max_drafts, batches_by_vmap = "maps", True, 1, True
+
+    class Unkeyed(Maps):
+        keyed_randomness = False
+
+    assert _ConditionalOnly.keyed_randomness and not _ConditionalOnly.capturable
+    assert not Selects.keyed_randomness  # it may draw in its own select: handed a generator
+    assert Maps.capturable and Maps.keyed_randomness
+    assert Unkeyed.capturable and not Unkeyed.keyed_randomness  # a flag a class sets is kept
+    assert not (BlockVerifier.keyed_randomness or BlockVerifier.capturable or BlockVerifier.batches_by_vmap)
 
 
 # --------------------------------------------------------------------------- sampling and batching

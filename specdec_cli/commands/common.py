@@ -23,7 +23,7 @@ from rich.progress import (
 from ..drafter_registry import DrafterRegistry
 from ..errors import SpecdecError, UsageError
 from ..inputs import has_suffix, json_object_lines, read_stdin, read_text, text_value
-from ..recipe import AUTOREGRESSIVE, Recipe, apply_overrides, build_recipe, read_recipe_file, set_path
+from ..recipe import Recipe, apply_overrides, build_recipe, read_recipe_file, set_path, target_alone
 from ..registry import VerifierRegistry
 
 DEFAULT_RECIPE = build_recipe(read_recipe_file(None))
@@ -194,7 +194,7 @@ class RecipeOptions:
         recipe = build_recipe(apply_overrides(data, list(self.sets)))
         if self.drafter is not None:
             recipe = dataclasses.replace(recipe, drafts=DrafterRegistry().entries_of(recipe.drafts, self.drafter))
-        if self.kl is None or recipe.verifier.name.strip().lower() == AUTOREGRESSIVE:
+        if self.kl is None or target_alone(recipe.verifier.name):
             return recipe
         # --kl sets whichever parameter the verifier declares as its KL bound.
         params = VerifierRegistry().with_kl_bound(recipe.verifier.name, recipe.verifier.params, self.kl)

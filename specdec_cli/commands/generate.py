@@ -20,7 +20,7 @@ from rich.text import Text
 from .. import __version__
 from ..errors import UsageError
 from ..inputs import require_text
-from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig
+from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig, target_alone
 from ..registry import VerifierRegistry, parameter_defaults
 from ..stats import GenerationResult
 from . import common
@@ -89,7 +89,7 @@ def generate(
     )  # fmt: skip
     resolved = options.resolve()
     common.check_batch_sizes([batch_size])
-    if not comparing and resolved.verifier.name.strip().lower() == AUTOREGRESSIVE:
+    if not comparing and target_alone(resolved.verifier.name):
         _check_nothing_to_draft(kl, num_drafts, draft_length)
     prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
     for text in prompts:  # checked before the models load, which can take a while
@@ -108,7 +108,7 @@ def _verifier_names(verifier: str | None, autoregressive: bool) -> list[str]:
     if verifier is not None and not names:
         raise UsageError(f"--verifier lists no verifier ('{verifier}'); name one, or a comma list to compare: "
                          "--verifier speculative,none")  # fmt: skip
-    if autoregressive and any(name.strip().lower() != AUTOREGRESSIVE for name in names):
+    if autoregressive and not all(map(target_alone, names)):
         raise UsageError(f"--autoregressive runs the target alone; it cannot be combined with --verifier {verifier}: "
                          "drop one")  # fmt: skip
     return [AUTOREGRESSIVE] if autoregressive else names
@@ -219,7 +219,7 @@ def _compare(recipe: Recipe, names: list[str], kl: float | None, prompts: list[s
     registry = VerifierRegistry()
     recipes = _comparison_recipes(recipe, names, kl, registry)
     err = Console(stderr=True)
-    first = next((r for r in recipes.values() if r.verifier.name != AUTOREGRESSIVE), next(iter(recipes.values())))
+    first = next((r for r in recipes.values() if not target_alone(r.verifier.name)), next(iter(recipes.values())))
     with err.status(LOADING):
         base = SpeculativeDecoder.from_recipe(first, registry=registry)
     comparison = Comparison({label: base.with_config(verifier=r.verifier.name, verifier_params=r.verifier.params)
@@ -286,15 +286,16 @@ def _comparison_recipes(recipe: Recipe, names: list[str], kl: float | None,
     each checked against the recipe's drafts before any model loads."""
     from ..engine import SpeculativeDecoder
 
-    labels = [AUTOREGRESSIVE if n.strip().lower() == AUTOREGRESSIVE else registry.canonical(n) for n in names]
+    labels = [AUTOREGRESSIVE if target_alone(n) else registry.canonical(n) for n in names]
     if len(set(labels)) < len(labels):
         raise UsageError(f"--verifier lists a verifier twice ({', '.join(names)}); give each once")
-    bounded = [label for label in labels if label != AUTOREGRESSIVE and registry.verifier_class(label).kl_bound_parameter]
+    speculative = [label for label in labels if not target_alone(label)]  # not empty: two labels, at most one none
+    bounded = [label for label in speculative if registry.verifier_class(label).kl_bound_parameter]
     if kl is not None and not bounded:  # the one-line error naming verifiers that have a bound
-        registry.with_kl_bound(next(label for label in labels if label != AUTOREGRESSIVE), {}, kl)
+        registry.with_kl_bound(speculative[0], {}, kl)
     recipes = {}
     for name in labels:
-        params = {} if name == AUTOREGRESSIVE else registry.params_for(name, recipe.verifier.params)
+        params = registry.params_for(name, recipe.verifier.params) if name in speculative else {}
         label = name
         if name in bounded:
             parameter = registry.verifier_class(name).kl_bound_parameter
