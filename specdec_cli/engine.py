@@ -371,7 +371,7 @@ class DecodingRun:
         rows = [drafter.rows for drafter in self.drafters]  # [drafters]
         self.lanes = list(itertools.accumulate([0, *rows]))  # drafter j's rows are lanes[j] .. lanes[j+1] - 1
         self.sequences: list[_Sequence] = []
-        self.draws = Draws.batch([], self.device)
+        self.draws: Draws | None = None  # the batch's keyed draws, set as sequences join and leave
         self.timer = RegionTimer(self.device)
 
     def run(self, jobs: list[SequenceJob]) -> Iterator[GenerationResult]:
@@ -561,7 +561,7 @@ class DecodingRun:
         """The draws of the sequences ``members`` (the batch's own when they are all of it)."""
         if len(members) == len(self.sequences):
             return self.draws
-        index = torch.tensor(members, device=self.device)  # [G]
+        index = torch.tensor(members, dtype=torch.long, device=self.device)  # [G]
         return Draws(self.draws.key[index], self.draws.block_start[index])
 
     # ----------------------------------------------------------------------- after the read
@@ -616,8 +616,8 @@ class DecodingRun:
         self.target.select(kept)
         for drafter in self.drafters:
             self.decoder._call_drafter(drafter, "remove_sequences", drafter.remove_sequences, kept)
+        self.draws = self._draws_of(kept)
         self.sequences = [self.sequences[b] for b in kept]
-        self.draws = Draws.batch([sequence.key for sequence in self.sequences], self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return done

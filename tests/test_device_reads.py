@@ -1,5 +1,8 @@
 """The hot loop reads the device once per block: Tensor → Python conversions counted inside generate_ids.
 
+Once, not more: the models' forwards get whole additive masks, so transformers' own padding checks read
+nothing, and a sample's keyed draws are made without a read.
+
 On CUDA each conversion is a synchronisation that stalls the queue. On the CPU a read is free and
 some verifiers take a path that reads (to skip work); :func:`~specdec_cli.verifiers.device_path`
 makes them take the GPU's path, so this test holds the engine and every built-in verifier to the
@@ -20,7 +23,7 @@ from specdec_cli.verifiers import device_path
 from tests.conftest import tiny_recipe
 
 CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__array__")
-READS_PER_BLOCK = 2
+READS_PER_BLOCK = 1
 HOST_LP_READS = {"is-lp", "is-truncated"}
 """Importance sampling with two or more drafts solves its free LP on the host: one more read per block
 (issue #20 allows it for these schemes)."""
