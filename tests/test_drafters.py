@@ -142,12 +142,13 @@ class LyingLookup(PromptLookup):
 
 
 def _first_tokens(decoder: SpeculativeDecoder, depth: int, samples: int) -> tuple[Counter, float, dict]:
+    """Samples decoded 16 at a time: a sample's tokens do not depend on its batch (test_batch_engine.py)."""
     prompt_ids = decoder.encode_prompt(PROMPT)
     counts: Counter = Counter()
     accepted = drafted = 0
-    for seed in range(samples):
-        tokens, _, stats = decoder.generate_ids(prompt_ids, seed)
-        counts[tuple(tokens)] += 1
+    for result in decoder.generate(PROMPT, num_samples=samples, batch_size=16):
+        stats = result.stats
+        counts[tuple(result.token_ids)] += 1
         accepted, drafted = accepted + stats.accepted_tokens, drafted + stats.drafted_tokens
         assert stats.draft_forwards <= stats.drafted_tokens  # prompt lookup runs no forward
     law = exact_sequence_law(decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})

@@ -26,8 +26,9 @@ def _decoder(models, family, **sections) -> SpeculativeDecoder:
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])
-@pytest.mark.parametrize("draft_length", [1, 2, 3])
-def test_first_tokens_follow_the_target_law(tiny_models, family, draft_length):
+@pytest.mark.parametrize("draft_length,batch_size", [(1, 1), (2, 16), (3, 16)])
+def test_first_tokens_follow_the_target_law(tiny_models, family, draft_length, batch_size):
+    """One loop for every batch size: a sample alone, and samples decoded 16 at a time."""
     depth, samples = 3, 1500
     decoder = _decoder(
         tiny_models, family,
@@ -39,11 +40,10 @@ def test_first_tokens_follow_the_target_law(tiny_models, family, draft_length):
     )
     counts: Counter = Counter()
     accepted = drafted = 0
-    for seed in range(samples):
-        tokens, _, stats = decoder.generate_ids(prompt_ids, seed)
-        counts[tuple(tokens)] += 1
-        accepted += stats.accepted_tokens
-        drafted += stats.drafted_tokens
+    for result in decoder.generate(PROMPT, num_samples=samples, batch_size=batch_size):
+        counts[tuple(result.token_ids)] += 1
+        accepted += result.stats.accepted_tokens
+        drafted += result.stats.drafted_tokens
     assert 0.05 < accepted / drafted < 0.95, "the draft must be accepted sometimes and rejected sometimes"
     assert chi_square_p_value(counts, law) > 1e-3
     # The test has power: the draft's own law is clearly rejected by the same check.
@@ -207,7 +207,7 @@ def test_multi_draft_verifiers_keep_the_target_law(tiny_models, name, num_drafts
     assert decoder.num_draft_rows == num_drafts
     prompt_ids = decoder.encode_prompt(PROMPT)
     law = exact_sequence_law(decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
-    counts = Counter(tuple(decoder.generate_ids(prompt_ids, seed)[0]) for seed in range(samples))
+    counts = Counter(tuple(r.token_ids) for r in decoder.generate(PROMPT, num_samples=samples, batch_size=16))
     assert chi_square_p_value(counts, law) > 1e-3
 
 
@@ -235,7 +235,8 @@ def test_engine_acceptance_matches_the_verifiers_closed_form(tiny_models, name, 
     p = torch.stack([probs_from_logits(draft, params) for params in decoder.drafters[0].row_params]).double()
     expected = float(decoder.verifier.acceptance_probability(q, p))
     samples = 3000
-    accepted = sum(decoder.generate_ids(prompt_ids, seed)[2].accepted_per_position[:1] == [1] for seed in range(samples))
+    results = decoder.generate(PROMPT, num_samples=samples, batch_size=16)
+    accepted = sum(result.stats.accepted_per_position[:1] == [1] for result in results)
     assert abs(accepted / samples - expected) < 4 * (expected * (1 - expected) / samples) ** 0.5
     single = float(decoder.verifier.acceptance_probability(q, p[:1]))
     assert expected > single  # three drafts do accept more often than one
