@@ -42,10 +42,10 @@ import torch
 from .drafter_registry import DrafterRegistry
 from .drafting import Drafter, Proposal
 from .errors import SpecdecError
-from .parameters import parameter_specs
+from .parameters import PluginParameterError, parameter_specs
 from .randomness import Draws
 from .recipe import DraftConfig, build_recipe
-from .registry import PluginParameterError, PluginRegistry, VerifierRegistry
+from .registry import PluginRegistry, VerifierRegistry
 from .sampling import SamplingParams
 
 PROMPTS = ("a b c d a b c", "e e a", "d c b a e d c b a")

@@ -7,17 +7,19 @@ call without loading anything again (:meth:`~specdec_cli.engine.SpeculativeDecod
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .draft_rows import DraftRows, drafter_key
-from .drafter_registry import DEFAULT_DRAFTER
+from .drafter_registry import DEFAULT_DRAFTER, DrafterRegistry
 from .errors import UsageError
+from .model_pool import ModelPool
 from .models import LoadedModel
-from .recipe import DecodingConfig
+from .recipe import DecodingConfig, DraftConfig
 from .sampling import SamplingParams
-from .verifiers import BlockVerifier, VerifierRegistry
+from .registry import VerifierRegistry
+from .verifiers import BlockVerifier
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,3 +78,17 @@ def create_verifier(config: DecodingConfig, rows: DraftRows, registry: VerifierR
         different = registry.names_where(lambda cls: not cls.identical_drafts and (cls.max_drafts or 2) > 1)
         hint = f"use one draft config, or a verifier for different drafts ({', '.join(different)})"
     raise UsageError(f"{reason}; {hint}")
+
+
+def load_drafts(
+    pool: ModelPool, specs: Sequence[DraftConfig], target: LoadedModel, drafters: DrafterRegistry
+) -> list[Draft]:
+    """The drafts of ``specs`` for ``target``: each entry's drafter, its model (loaded by the drafter from ``pool``,
+    for a drafter that takes one) and its own sampling settings."""
+    drafts = []
+    for spec in specs:
+        name, params = drafters.entry_drafter(spec)
+        drafter = drafters.create(name, params)
+        model = drafters.guarded(name, "load_model", drafter.load_model, pool, spec, target)
+        drafts.append(Draft(model, spec.temperature, spec.top_k, spec.top_p, drafter=name, params=params))
+    return drafts

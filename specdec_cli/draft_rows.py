@@ -4,21 +4,17 @@ A block verifies ``count`` draft rows at each position. Their laws are identical
 sampled from the same model with the same sampling settings: SpecTr takes only such drafts, and
 the optimum for identical drafts has a closed form. The engine (loaded drafts), bench's grid and
 acceptance (recipes, before any model loads) all ask :meth:`DraftRows.of`, each giving one law key
-per row; :func:`draft_law` is the key of a recipe's draft, ``Draft.law`` of a loaded one.
+per row; :func:`~specdec_cli.drafter_registry.draft_law` is the key of a recipe's draft, ``Draft.law`` of a loaded one.
 
 Torch-free, so that reading a results folder or listing a grid stays fast.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from .drafter_registry import DrafterRegistry
-from .recipe import DraftConfig, GenerationConfig, ModelConfig, Recipe
 
 
 @dataclass(frozen=True)
@@ -38,18 +34,9 @@ class DraftRows:
 
 def drafter_key(name: str, params: dict[str, Any]) -> Hashable:
     """A drafter and its parameters as one key: with the model and the sampling settings, what decides a draft's
-    law (:func:`draft_law` for a recipe's entry, ``Draft.law`` for a loaded one: the same drafter and parameters
+    law (:func:`~specdec_cli.drafter_registry.draft_law` for a recipe's entry, ``Draft.law`` for a loaded one: the same drafter and parameters
     give equal keys in both)."""
     return name, json.dumps(params, sort_keys=True, default=repr)
-
-
-def draft_law(draft: DraftConfig, generation: GenerationConfig, drafters: DrafterRegistry | None = None) -> Hashable:
-    """What decides the law of a recipe's draft: its drafter and parameters (``drafters`` resolves them), the
-    model it loads, and its sampling settings, a left-out one taking the target's (``generation``)."""
-    model = tuple((f.name, getattr(draft, f.name)) for f in dataclasses.fields(ModelConfig))
-    sampling = tuple(generation_value if own is None else own for own, generation_value in (
-        (draft.temperature, generation.temperature), (draft.top_k, generation.top_k), (draft.top_p, generation.top_p)))
-    return drafter_key(*(drafters or DrafterRegistry()).entry_drafter(draft)), model, sampling
 
 
 def rows_per_config(deterministic: bool, num_drafts: int) -> int:
@@ -68,11 +55,3 @@ def every_config(config_laws: Sequence[Hashable], num_drafts: int, deterministic
 def round_robin(config_laws: Sequence[Hashable], num_drafts: int) -> DraftRows:
     """``num_drafts`` rows taken in turn from the draft configs (how ``acceptance`` counts K)."""
     return DraftRows.of([config_laws[k % len(config_laws)] for k in range(num_drafts)])
-
-
-def recipe_draft_rows(recipe: Recipe, drafters: DrafterRegistry | None = None) -> DraftRows:
-    """The rows a recipe's blocks verify at most, known before any model loads (a block whose drafter proposes
-    nothing verifies fewer)."""
-    drafters = drafters or DrafterRegistry()
-    laws = [draft_law(draft, recipe.generation, drafters) for draft in recipe.drafts]
-    return every_config(laws, recipe.speculation.num_drafts, [drafters.entry_deterministic(d) for d in recipe.drafts])

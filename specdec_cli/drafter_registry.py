@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Hashable
 from typing import Any
 
+from .draft_rows import DraftRows, drafter_key, every_config
 from .errors import SpecdecError, UsageError
-from .recipe import DraftConfig
+from .recipe import DraftConfig, GenerationConfig, ModelConfig, Recipe
 from .registry import PluginRegistry, class_problem, class_summary, error_line
 
 DRAFTER_GROUP = "specdec.drafters"
@@ -87,3 +89,20 @@ class DrafterRegistry(PluginRegistry):
             if any(words in str(error).lower() for words in ("out of memory", "can't allocate memory")):
                 raise
             raise self.fault(name, f"raised {error_line(error)} in {what}") from error
+
+
+def draft_law(draft: DraftConfig, generation: GenerationConfig, drafters: DrafterRegistry | None = None) -> Hashable:
+    """What decides the law of a recipe's draft: its drafter and parameters (``drafters`` resolves them), the
+    model it loads, and its sampling settings, a left-out one taking the target's (``generation``)."""
+    model = tuple((f.name, getattr(draft, f.name)) for f in dataclasses.fields(ModelConfig))
+    sampling = tuple(generation_value if own is None else own for own, generation_value in (
+        (draft.temperature, generation.temperature), (draft.top_k, generation.top_k), (draft.top_p, generation.top_p)))
+    return drafter_key(*(drafters or DrafterRegistry()).entry_drafter(draft)), model, sampling
+
+
+def recipe_draft_rows(recipe: Recipe, drafters: DrafterRegistry | None = None) -> DraftRows:
+    """The rows a recipe's blocks verify at most, known before any model loads (a block whose drafter proposes
+    nothing verifies fewer)."""
+    drafters = drafters or DrafterRegistry()
+    laws = [draft_law(draft, recipe.generation, drafters) for draft in recipe.drafts]
+    return every_config(laws, recipe.speculation.num_drafts, [drafters.entry_deterministic(d) for d in recipe.drafts])

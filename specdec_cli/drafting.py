@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .errors import SpecdecError
-from .registry import check_parameters
+from .parameters import check_parameters
 from .sampling import SamplingParams
 from .timing import RegionTimer
 

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from .decoding import Draft, create_verifier, target_sampling
-from .draft_rows import DraftRows, recipe_draft_rows, rows_per_config
+from .decoding import Draft, create_verifier, load_drafts, target_sampling
+from .draft_rows import DraftRows, rows_per_config
 from .drafted import Drafted, count_to_eos, longest_matches
-from .drafter_registry import DrafterRegistry
+from .drafter_registry import DrafterRegistry, recipe_draft_rows
 from .drafting import DraftRequest, Drafter, DraftSetup, Proposal, ProposalError, block_length, empty_proposal, proposal_problem
 from .errors import NonFiniteLogitsError, SpecdecError, UsageError, is_allocation_error, requested_memory
 from .graphs import CapturedVerifyStep
@@ -47,13 +47,12 @@ from .model_session import ModelSession, batch_problem
 from .models import LoadedModel, shared_vocab_size
 from .randomness import Draws, Stream, block_generator, sample_key
 from .recipe import AUTOREGRESSIVE, DecodingConfig, Recipe
-from .registry import error_line
+from .registry import VerifierRegistry, error_line
 from .sampling import non_finite_message, sample_with, sampling_law
 from .stats import GenerationResult, SampleStats
 from .timing import RegionTimer
 from .verifiers import (
-    BatchDecision, VerifierRegistry, batch_decision_problem, batch_departs_from_drafts, decision_problem,
-    decision_value_problem,
+    BatchDecision, batch_decision_problem, batch_departs_from_drafts, decision_problem, decision_value_problem,
 )  # fmt: skip
 
 BlockCallback = Callable[[int, int, list[int], list[bool]], None]
@@ -155,7 +154,7 @@ class SpeculativeDecoder:
         config = cls.check_recipe(recipe, registry, autoregressive, drafters)  # before the slow loads
         pool = pool if pool is not None else ModelPool()
         target = pool.target(recipe.target)
-        loaded = pool.drafts(recipe.drafts if config.speculative else (), target, drafters)
+        loaded = load_drafts(pool, recipe.drafts if config.speculative else (), target, drafters)
         return cls(target, loaded, config, registry, drafters)
 
     @staticmethod

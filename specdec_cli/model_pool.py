@@ -9,13 +9,11 @@ with every draft, loads each model once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from .decoding import Draft
-from .drafter_registry import DrafterRegistry
 from .models import LoadedModel, check_same_tokenizer, derive_early_exit_draft, load_model
-from .recipe import DraftConfig, ModelConfig
+from .recipe import ModelConfig
 
 
 class ModelPool:
@@ -41,17 +39,6 @@ class ModelPool:
     def early_exit(self, target: LoadedModel, layers: int) -> LoadedModel:
         """A draft derived from ``target``'s first ``layers`` decoder layers (its weights shared)."""
         return self._get(("early_exit", id(target.model), layers), lambda: derive_early_exit_draft(target, layers))
-
-    def drafts(self, specs: Sequence[DraftConfig], target: LoadedModel, drafters: DrafterRegistry) -> list[Draft]:
-        """The drafts of ``specs`` for ``target``: each entry's drafter, its model (loaded by the drafter, for a
-        drafter that takes one) and its own sampling settings."""
-        drafts = []
-        for spec in specs:
-            name, params = drafters.entry_drafter(spec)
-            drafter = drafters.create(name, params)
-            model = drafters.guarded(name, "load_model", drafter.load_model, self, spec, target)
-            drafts.append(Draft(model, spec.temperature, spec.top_k, spec.top_p, drafter=name, params=params))
-        return drafts
 
     def models(self) -> list[LoadedModel]:
         """Every model loaded so far, in loading order."""

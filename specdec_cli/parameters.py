@@ -22,6 +22,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import UsageError
+
 UNCHECKED = object()
 """The annotation of a parameter whose type is not declared, or not one :meth:`ParameterSpec.problem` checks."""
 
@@ -182,3 +184,24 @@ def parameters_problem(cls: type, args: tuple[Any, ...], params: dict[str, Any])
     # A missing required parameter is the constructor's own TypeError: copy and pickle make instances without any.
     return next((problem for name, value in params.items() if name in specs and (problem := specs[name].problem(value))),
                 None)  # fmt: skip
+
+
+class PluginParameterError(UsageError, TypeError):
+    """An unknown or ill-typed plugin parameter (a TypeError too, as Python callers expect)."""
+
+
+class PluginParameterValueError(PluginParameterError, ValueError):
+    """A plugin's own ValueError about a parameter's value, as one line (still a ValueError)."""
+
+
+def parameter_defaults(cls: type) -> dict[str, Any]:
+    """A plugin class's parameters and their defaults, from its constructor's signature."""
+    return {name: spec.default for name, spec in parameter_specs(cls).items()}
+
+
+def check_parameters(cls: type, kind: str, args: tuple[Any, ...], params: dict[str, Any]) -> None:
+    """A PluginParameterError naming plugin class ``cls`` (a ``kind``) when ``args`` and ``params`` do not fit its
+    parameters (:func:`parameters_problem`): the base classes call it before a constructor."""
+    problem = parameters_problem(cls, args, params)
+    if problem is not None:
+        raise PluginParameterError(f"{kind} '{cls.name}': {problem}")

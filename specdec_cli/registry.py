@@ -34,7 +34,12 @@ from stevedore.extension import ExtensionManager, OnLoadFailureCallbackT
 
 from .errors import SpecdecError, UsageError
 from .inputs import cache_dir, write_cache_file
-from .parameters import parameter_specs, parameters_problem
+from .parameters import (
+    PluginParameterError,
+    PluginParameterValueError,
+    parameter_defaults,
+    parameter_specs,
+)
 
 if TYPE_CHECKING:
     from .draft_rows import DraftRows
@@ -54,33 +59,12 @@ DESCRIPTION_TYPES: dict[str, tuple[type, ...]] = {
 """What :meth:`VerifierRegistry.describe` gives for a verifier that loads; a cache entry of another shape is rebuilt."""
 
 
-class PluginParameterError(UsageError, TypeError):
-    """An unknown or ill-typed plugin parameter (a TypeError too, as Python callers expect)."""
-
-
-class PluginParameterValueError(PluginParameterError, ValueError):
-    """A plugin's own ValueError about a parameter's value, as one line (still a ValueError)."""
-
-
 class PluginFault(SpecdecError):
     """A plugin that broke its contract at run time (an exception, or a result it cannot have made): exit 1."""
 
 
 # What verifiers raise, under the names their callers already catch.
 VerifierParameterError, VerifierParameterValueError, VerifierFault = PluginParameterError, PluginParameterValueError, PluginFault
-
-
-def parameter_defaults(cls: type) -> dict[str, Any]:
-    """A plugin class's parameters and their defaults, from its constructor's signature."""
-    return {name: spec.default for name, spec in parameter_specs(cls).items()}
-
-
-def check_parameters(cls: type, kind: str, args: tuple[Any, ...], params: dict[str, Any]) -> None:
-    """A PluginParameterError naming plugin class ``cls`` (a ``kind``) when ``args`` and ``params`` do not fit its
-    parameters (:func:`~specdec_cli.parameters.parameters_problem`): the base classes call it before a constructor."""
-    problem = parameters_problem(cls, args, params)
-    if problem is not None:
-        raise PluginParameterError(f"{kind} '{cls.name}': {problem}")
 
 
 def error_line(error: BaseException) -> str:
@@ -489,3 +473,8 @@ def _described(info: Any, types: dict[str, tuple[type, ...]]) -> bool:
 
 def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def load_verifier(name: str, params: dict[str, Any] | None = None) -> BlockVerifier:
+    """An instance of the installed verifier ``name`` with ``params``."""
+    return VerifierRegistry().create(name, params)

@@ -306,5 +306,3 @@ def _complete(
                 frontier[extended] = frontier.get(extended, 0.0) + mass * float(law[token])
     return complete
 
-
-from .conformance import ConformanceError, check_drafter, check_verifier  # noqa: E402,F401  (the author's kit)

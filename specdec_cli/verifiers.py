@@ -1,4 +1,4 @@
-"""The verifier contract and the registry that finds verifiers as entry-point plugins.
+"""The verifier contract (the registry that finds verifiers as entry-point plugins is :mod:`.registry`).
 
 Notation (q = target law, p = draft law): after each block the engine hands a verifier the
 target's laws at every position of every draft row, the draft laws the tokens were sampled
@@ -26,17 +26,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .registry import (
-    VerifierFault, VerifierParameterError, VerifierParameterValueError, VerifierRegistry, check_parameters,
-    parameter_defaults,
-)  # fmt: skip
+from .parameters import check_parameters
 from .randomness import BatchRandomness, Draws, Randomness, Stream, at, uniforms_from
 from .sampling import sample, sample_with
 
-__all__ = [  # the registry's names stay importable from here, where plugin authors look
-    "BatchDecision", "BlockDecision", "BlockVerifier", "batch_decision_problem", "batch_departs_from_drafts", "Verifier", "VerifierFault",
-    "VerifierParameterError",
-    "VerifierParameterValueError", "VerifierRegistry", "load_verifier", "parameter_defaults", "first_rejection",
+__all__ = [
+    "BatchDecision", "BlockDecision", "BlockVerifier", "batch_decision_problem", "batch_departs_from_drafts", "Verifier",
+    "first_rejection",
     "shared_prefix_length", "walk_alive_rows", "decision_problem", "departs_from_drafts", "decision_value_problem",
     "device_path", "reads_are_free", "prefix_agreement", "problem_members", "decide_problems", "commit_following",
     "commit_with_uniform",
@@ -674,8 +670,3 @@ def first_rejection(
     bonus = sample(bonus_law.unsqueeze(0), randomness, Stream.BONUS, len(tokens))  # [1]; kept when all L were accepted
     committed = torch.cat([tokens, bonus])  # [L+1]
     return BlockDecision(committed, num_accepted, torch.zeros_like(num_accepted))
-
-
-def load_verifier(name: str, params: dict[str, Any] | None = None) -> BlockVerifier:
-    """An instance of the installed verifier ``name`` with ``params``."""
-    return VerifierRegistry().create(name, params)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import Draft
+from ..decoding import Draft, load_drafts
 from ..draft_rows import DraftRows, round_robin
 from ..drafting import DraftRequest
 from ..engine import SpeculativeDecoder
@@ -38,8 +38,8 @@ from ..model_session import next_token_logits
 from ..recipe import Recipe, VerifierConfig
 from ..sampling import non_finite_message, probs_from_logits, sampling_law
 from ..theory import MAX_TWO_DRAFT_SUPPORT, optimal_acceptance, optimal_acceptance_two_drafts, two_draft_support
-from ..registry import error_line
-from ..verifiers import BlockVerifier, VerifierRegistry
+from ..registry import VerifierRegistry, error_line
+from ..verifiers import BlockVerifier
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, DrafterSection, PromptAcceptance
 
 KL_FRACTIONS = (0.1, 0.3, 1.0)
@@ -98,7 +98,7 @@ class AcceptanceAnalysis:
     def _load(self, section: DrafterSection, pool: ModelPool) -> _LoadedSection:
         """The section's entries loaded; each entry without a model gets a decoder of its own, in which the engine
         sets its drafter up as for blocks of one row (the default single-draft verifier takes any one row)."""
-        drafts = pool.drafts(section.drafts, self.decoder.target, self.decoder.drafter_registry)
+        drafts = load_drafts(pool, section.drafts, self.decoder.target, self.decoder.drafter_registry)
         config = self.decoder.config.replace(verifier=VerifierConfig().name, num_drafts=1)
         proposers = {index: SpeculativeDecoder(self.decoder.target, [draft], config, self.registry,
                                                self.decoder.drafter_registry)

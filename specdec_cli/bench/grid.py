@@ -6,8 +6,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from ..draft_rows import recipe_draft_rows
-from ..drafter_registry import DrafterRegistry
+from ..drafter_registry import DrafterRegistry, recipe_draft_rows
 from ..errors import UsageError
 from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig
 from ..registry import VerifierRegistry

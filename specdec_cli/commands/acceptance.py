@@ -16,7 +16,8 @@ from rich.console import Console
 
 from ..acceptance import report
 from ..acceptance.results import PROMPT_RECORDS, AcceptanceReport, AcceptanceRequest, DrafterSection, PromptAcceptance
-from ..draft_rows import draft_law, round_robin
+from ..draft_rows import round_robin
+from ..drafter_registry import draft_law
 from ..errors import SpecdecError, UsageError
 from ..inputs import check_plot_path, subset
 from ..recipe import Recipe

@@ -20,8 +20,9 @@ from rich.text import Text
 from .. import __version__
 from ..errors import UsageError
 from ..inputs import require_text
+from ..parameters import parameter_defaults
 from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig, target_alone
-from ..registry import VerifierRegistry, parameter_defaults
+from ..registry import VerifierRegistry
 from ..stats import GenerationResult
 from . import common
 
