@@ -48,7 +48,7 @@ def main() -> None:
 def tiny_generate(folder: Path) -> None:
     from transformers.utils import logging
 
-    from specdec_cli.testing import save_tiny_model
+    from specdec_cli.kit.testing import save_tiny_model
 
     logging.disable_progress_bar()
 

@@ -18,8 +18,8 @@ import time
 import torch
 
 from specdec_cli import load_recipe
-from specdec_cli.drafter_registry import DrafterRegistry
-from specdec_cli.model_pool import ModelPool
+from specdec_cli.models.pool import ModelPool
+from specdec_cli.plugins.drafter_registry import DrafterRegistry
 
 
 def median_ms(step, repeats: int) -> float:

@@ -6,7 +6,7 @@ takes on this device, where a CPU path may read to skip work, and on the path it
 the one compiled), then the first compiled call (tracing, inductor's code generation and one run:
 the compile time), one more compiled call as the warm-up, and the compiled median. On a GPU the same again
 with ``mode="reduce-overhead"``: torch.compile's own CUDA graphs around inductor's code (the engine's
-``--compile`` captures the eager kernels instead, :mod:`specdec_cli.graphs`: verifier_speed.py times
+``--compile`` captures the eager kernels instead, :mod:`specdec_cli.engine.graphs`: verifier_speed.py times
 that). The time of a run includes the engine's read of the decision. A verifier whose ``verify_block``
 does not trace into one graph is listed with the reason dynamo or inductor gave, instead of timed.
 
@@ -22,13 +22,19 @@ from pathlib import Path
 import torch
 
 from specdec_cli import load_verifier
-from specdec_cli.verifiers import device_path
+from specdec_cli.plugins.verifiers import device_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from verifier_speed import (  # noqa: E402
-    VERIFIERS, benchmark_arguments, block_randomness, count_verification, median_seconds, start_report,
-    time_verification, verifier_laws,
+    VERIFIERS,
+    benchmark_arguments,
+    block_randomness,
+    count_verification,
+    median_seconds,
+    start_report,
+    time_verification,
+    verifier_laws,
 )  # fmt: skip
 
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 from specdec_cli import SpeculativeDecoder, load_recipe
-from specdec_cli.provenance import provenance
+from specdec_cli.results.provenance import provenance
 
 PROMPTS = [
     "Write a haiku about the sea.",

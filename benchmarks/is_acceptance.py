@@ -87,7 +87,7 @@ def expected_committed(verifier, target_probs, draft_probs, draft_tokens, t: int
 def committed(verifier, block, index: int) -> int:
     """Tokens one ``verify_block`` commits, with keyed draws (or a generator for a plugin without them)."""
     if getattr(verifier, "keyed_randomness", False):
-        from specdec_cli.randomness import Draws
+        from specdec_cli.base.randomness import Draws
 
         randomness = Draws.create(key=index, block_start=0)
     else:

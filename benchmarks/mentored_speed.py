@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from specdec_cli import load_verifier
-from specdec_cli.randomness import Draws
+from specdec_cli.base.randomness import Draws
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verifier_speed import block_laws  # noqa: E402

@@ -29,7 +29,7 @@ import torch
 import transformers
 
 from specdec_cli import SpeculativeDecoder, load_recipe
-from specdec_cli.recipe import DraftConfig
+from specdec_cli.base.recipe import DraftConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verify_vs_hf import cpu_name  # noqa: E402

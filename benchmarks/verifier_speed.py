@@ -8,7 +8,7 @@ likely tokens (as top-k 50 sampling would). Beside the time, the aten operations
 ``verify_block`` dispatches on the same laws and the host reads among them
 (:mod:`specdec_cli.device_path`): on a GPU at batch 1 the operations are the cost. On a GPU also the
 same block captured in one CUDA graph and replayed, where it has no host read: the replay alone, which
-``--compile`` runs there (specdec_cli/graphs.py) after copying the block's laws into the graph's inputs.
+``--compile`` runs there (specdec_cli/engine/graphs.py) after copying the block's laws into the graph's inputs.
 
 The reference forward is the default recipe's target (SmolLM2-135M) unless ``--target`` names a real
 shape built with random weights (``model_shapes.py``): on a GPU, Llama-3.1-8B is the target a
@@ -34,8 +34,8 @@ import torch
 import transformers
 
 from specdec_cli import BlockDecision, BlockVerifier, SpeculativeDecoder, load_recipe, load_verifier
-from specdec_cli.device_path import BlockCount, capture_cuda_graph, count_block
-from specdec_cli.randomness import Draws, Randomness
+from specdec_cli.base.randomness import Draws, Randomness
+from specdec_cli.engine.device_path import BlockCount, capture_cuda_graph, count_block
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_shapes import SHAPES, random_model  # noqa: E402

@@ -28,9 +28,9 @@ import transformers
 from transformers.generation.utils import _speculative_sampling
 
 from specdec_cli import load_verifier
-from specdec_cli.device_path import capture_cuda_graph
-from specdec_cli.randomness import Draws
-from specdec_cli.sampling import SamplingParams, sampling_law
+from specdec_cli.base.randomness import Draws
+from specdec_cli.base.sampling import SamplingParams, sampling_law
+from specdec_cli.engine.device_path import capture_cuda_graph
 
 PARAMS = SamplingParams(temperature=1.0)
 # Older transformers (before 5.2x) also ask whether the last candidate is an end of sequence: it is not.

@@ -22,17 +22,17 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 _WHERE = {
-    "Draft": "decoding",
-    "SpeculativeDecoder": "engine",
+    "Draft": "engine.decoding",
+    "SpeculativeDecoder": "engine.decoder",
     "SpecdecError": "errors",
-    "ModelPool": "model_pool",
+    "ModelPool": "models.pool",
     "DecodingConfig": "recipe",
     "Recipe": "recipe",
     "load_recipe": "recipe",
     "SamplingParams": "sampling",
     "probs_from_logits": "sampling",
-    "GenerationResult": "stats",
-    "SampleStats": "stats",
+    "GenerationResult": "results.stats",
+    "SampleStats": "results.stats",
     "BlockDecision": "verifiers",
     "BlockVerifier": "verifiers",
     "Verifier": "verifiers",

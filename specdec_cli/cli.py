@@ -13,12 +13,13 @@ import typer
 from rich.console import Console
 
 from . import __version__
+from .base.errors import SpecdecError
 from .commands.acceptance import acceptance
 from .commands.bench import bench
 from .commands.drafters import drafters
 from .commands.generate import generate
 from .commands.verifiers import verifiers
-from .errors import SpecdecError
+
 
 def _declared_metavar(self: typer.core.TyperOption, ctx: object) -> str | None:
     """Help shows the placeholder each option declares (N, FILE, NATS, …), never typer's own type

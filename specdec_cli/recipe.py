@@ -1,468 +1,54 @@
-"""Recipes: YAML files that name everything a run needs, read into frozen dataclasses.
+"""Recipes and DecodingConfig, for library users who build recipes in code.
 
-Reading goes YAML's safe loader → overrides (``--set a.b=c`` and the CLI's named flags)
-→ :func:`build_recipe`, which checks every key and type against the dataclasses below
-and reports problems with their field path (``speculation.draft_length: must be >= 1``)
-and a did-you-mean for unknown keys.
+This module only keeps the public import path; the names live in:
+
+- :mod:`specdec_cli.base.recipe`
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import importlib.resources
-import math
-import re
-import types
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-import yaml
-
-from .errors import RecipeError
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-AUTOREGRESSIVE = "none"
-"""Verifier name meaning "no speculation": the target decodes alone."""
-
-
-def target_alone(verifier_name: str) -> bool:
-    """Whether ``verifier_name`` is :data:`AUTOREGRESSIVE`, in any case and with any surrounding spaces."""
-    return verifier_name.strip().lower() == AUTOREGRESSIVE
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Where a model comes from and where it runs."""
-
-    model: str | None = None
-    """Hub id, local directory, ``.gguf`` file, or ``package:NAME/FILE`` (a file inside an installed Python package)."""
-    gguf_file: str | None = None
-    """GGUF file name inside ``model`` when ``model`` is a directory or hub id."""
-    dtype: str = "auto"
-    device: str = "auto"
-    device_map: str | None = None
-    revision: str | None = None
-    trust_remote_code: bool = False
-
-
-@dataclass(frozen=True)
-class DraftConfig(ModelConfig):
-    """A draft entry: its drafter, that drafter's parameters, its model (for a drafter that takes one), and its
-    own sampling settings (``None`` = the target's). A bare ``model:`` drafts with the model drafter."""
-
-    drafter: str | None = None
-    """A drafter plugin's name (``specdec drafters``); None: ``model``, or ``early-exit`` where ``early_exit`` is set."""
-    params: dict[str, Any] = field(default_factory=dict)
-    """The drafter's parameters (its constructor's keyword arguments)."""
-    early_exit: int | None = None
-    """Derive the draft from the target's first N layers (its final norm and head kept): no second checkpoint."""
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-
-
-@dataclass(frozen=True)
-class VerifierConfig:
-    name: str = "speculative"
-    params: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SpeculationConfig:
-    draft_length: int = 4
-    """L: tokens each draft proposes per block."""
-    num_drafts: int = 1
-    """K: independent draft sequences sampled from each draft config per block."""
-    kv_cache: bool = True
-    """False recomputes every forward from the whole sequence (a reference for testing cache rollback)."""
-    compile: bool = False
-    """Run the sampling laws and the verify step through ``torch.compile``; on a GPU the verify step is
-    captured in CUDA graphs instead (one launch per block): worth it where launches dominate; the first
-    blocks pay the compilation and the capture."""
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    """0 means greedy decoding."""
-    top_k: int = 0
-    """0 keeps the whole vocabulary."""
-    top_p: float = 1.0
-    chat: bool = False
-    """Apply the tokenizer's chat template to each prompt."""
-
-
-@dataclass(frozen=True)
-class Recipe:
-    target: ModelConfig
-    drafts: tuple[DraftConfig, ...] = ()
-    verifier: VerifierConfig = field(default_factory=VerifierConfig)
-    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    seed: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """The recipe as plain data; a draft entry leaves out a drafter and parameters it does not set, so a
-        recipe written before drafters reads as it did (results folders compare these to resume)."""
-        data = dataclasses.asdict(self)
-        for draft in data["drafts"]:
-            for key, unset in (("drafter", None), ("params", {})):
-                if draft[key] == unset:
-                    del draft[key]
-        return data
-
-    def decoding_config(self) -> "DecodingConfig":
-        """The recipe's settings apart from its models."""
-        return DecodingConfig(verifier=self.verifier, speculation=self.speculation, generation=self.generation,
-                              seed=self.seed)  # fmt: skip
-
-
-@dataclass(frozen=True, kw_only=True)
-class DecodingConfig:
-    """Settings of a decoding call: a recipe without its models.
-
-    :meth:`replace` takes flat names (``draft_length=8``, ``temperature=0.3``, ``verifier="block"``),
-    so a library caller need not know which section holds a setting.
-    """
-
-    verifier: VerifierConfig = field(default_factory=lambda: VerifierConfig(name=AUTOREGRESSIVE))
-    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    seed: int = 0
-
-    @property
-    def speculative(self) -> bool:
-        return not target_alone(self.verifier.name)
-
-    def replace(self, **changes: Any) -> "DecodingConfig":
-        """A copy with settings changed by flat name: ``verifier`` (a name; its parameters reset unless
-        ``verifier_params`` is given), ``verifier_params``, ``seed``, or any field of the speculation or
-        generation section."""
-        sections: dict[str, dict[str, Any]] = {"speculation": {}, "generation": {}}
-        verifier, top = self.verifier, {}
-        if "verifier" in changes:
-            verifier = VerifierConfig(name=changes.pop("verifier"))
-        if "verifier_params" in changes:
-            verifier = dataclasses.replace(verifier, params=dict(changes.pop("verifier_params")))
-        for name, value in changes.items():
-            owner = next((s for s in sections if name in _field_names(getattr(self, s))), None)
-            if owner is None and name != "seed":
-                valid = ["verifier", "verifier_params", "seed", *_field_names(self.speculation),
-                         *_field_names(self.generation)]  # fmt: skip
-                raise TypeError(f"unknown decoding setting '{name}'; valid: {', '.join(valid)}")
-            (sections[owner] if owner else top)[name] = value
-        return DecodingConfig(
-            verifier=verifier, speculation=dataclasses.replace(self.speculation, **sections["speculation"]),
-            generation=dataclasses.replace(self.generation, **sections["generation"]), seed=top.get("seed", self.seed),
-        )  # fmt: skip
-
-    def problems(self) -> list[tuple[str, str]]:
-        """(recipe path, what is wrong) for every value out of range; empty when the config is valid."""
-        checks = [
-            (self.speculation.draft_length >= 1, "speculation.draft_length", "must be >= 1"),
-            (self.speculation.num_drafts >= 1, "speculation.num_drafts", "must be >= 1"),
-            (self.generation.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1"),
-            (bool(self.verifier.name.strip()), "verifier.name", "must not be empty"),
-        ]
-        found = [(path, message) for ok, path, message in checks if not ok]
-        generation = self.generation
-        return found + sampling_problems("generation", generation.temperature, generation.top_k, generation.top_p)
-
-
-def _field_names(section: Any) -> list[str]:
-    return [f.name for f in dataclasses.fields(section)]
-
-
-def sampling_problems(owner: str, temperature: float | None, top_k: int | None, top_p: float | None
-                      ) -> list[tuple[str, str]]:  # fmt: skip
-    """(path, what is wrong) for ``owner``'s sampling settings out of range (None: not set, fine)."""
-    checks = [
-        (temperature is None or 0 <= temperature < math.inf, "temperature", "must be >= 0 and finite (0 = greedy)"),
-        (top_k is None or top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
-        (top_p is None or 0 < top_p <= 1, "top_p", "must be in (0, 1]"),
-    ]
-    return [(f"{owner}.{name}", message) for ok, name, message in checks if not ok]
-
-
-# --------------------------------------------------------------------------- reading
-
-
-class _RecipeLoader(yaml.SafeLoader):
-    """YAML's safe loader, also reading 1e-3 and 5E+2 as numbers: YAML 1.1, which PyYAML follows, wants a
-    dot in a float, so ``temperature: 1e-3`` would be the text '1e-3' and refused as "not a number"."""
-
-
-_RecipeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+from .base.recipe import (
+    AUTOREGRESSIVE,
+    DTYPES,
+    MAX_RECIPE_VALUES,
+    DecodingConfig,
+    DraftConfig,
+    GenerationConfig,
+    ModelConfig,
+    Recipe,
+    SpeculationConfig,
+    VerifierConfig,
+    apply_overrides,
+    build_recipe,
+    check_expanded_size,
+    load_recipe,
+    read_recipe_file,
+    sampling_problems,
+    set_path,
+    shipped_recipe_names,
+    target_alone,
+    validate,
 )
 
-
-def _parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_RecipeLoader)
-
-
-def shipped_recipe_names() -> list[str]:
-    folder = importlib.resources.files("specdec_cli.recipes")
-    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
-
-
-def read_recipe_file(recipe: str | Path | None) -> dict[str, Any]:
-    """The raw mapping of a recipe file, or of a shipped recipe named without ``.yaml``."""
-    if recipe is None:
-        recipe = "default"
-    path = Path(recipe)
-    if not path.exists() and str(recipe) in shipped_recipe_names():
-        text = (importlib.resources.files("specdec_cli.recipes") / f"{recipe}.yaml").read_text()
-        source = f"shipped recipe '{recipe}'"
-    else:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise RecipeError(
-                f"recipe file '{recipe}' not found; give a YAML file path or one of the shipped recipes: "
-                + ", ".join(shipped_recipe_names())
-            ) from None
-        except OSError as error:
-            raise RecipeError(f"cannot read recipe file '{recipe}': {error.strerror}") from None
-        except UnicodeDecodeError:
-            raise RecipeError(f"recipe file '{recipe}' is not UTF-8 text; a recipe is a YAML file") from None
-        source = str(recipe)
-    try:
-        data = _parse_yaml(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise RecipeError(f"YAML syntax error in {source}{where}: {problem}") from None
-    except RecursionError:
-        raise _too_deep(source) from None
-    check_expanded_size(data, source)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise RecipeError(f"{source} must be a YAML mapping of keys (target:, draft:, ...), not a {type(data).__name__}")
-    return data
-
-
-MAX_RECIPE_VALUES = 10_000
-"""Most values a recipe (or one --set value) may hold once its YAML aliases are expanded: a recipe
-is a few dozen settings, while nested aliases (the "billion laughs" pattern) expand exponentially and
-would hang every later step that walks the recipe."""
-
-
-def check_expanded_size(value: Any, source: str) -> None:
-    """Refuse ``value`` if it holds more than MAX_RECIPE_VALUES values with its aliases expanded, or
-    contains itself; counted with each shared node's size memoised, so the check itself stays fast."""
-    sizes: dict[int, int] = {}
-    open_nodes: set[int] = set()
-
-    def expanded(node: Any) -> int:
-        if not isinstance(node, (dict, list)):
-            return 1
-        if id(node) in sizes:
-            return sizes[id(node)]
-        if id(node) in open_nodes:
-            raise RecipeError(
-                f"{source} contains itself through a YAML alias (*name inside &name); write the values out"
-            )
-        open_nodes.add(id(node))
-        size = 1
-        for child in node.values() if isinstance(node, dict) else node:
-            size += expanded(child)
-            if size > MAX_RECIPE_VALUES:
-                raise RecipeError(
-                    f"{source} expands to more than {MAX_RECIPE_VALUES} values through its YAML aliases "
-                    "(&name/*name); write the settings out instead of nesting aliases"
-                )
-        open_nodes.discard(id(node))
-        sizes[id(node)] = size
-        return size
-
-    try:
-        expanded(value)
-    except RecursionError:
-        raise _too_deep(source) from None
-
-
-def _too_deep(source: str) -> RecipeError:
-    return RecipeError(f"{source} is nested too deeply to be a recipe setting; a recipe is a few levels of keys")
-
-
-def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
-    """Apply ``key.path=value`` assignments (value parsed as YAML) to a copy of ``data``."""
-    data = _deep_copy(data)
-    if any(a.startswith("drafts.") for a in assignments) and "draft" in data and "drafts" not in data:
-        data["drafts"] = [] if data["draft"] is None else [data.pop("draft")]  # 'draft:' is drafts.0
-    for assignment in assignments:
-        path, sep, raw_value = assignment.partition("=")
-        if not sep or not path.strip():
-            raise RecipeError(f"--set expects key.path=value, got '{assignment}' (e.g. --set generation.top_k=50)")
-        try:
-            value = _parse_yaml(raw_value) if raw_value.strip() else None
-        except yaml.YAMLError:
-            value = raw_value
-        except RecursionError:
-            raise _too_deep(f"--set {path.strip()}") from None
-        check_expanded_size(value, f"--set {path.strip()}")
-        set_path(data, path.strip(), value)
-    return data
-
-
-def set_path(data: dict[str, Any], path: str, value: Any) -> None:
-    """Set ``data[a][b]... = value`` for ``path = "a.b..."``; list items by index (``drafts.0.temperature``)."""
-    keys = path.split(".")
-    node: Any = data
-    for depth, key in enumerate(keys[:-1]):
-        node = _child(node, key, ".".join(keys[: depth + 1]), create=True)
-    last = keys[-1]
-    if isinstance(node, list):
-        node[_list_index(node, last, path)] = value
-    elif isinstance(node, dict):
-        node[last] = value
-    else:
-        parent = ".".join(keys[:-1])
-        raise RecipeError(f"cannot set '{path}': '{parent}' is a {type(node).__name__}, not a mapping; set '{parent}=…'")
-
-
-def _child(node: Any, key: str, path: str, create: bool) -> Any:
-    if isinstance(node, list):
-        return node[_list_index(node, key, path)]
-    if not isinstance(node, dict):
-        raise RecipeError(f"cannot set '{path}': its parent is a {type(node).__name__}, not a mapping")
-    if key not in node or node[key] is None:
-        node[key] = {}
-    return node[key]
-
-
-def _list_index(node: list, key: str, path: str) -> int:
-    if not key.isdigit() or int(key) >= len(node):
-        raise RecipeError(f"'{path}': use an index from 0 to {len(node) - 1} for this list")
-    return int(key)
-
-
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value
-
-
-# --------------------------------------------------------------------------- building
-
-
-def build_recipe(data: dict[str, Any]) -> Recipe:
-    """Check a raw recipe mapping and turn it into a :class:`Recipe`."""
-    data = dict(data)
-    if "draft" in data:
-        if "drafts" in data:
-            raise RecipeError("a recipe has either 'draft:' (one draft) or 'drafts:' (a list), not both")
-        draft = data.pop("draft")
-        data["drafts"] = [] if draft is None else [draft]
-    if "target" not in data or data["target"] is None:
-        raise RecipeError("the recipe has no 'target:' section; add e.g. target: {model: path/or/hub-id}")
-    recipe = _build(Recipe, data, "")
-    validate(recipe)
-    return recipe
-
-
-def load_recipe(recipe: str | Path | None = None, overrides: list[str] = ()) -> Recipe:
-    """Read, override and validate a recipe: the library's one entry point for recipes."""
-    return build_recipe(apply_overrides(read_recipe_file(recipe), list(overrides)))
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    where = path or "recipe"
-    if not isinstance(data, dict):
-        raise RecipeError(f"{where}: expected a mapping of keys, got {_describe(data)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    aliases = {"draft"} if cls is Recipe else set()
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields) + list(aliases), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
-            raise RecipeError(f"unknown key '{_join(path, key)}'{hint}")
-    values = {name: _convert(hints[name], data[name], _join(path, name)) for name in fields if name in data}
-    return cls(**values)
-
-
-# Scalar field types: what the error calls them, and which YAML values they take (bool is
-# an int in Python, so it is excluded from the numbers explicitly).
-_SCALARS: dict[type, tuple[str, Any]] = {
-    bool: ("true or false", lambda v: isinstance(v, bool)),
-    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-    str: ("a string", lambda v: isinstance(v, str)),
-}
-
-
-def _convert(hint: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, path)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, {} if value is None else value, path)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise RecipeError(f"{path}: expected a list, got {_describe(value)}")
-        return tuple(_convert(args[0], item, f"{path}.{i}") for i, item in enumerate(value))
-    if origin is dict:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise RecipeError(f"{path}: expected a mapping, got {_describe(value)}")
-        return dict(value)
-    if hint in _SCALARS:
-        expected, accepts = _SCALARS[hint]
-        if not accepts(value):
-            raise RecipeError(f"{path}: expected {expected}, got {_describe(value)}")
-        return hint(value)
-    return value
-
-
-def validate(recipe: Recipe) -> None:
-    """Value checks of a built recipe (also for recipes a grid derives from one): a RecipeError if any fails."""
-    problems = recipe.decoding_config().problems()
-    for i, draft in enumerate(recipe.drafts):
-        problems += sampling_problems(f"drafts.{i}", draft.temperature, draft.top_k, draft.top_p)
-    models = [("target", recipe.target)] + [(f"drafts.{i}", d) for i, d in enumerate(recipe.drafts)]
-    checks: list[tuple[bool, str, str]] = []
-    for owner, spec in models:
-        checks.append((spec.dtype in DTYPES, f"{owner}.dtype", f"must be one of {', '.join(DTYPES)}"))
-        checks.append((_valid_device(spec.device), f"{owner}.device", "must be auto, cpu, cuda or cuda:N"))
-    checks.append((recipe.target.model is not None, "target.model", "is required (hub id, local directory or .gguf file)"))
-    for i, draft in enumerate(recipe.drafts):
-        if draft.early_exit is not None:
-            checks.append((draft.early_exit >= 1, f"drafts.{i}.early_exit", "must be >= 1 (number of target layers)"))
-            checks.append((draft.model is None, f"drafts.{i}", "give either 'model' or 'early_exit', not both"))
-        # What else an entry needs depends on its drafter: DrafterRegistry.entry_problem, before any model loads.
-    problems += [(path, message) for ok, path, message in checks if not ok]
-    for path, message in problems:
-        raise RecipeError(f"{path}: {message}")
-
-
-def _valid_device(device: str) -> bool:
-    if device in ("auto", "cpu", "cuda", "mps"):
-        return True
-    kind, _, index = device.partition(":")
-    return kind == "cuda" and index.isdigit()
-
-
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "nothing (null)"
-    return f"{type(value).__name__} {value!r}"
+__all__ = [
+    "AUTOREGRESSIVE",
+    "DTYPES",
+    "DecodingConfig",
+    "DraftConfig",
+    "GenerationConfig",
+    "MAX_RECIPE_VALUES",
+    "ModelConfig",
+    "Recipe",
+    "SpeculationConfig",
+    "VerifierConfig",
+    "apply_overrides",
+    "build_recipe",
+    "check_expanded_size",
+    "load_recipe",
+    "read_recipe_file",
+    "sampling_problems",
+    "set_path",
+    "shipped_recipe_names",
+    "target_alone",
+    "validate",
+]

@@ -51,10 +51,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec_cli.laws import TINY, normalized_or
-from specdec_cli.randomness import Draws, Randomness, Stream, uniforms_from
-from specdec_cli.sampling import sample_with
-from specdec_cli.verifiers import BatchDecision, BlockDecision, Verifier, device_path, reads_are_free
+from specdec_cli.base.randomness import Draws, Randomness, Stream, uniforms_from
+from specdec_cli.base.sampling import sample_with
+from specdec_cli.plugins.laws import TINY, normalized_or
+from specdec_cli.plugins.verifiers import BatchDecision, BlockDecision, Verifier, device_path, reads_are_free
 
 from ._pair_selection import FreeSet, Tail, solve_free_problems
 from .speculative import SpeculativeSampling

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec_cli.verifiers import reads_are_free
+from specdec_cli.plugins.verifiers import reads_are_free
 
 _FLOW_RESOLUTION = 2.0**30  # the largest capacity in int32 steps (scipy's maximum flow takes int32)
 _RANK_SHIFT = 16  # float32 bits >> 16: the exponent and the top 7 mantissa bits of a non-negative value

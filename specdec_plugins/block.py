@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.laws import TINY, commit_after, normalized_or, row_at, single_draft_draws
-from specdec_cli.verifiers import BlockVerifier
+from specdec_cli.plugins.laws import TINY, commit_after, normalized_or, row_at, single_draft_draws
+from specdec_cli.plugins.verifiers import BlockVerifier
 
 
 class BlockVerification(BlockVerifier):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from specdec_cli.errors import UsageError
+from specdec_cli.base.errors import UsageError
 
 from ._importance import ImportanceSampling
 

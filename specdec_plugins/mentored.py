@@ -53,20 +53,25 @@ reachable from this project's machines, so nothing here is taken from it.
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import functools
 import math
 from collections.abc import Callable
+from typing import Annotated
 
 import torch
 from torch.nn.functional import pad
 
-from specdec_cli.laws import (
-    commit_known, excess_or, first_accepted, normalized_or, row_at, single_draft_block, single_draft_draws,
+from specdec_cli.plugins.laws import (
+    commit_known,
+    excess_or,
+    first_accepted,
+    normalized_or,
+    row_at,
+    single_draft_block,
+    single_draft_draws,
     uniforms_like,
-)  # fmt: skip
-from specdec_cli.verifiers import BlockDecision, Verifier, reads_are_free
+)
+from specdec_cli.plugins.verifiers import BlockDecision, Verifier, reads_are_free
 
 from ._workspace import per_thread
 

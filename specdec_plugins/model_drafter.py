@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec_cli.drafting import DraftRequest, Drafter, DraftSetup, Proposal
-from specdec_cli.model_session import ModelSession
-from specdec_cli.sampling import SamplingParams, sample_with
+from specdec_cli.base.sampling import SamplingParams, sample_with
+from specdec_cli.engine.session import ModelSession
+from specdec_cli.plugins.drafting import Drafter, DraftRequest, DraftSetup, Proposal
 
 
 class ModelDrafter(Drafter):

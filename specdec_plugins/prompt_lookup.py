@@ -17,8 +17,7 @@ from typing import Annotated
 
 import torch
 
-from specdec_cli.drafting import SequenceDrafter, SequenceProposal, SequenceRequest, one_hot_laws
-
+from specdec_cli.plugins.drafting import SequenceDrafter, SequenceProposal, SequenceRequest, one_hot_laws
 
 _JOIN = -1
 """Between an encoder-decoder's prompt and its decoder ids in the searched sequence: no token's id."""

@@ -18,10 +18,22 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.laws import TINY, first_accepted, normalized_excess, one_hot_mass, ratio_acceptance, uniforms_like
-from specdec_cli.verifiers import (
-    Verifier, decide_problems, prefix_agreement, problem_members, reads_are_free, walk_reading,
-)  # fmt: skip
+from specdec_cli.plugins.laws import (
+    TINY,
+    first_accepted,
+    normalized_excess,
+    one_hot_mass,
+    ratio_acceptance,
+    uniforms_like,
+)
+from specdec_cli.plugins.verifiers import (
+    Verifier,
+    decide_problems,
+    prefix_agreement,
+    problem_members,
+    reads_are_free,
+    walk_reading,
+)
 
 from .speculative import SpeculativeSampling
 

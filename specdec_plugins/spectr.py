@@ -37,11 +37,17 @@ import math
 
 import torch
 
-from specdec_cli.errors import UsageError
-from specdec_cli.laws import TINY, first_accepted, normalized_or, one_hot_mass, ratio_acceptance, uniforms_like
-from specdec_cli.verifiers import (
-    BlockDecision, Verifier, decide_problems, prefix_agreement, problem_members, reads_are_free, walk_reading,
-)  # fmt: skip
+from specdec_cli.base.errors import UsageError
+from specdec_cli.plugins.laws import TINY, first_accepted, normalized_or, one_hot_mass, ratio_acceptance, uniforms_like
+from specdec_cli.plugins.verifiers import (
+    BlockDecision,
+    Verifier,
+    decide_problems,
+    prefix_agreement,
+    problem_members,
+    reads_are_free,
+    walk_reading,
+)
 
 from ._workspace import per_thread
 from .speculative import SpeculativeSampling

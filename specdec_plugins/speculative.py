@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.laws import (
-    excess_weights, first_accepted, normalized_excess, one_hot_mass, ratio_acceptance, row_at, single_draft_block,
+from specdec_cli.plugins.laws import (
+    excess_weights,
+    first_accepted,
+    normalized_excess,
+    one_hot_mass,
+    ratio_acceptance,
+    row_at,
+    single_draft_block,
     uniforms_like,
-)  # fmt: skip
-from specdec_cli.verifiers import Verifier
+)
+from specdec_cli.plugins.verifiers import Verifier
 
 
 class SpeculativeSampling(Verifier):

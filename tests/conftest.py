@@ -11,7 +11,7 @@ import torch
 import yaml
 from transformers.utils import logging as hf_logging
 
-from specdec_cli.testing import save_tiny_model
+from specdec_cli.kit.testing import save_tiny_model
 
 # Never wait on the network: a hub id that is not cached must fail at once.
 os.environ["HF_HUB_OFFLINE"] = "1"

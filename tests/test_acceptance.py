@@ -10,9 +10,9 @@ import torch
 
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.acceptance import OPTIMUM, AcceptanceAnalysis, AcceptanceRequest, AcceptanceRow
-from specdec_cli.randomness import sample_key
-from specdec_cli.recipe import build_recipe
-from specdec_cli.verifiers import VerifierRegistry
+from specdec_cli.base.randomness import sample_key
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.plugins.registry import VerifierRegistry
 from tests.conftest import tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401  (the CLI fixture)
 
@@ -175,7 +175,7 @@ def test_cli_bad_lists(run, tiny_models, write_recipe):  # noqa: F811
 
 
 def test_cli_limit_shuffle_and_prompt_arguments(run, tiny_models, write_recipe, tmp_path):  # noqa: F811
-    from specdec_cli.inputs import subset
+    from specdec_cli.base.inputs import subset
 
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 3})))
     prompts = ["a", "b c", "d e a", "c c", "e"]

@@ -140,8 +140,8 @@ def test_world_size_without_torchrun_is_one_line(run, inputs, monkeypatch):
 
 def test_an_unwritable_cache_is_refused_before_the_conversion(tmp_path, monkeypatch):
     """The GGUF conversion takes a minute on the default model: the cache is checked first."""
-    from specdec_cli.errors import UsageError
-    from specdec_cli.models import _cached_gguf_conversion
+    from specdec_cli.base.errors import UsageError
+    from specdec_cli.models.loading import _cached_gguf_conversion
 
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     (tmp_path / "not-a-folder").write_text("")

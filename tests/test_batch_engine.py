@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from specdec_cli import SpeculativeDecoder
-from specdec_cli.drafting import Proposal, SequenceRequest
-from specdec_cli.engine import DecodingRun, SequenceJob
-from specdec_cli.errors import UsageError
-from specdec_cli.recipe import build_recipe
-from specdec_cli.sampling import SamplingParams
-from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
-from specdec_cli.verifiers import device_path
+from specdec_cli.base.errors import UsageError
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.base.sampling import SamplingParams
+from specdec_cli.engine.decoder import DecodingRun, SequenceJob
+from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law
+from specdec_cli.plugins.drafting import Proposal, SequenceRequest
+from specdec_cli.plugins.verifiers import device_path
 from specdec_plugins.model_drafter import ModelDrafter
 from specdec_plugins.prompt_lookup import PromptLookup
 from specdec_plugins.speculative import SpeculativeSampling
@@ -167,8 +167,8 @@ def test_a_bart_target_is_refused_before_decoding(tiny_models):
 
 
 def test_running_out_of_memory_in_a_batch_is_one_line_naming_the_batch_size(tiny_models, monkeypatch):
-    from specdec_cli.errors import SpecdecError
-    from specdec_cli.model_session import ModelSession
+    from specdec_cli.base.errors import SpecdecError
+    from specdec_cli.engine.session import ModelSession
 
     decoder = _decoder(tiny_models, "llama")
 
@@ -193,7 +193,7 @@ def test_a_run_after_an_interrupted_one_gives_the_same_samples(tiny_models):
 
 @pytest.mark.parametrize("bad", ["shape", "lengths", "raises"])
 def test_a_batched_drafters_bad_proposal_is_one_line_naming_it(tiny_models, monkeypatch, bad):
-    from specdec_cli.errors import SpecdecError
+    from specdec_cli.base.errors import SpecdecError
     from specdec_plugins.model_drafter import ModelDrafter
 
     decoder = _decoder(tiny_models, "llama")
@@ -261,7 +261,7 @@ def test_a_proposal_shorter_than_asked_cuts_the_block_as_alone(tiny_models):
 
 
 def test_a_drafter_without_batch_methods_that_raises_is_one_line(tiny_models):
-    from specdec_cli.errors import SpecdecError
+    from specdec_cli.base.errors import SpecdecError
 
     drafters = DrafterRegistryWith({"failing-lookup": FailingLookup})
     recipe = tiny_recipe(tiny_models, "llama")

@@ -12,7 +12,8 @@ from collections import Counter
 
 import pytest
 import torch
-from specdec_cli.testing import (
+
+from specdec_cli.kit.testing import (
     adversarial_distribution_pairs,
     chi_square_p_value,
     committed_block_law,
@@ -22,7 +23,8 @@ from specdec_cli.testing import (
     random_sequence_laws,
     target_sequence_law,
 )
-from specdec_cli.verifiers import BlockDecision, load_verifier
+from specdec_cli.plugins.registry import load_verifier
+from specdec_cli.plugins.verifiers import BlockDecision
 from tests.test_cli import run  # noqa: F401  (the CLI fixture)
 
 
@@ -227,9 +229,9 @@ def test_block_keeps_the_target_law_through_the_cli(tiny_models, write_recipe, r
     import json
 
     from specdec_cli import SpeculativeDecoder
-    from specdec_cli.recipe import build_recipe
-    from specdec_cli.sampling import SamplingParams
-    from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
+    from specdec_cli.base.recipe import build_recipe
+    from specdec_cli.base.sampling import SamplingParams
+    from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law
     from tests.conftest import tiny_recipe
 
     depth, samples = 3, 1200

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdec_cli.cli import main
-from specdec_cli.testing import save_tiny_model, tiny_model, tiny_tokenizer
+from specdec_cli.kit.testing import save_tiny_model, tiny_model, tiny_tokenizer
 from tests.conftest import tiny_recipe
 
 

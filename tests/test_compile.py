@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from specdec_cli import SpeculativeDecoder
-from specdec_cli.errors import UsageError
-from specdec_cli.randomness import Draws
-from specdec_cli.recipe import build_recipe
-from specdec_cli.verifiers import VerifierRegistry, device_path, load_verifier
+from specdec_cli.base.errors import UsageError
+from specdec_cli.base.randomness import Draws
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.plugins.registry import VerifierRegistry, load_verifier
+from specdec_cli.plugins.verifiers import device_path
 from specdec_plugins.speculative import SpeculativeSampling
 from tests.conftest import tiny_recipe
 from tests.test_device_path import random_block

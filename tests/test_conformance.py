@@ -10,9 +10,9 @@ from typing import Annotated
 import pytest
 import torch
 
-from specdec_cli.registry import VerifierRegistry
-from specdec_cli.testing import ConformanceError, check_verifier
-from specdec_cli.verifiers import BlockDecision, BlockVerifier
+from specdec_cli.kit.conformance import ConformanceError, check_verifier
+from specdec_cli.plugins.registry import VerifierRegistry
+from specdec_cli.plugins.verifiers import BlockDecision, BlockVerifier
 from specdec_plugins.mentored import MentoredDecoding, solve
 from specdec_plugins.speculative import SpeculativeSampling
 

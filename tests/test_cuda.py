@@ -8,7 +8,7 @@ one LP read and the upload of the LP's answer);
 (c) a block captured in a CUDA graph (``torch.cuda.graph``: any sync aborts a capture) and replayed on new
 laws decides as the eager block;
 (d) the engine's ``speculation.compile`` on a GPU (the verify step replayed from CUDA graphs,
-:mod:`specdec_cli.graphs`) decides as the eager engine.
+:mod:`specdec_cli.engine.graphs`) decides as the eager engine.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ import pytest
 import torch
 
 from specdec_cli import SpeculativeDecoder
-from specdec_cli.device_path import capture_cuda_graph, count_block
-from specdec_cli.graphs import CapturedVerifyStep
-from specdec_cli.randomness import Draws
-from specdec_cli.recipe import build_recipe
-from specdec_cli.registry import VerifierFault
-from specdec_cli.verifiers import VerifierRegistry, load_verifier
+from specdec_cli.base.randomness import Draws
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.engine.device_path import capture_cuda_graph, count_block
+from specdec_cli.engine.graphs import CapturedVerifyStep
+from specdec_cli.plugins.registry import VerifierFault, VerifierRegistry, load_verifier
 from specdec_plugins.speculative import SpeculativeSampling
 from tests.conftest import tiny_recipe
 from tests.test_device_path import BLOCK_KINDS, CASES, Case, _blocks, random_block

@@ -19,9 +19,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from specdec_cli import BlockDecision, BlockVerifier, load_verifier
-from specdec_cli.device_path import BlockCount, OperationCount, count_block, is_host_copy
-from specdec_cli.randomness import Draws
-from specdec_cli.verifiers import device_path
+from specdec_cli.base.randomness import Draws
+from specdec_cli.engine.device_path import BlockCount, OperationCount, count_block, is_host_copy
+from specdec_cli.plugins.verifiers import device_path
 
 VOCABULARIES = (64, 4096)
 LENGTHS = (4, 8)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from specdec_cli import SpeculativeDecoder
-from specdec_cli.errors import NonFiniteLogitsError
-from specdec_cli.recipe import build_recipe
-from specdec_cli.verifiers import device_path
+from specdec_cli.base.errors import NonFiniteLogitsError
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.plugins.verifiers import device_path
 from tests.conftest import tiny_recipe
 
 CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__array__")

@@ -1,6 +1,6 @@
 """One rule for "which draft rows, and are their laws identical" (issue 19, item 2).
 
-The engine, bench's grid and acceptance all ask :mod:`specdec_cli.draft_rows`; these tests hold
+The engine, bench's grid and acceptance all ask :mod:`specdec_cli.plugins.draft_rows`; these tests hold
 them to the same answers, and run the bench command a new user tried on a two-draft recipe.
 """
 
@@ -11,12 +11,13 @@ import json
 
 import pytest
 
+from specdec_cli.base.errors import UsageError
+from specdec_cli.base.recipe import build_recipe
 from specdec_cli.bench.grid import Grid, GridCell
-from specdec_cli.draft_rows import DraftRows, draft_law, recipe_draft_rows, round_robin
-from specdec_cli.engine import SpeculativeDecoder
-from specdec_cli.errors import UsageError
-from specdec_cli.recipe import build_recipe
-from specdec_cli.registry import VerifierRegistry
+from specdec_cli.engine.decoder import SpeculativeDecoder
+from specdec_cli.plugins.draft_rows import DraftRows, round_robin
+from specdec_cli.plugins.drafter_registry import draft_law, recipe_draft_rows
+from specdec_cli.plugins.registry import VerifierRegistry
 from tests.conftest import tiny_recipe
 from tests.test_bench import _bench_args, data  # noqa: F401  (the data fixture)
 from tests.test_cli import run  # noqa: F401  (the CLI fixture)

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from specdec_cli import SpeculativeDecoder
-from specdec_cli.drafter_registry import DrafterRegistry
-from specdec_cli.drafting import DraftSetup, SequenceProposal, SequenceRequest, block_length
-from specdec_cli.errors import SpecdecError, UsageError
-from specdec_cli.recipe import build_recipe
-from specdec_cli.registry import VerifierRegistry
-from specdec_cli.sampling import SamplingParams, sampling_law
-from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
-from specdec_cli.testing import ConformanceError, check_drafter
+from specdec_cli.base.errors import SpecdecError, UsageError
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.base.sampling import SamplingParams, sampling_law
+from specdec_cli.kit.conformance import ConformanceError, check_drafter
+from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law
+from specdec_cli.plugins.drafter_registry import DrafterRegistry
+from specdec_cli.plugins.drafting import DraftSetup, SequenceProposal, SequenceRequest, block_length
+from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_plugins.prompt_lookup import PromptLookup
 from tests.conftest import tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401
@@ -389,7 +389,7 @@ def test_acceptance_names_a_draft_entry_without_its_model(run, tiny_models, writ
 def test_the_recipe_and_the_engine_agree_on_identical_laws(tiny_models, drafts, identical):
     """One rule decides which rows draw from one law, before the models load and after (bench keeps the cells
     that the engine then takes)."""
-    from specdec_cli.draft_rows import recipe_draft_rows
+    from specdec_cli.plugins.drafter_registry import recipe_draft_rows
 
     decoder = _decoder(tiny_models, drafts, verifier={"name": "specinfer"})
     recipe = tiny_recipe(tiny_models)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from specdec_cli import SpeculativeDecoder
-from specdec_cli.recipe import build_recipe
-from specdec_cli.sampling import SamplingParams, probs_from_logits
-from specdec_cli.testing import EOS_ID, chi_square_p_value, exact_sequence_law
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.base.sampling import SamplingParams, probs_from_logits
+from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law
 from tests.conftest import tiny_recipe
 
 PROMPT = "a b c d"
@@ -136,7 +136,7 @@ def test_same_seed_same_output_and_seeds_differ(tiny_models):
 
 
 def test_padded_vocabulary_is_aligned(tmp_path, tiny_models):
-    from specdec_cli.testing import save_tiny_model
+    from specdec_cli.kit.testing import save_tiny_model
 
     padded = save_tiny_model(tmp_path / "padded-draft", "llama", seed=9, layers=1, vocab_size=12)
     recipe = tiny_recipe(tiny_models, "llama")
@@ -243,7 +243,7 @@ def test_engine_acceptance_matches_the_verifiers_closed_form(tiny_models, name, 
 
 
 def test_spectr_refuses_drafts_of_different_temperatures(tiny_models):
-    from specdec_cli.errors import UsageError
+    from specdec_cli.base.errors import UsageError
 
     with pytest.raises(UsageError, match="needs identical drafts"):
         SpeculativeDecoder.from_recipe(build_recipe(_multi_draft_recipe(tiny_models, "spectr", 2, True)))

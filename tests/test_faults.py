@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec_cli.results_store import SAMPLES, ResultsStore
+from specdec_cli.results.store import SAMPLES, ResultsStore
 from tests.conftest import interruptible, tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401  (the fixture)
 

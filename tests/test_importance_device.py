@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 import torch
 
-from specdec_cli.device_path import count_block
-from specdec_cli.randomness import Draws
-from specdec_cli.testing import (
+from specdec_cli.base.randomness import Draws
+from specdec_cli.engine.device_path import count_block
+from specdec_cli.kit.testing import (
     chi_square_p_value,
     committed_block_law,
     decision_outcomes,
@@ -22,7 +22,8 @@ from specdec_cli.testing import (
     random_distributions,
     random_sequence_laws,
 )
-from specdec_cli.verifiers import device_path, load_verifier, walk_alive_rows
+from specdec_cli.plugins.registry import load_verifier
+from specdec_cli.plugins.verifiers import device_path, walk_alive_rows
 from specdec_plugins import _pair_selection
 from specdec_plugins._importance import BlockUniforms, Problems, commit_runs
 from specdec_plugins.is_truncated import ImportanceSamplingTruncated

@@ -10,10 +10,11 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from specdec_cli.device_path import OperationCount
-from specdec_cli.randomness import Draws
-from specdec_cli.testing import random_distributions
-from specdec_cli.verifiers import device_path, load_verifier
+from specdec_cli.base.randomness import Draws
+from specdec_cli.engine.device_path import OperationCount
+from specdec_cli.kit.testing import random_distributions
+from specdec_cli.plugins.registry import load_verifier
+from specdec_cli.plugins.verifiers import device_path
 from specdec_plugins import mentored
 
 pytestmark = pytest.mark.usefixtures("one_thread")

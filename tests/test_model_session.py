@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec_cli.model_session import ModelSession, batch_problem, next_token_logits
-from specdec_cli.models import LoadedModel
-from specdec_cli.testing import tiny_model, tiny_tokenizer
+from specdec_cli.engine.session import ModelSession, batch_problem, next_token_logits
+from specdec_cli.kit.testing import tiny_model, tiny_tokenizer
+from specdec_cli.models.loading import LoadedModel
 
 VOCAB = 8
 

@@ -9,9 +9,9 @@ from typing import Annotated, Literal, Optional
 
 import pytest
 
-from specdec_cli.drafter_registry import DrafterRegistry
-from specdec_cli.parameters import UNCHECKED, parameter_specs, parameters_problem
-from specdec_cli.registry import PluginParameterError, VerifierRegistry
+from specdec_cli.plugins.drafter_registry import DrafterRegistry
+from specdec_cli.plugins.parameters import UNCHECKED, parameter_specs, parameters_problem
+from specdec_cli.plugins.registry import PluginParameterError, VerifierRegistry
 from specdec_plugins.early_exit_drafter import EarlyExitDrafter
 from specdec_plugins.speculative import SpeculativeSampling
 from tests.conftest import tiny_recipe

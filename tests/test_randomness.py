@@ -12,14 +12,14 @@ import torch
 from scipy import stats
 
 from specdec_cli import SpeculativeDecoder
-from specdec_cli.errors import UsageError
-from specdec_cli.randomness import SCHEME, Draws, Stream, block_generator, sample_key, uniforms_from, uniforms_of
-from specdec_cli.recipe import build_recipe
-from specdec_cli.results_store import ResultsStore
-from specdec_cli.sampling import sample_with
-from specdec_cli.testing import chi_square_p_value, random_sequence_laws, target_sequence_law
-from specdec_cli.verifiers import BlockDecision
-from specdec_cli.laws import normalized_excess, ratio_acceptance
+from specdec_cli.base.errors import UsageError
+from specdec_cli.base.randomness import SCHEME, Draws, Stream, block_generator, sample_key, uniforms_from, uniforms_of
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.base.sampling import sample_with
+from specdec_cli.kit.testing import chi_square_p_value, random_sequence_laws, target_sequence_law
+from specdec_cli.plugins.laws import normalized_excess, ratio_acceptance
+from specdec_cli.plugins.verifiers import BlockDecision
+from specdec_cli.results.store import ResultsStore
 from specdec_plugins.speculative import SpeculativeSampling
 from tests.conftest import tiny_recipe
 

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from specdec_cli.commands.common import RecipeOptions
-from specdec_cli.errors import RecipeError
-from specdec_cli.recipe import (
-    apply_overrides, build_recipe, load_recipe, read_recipe_file, shipped_recipe_names, target_alone
+from specdec_cli.base.errors import RecipeError
+from specdec_cli.base.recipe import (
+    apply_overrides,
+    build_recipe,
+    load_recipe,
+    read_recipe_file,
+    shipped_recipe_names,
+    target_alone,
 )
+from specdec_cli.commands.common import RecipeOptions
 
 BASE = {"target": {"model": "some/target"}, "draft": {"model": "some/draft"}}
 

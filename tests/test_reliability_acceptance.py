@@ -24,7 +24,7 @@ def test_a_draft_count_that_cannot_fit_in_memory_is_one_line(run, inputs):  # no
 def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_table(run, inputs, monkeypatch, tmp_path):  # noqa: F811
     import errno
 
-    from specdec_cli import results_store
+    from specdec_cli.results import store as results_store
 
     out = tmp_path / "out"
     args = ["acceptance", "-r", inputs["recipe"], "--prompt", "a b", "--num-drafts", "1", "--verifier", "speculative",

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec_cli.recipe import build_recipe
-from specdec_cli.registry import VerifierRegistry
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.plugins.registry import VerifierRegistry
 from tests.conftest import tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401  (the CLI fixture)
 
@@ -68,7 +68,7 @@ def _nan_draft(folder: Path, first_nan_position: int) -> Path:
     """A gpt2 draft whose position embeddings from ``first_nan_position`` on are NaN: from 20 on, its
     logits turn NaN only on a long prompt, so a cell that drafts with it fails on that example; from 0
     on, on its warm-up."""
-    from specdec_cli.testing import tiny_model, tiny_tokenizer
+    from specdec_cli.kit.testing import tiny_model, tiny_tokenizer
 
     model = tiny_model("gpt2", seed=4, layers=1)
     with torch.no_grad():

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec_cli import calibration
-from specdec_cli.engine import SpeculativeDecoder
-from specdec_cli.recipe import build_recipe
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.engine.decoder import SpeculativeDecoder
+from specdec_cli.generation import calibration
 from tests.conftest import tiny_recipe
 from tests.test_bad_inputs import BENCH_DATA, inputs  # noqa: F401  (the fixture)
 from tests.test_cli import _one_error_line, run  # noqa: F401  (the fixture)
@@ -65,7 +65,7 @@ def _cache_entry(tmp_path: Path) -> Path:
 def test_calibration_takes_the_least_of_several_timed_runs_and_dates_it(decoder, tmp_path, monkeypatch):
     """A busy moment during one timed run (here: its draft time ×50) does not become the machine's figure."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    monkeypatch.setattr("specdec_cli.calibration._plausible", lambda cost, decoder: True)  # a busy CI machine measures slow
+    monkeypatch.setattr("specdec_cli.generation.calibration._plausible", lambda cost, decoder: True)  # a busy CI machine measures slow
     runs = []
     original = SpeculativeDecoder.generate_ids
 
@@ -199,7 +199,7 @@ def full_disk_for(monkeypatch):
 
 
 def test_a_full_disk_while_replacing_a_file_leaves_the_old_one(tmp_path, full_disk_for):
-    from specdec_cli.inputs import write_atomically
+    from specdec_cli.base.inputs import write_atomically
 
     path = tmp_path / "results.json"
     path.write_text('{"old": true}\n')

@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from specdec_cli.engine import SpeculativeDecoder
-from specdec_cli.errors import NonFiniteLogitsError
+from specdec_cli.base.errors import NonFiniteLogitsError
+from specdec_cli.engine.decoder import SpeculativeDecoder
 from tests.test_bad_inputs import inputs  # noqa: F401  (the fixture)
 from tests.test_cli import _one_error_line, recipe_path, run  # noqa: F401  (the fixtures)
 
@@ -182,7 +182,7 @@ def test_threads_is_applied_and_recorded(run, recipe_path, restore_threads, veri
 @pytest.mark.parametrize("verifiers", [["--verifier", "speculative,none"], []])
 def test_recalibrate_measures_the_draft_cost_again(run, recipe_path, monkeypatch, tmp_path, verifiers):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("specdec_cli.calibration._plausible", lambda cost, decoder: True)  # a busy CI machine measures slow
+    monkeypatch.setattr("specdec_cli.generation.calibration._plausible", lambda cost, decoder: True)  # a busy CI machine measures slow
     args = ["generate", "-r", recipe_path, "--max-new-tokens", "3", *verifiers, "a b"]
     assert run(args)[0] == 0
     (cached,) = (tmp_path / "cache" / "calibration").glob("*.json")

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
+from specdec_cli.base.errors import RecipeError, SpecdecError
+from specdec_cli.base.inputs import cache_dir
+from specdec_cli.base.recipe import check_expanded_size
+from specdec_cli.base.sampling import SamplingParams, sampling_law
 from specdec_cli.bench.tasks import DataSource, load_examples
-from specdec_cli.errors import RecipeError, SpecdecError
-from specdec_cli.inputs import cache_dir
-from specdec_cli.models import STALE_STAGING_AFTER_S, _cached_gguf_conversion, remove_stale_staging
-from specdec_cli.recipe import check_expanded_size
-from specdec_cli.sampling import SamplingParams, sampling_law
+from specdec_cli.models.loading import STALE_STAGING_AFTER_S, _cached_gguf_conversion, remove_stale_staging
 from tests.conftest import tiny_recipe
 from tests.test_bad_inputs import inputs  # noqa: F401  (the fixture)
 from tests.test_cli import _one_error_line, recipe_path, run  # noqa: F401  (fixtures)
@@ -281,7 +281,7 @@ def _write_tiny_gguf(path: Path) -> Path:
     token, which transformers adds to a GGUF llama tokenizer that lacks one."""
     import gguf
 
-    from specdec_cli.testing import EOS_ID, PAD_ID, TINY_VOCAB, tiny_model
+    from specdec_cli.kit.testing import EOS_ID, PAD_ID, TINY_VOCAB, tiny_model
 
     vocab = [*TINY_VOCAB, "<s>"]
     model = tiny_model("llama", seed=1, vocab_size=len(vocab))

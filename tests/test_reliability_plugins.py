@@ -22,10 +22,10 @@ import torch
 from stevedore.extension import ExtensionManager
 
 from specdec_cli import SpeculativeDecoder
-from specdec_cli.errors import SpecdecError, UsageError
-from specdec_cli.recipe import build_recipe
-from specdec_cli.registry import PluginEntry, VerifierRegistry
-from specdec_cli.verifiers import BlockDecision, BlockVerifier
+from specdec_cli.base.errors import SpecdecError, UsageError
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.plugins.registry import PluginEntry, VerifierRegistry
+from specdec_cli.plugins.verifiers import BlockDecision, BlockVerifier
 from tests.conftest import tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401
 
@@ -460,7 +460,7 @@ def test_a_prompt_too_large_to_encode_says_to_shorten_it(tiny_models):
 
 
 def test_running_out_of_memory_later_names_the_options_to_lower(tiny_models, monkeypatch):
-    from specdec_cli.engine import DecodingRun
+    from specdec_cli.engine.decoder import DecodingRun
 
     decoder = _decoder(tiny_models, VerifierRegistry(), "speculative", generation={"max_new_tokens": 20})
     score = DecodingRun._score

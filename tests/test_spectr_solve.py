@@ -16,10 +16,10 @@ import torch
 
 import specdec_plugins.spectr as spectr
 from specdec_cli import load_verifier
-from specdec_cli.device_path import OperationCount, count_block
-from specdec_cli.randomness import Draws
-from specdec_cli.testing import adversarial_distribution_pairs, random_distributions
-from specdec_cli.verifiers import Verifier, device_path
+from specdec_cli.base.randomness import Draws
+from specdec_cli.engine.device_path import OperationCount, count_block
+from specdec_cli.kit.testing import adversarial_distribution_pairs, random_distributions
+from specdec_cli.plugins.verifiers import Verifier, device_path
 from tests.test_device_path import BLOCK_KINDS, random_block
 
 mpmath.mp.dps = 40

@@ -6,8 +6,8 @@ import pytest
 import torch
 from stevedore import driver
 
-from specdec_cli.testing import adversarial_distribution_pairs, enumerate_output_law, random_distributions
-from specdec_cli.verifiers import VerifierParameterError, load_verifier
+from specdec_cli.kit.testing import adversarial_distribution_pairs, enumerate_output_law, random_distributions
+from specdec_cli.plugins.registry import VerifierParameterError, load_verifier
 from specdec_plugins.speculative import SpeculativeSampling
 
 

@@ -9,11 +9,12 @@ import torch
 
 from specdec_cli import ModelPool, SpeculativeDecoder
 from specdec_cli.acceptance import AcceptanceAnalysis, AcceptanceRequest, AcceptanceRow
+from specdec_cli.base.errors import UsageError
+from specdec_cli.base.recipe import build_recipe
 from specdec_cli.bench.grid import Grid
-from specdec_cli.errors import UsageError
-from specdec_cli.models import load_model
-from specdec_cli.recipe import build_recipe
-from specdec_cli.verifiers import Verifier, VerifierRegistry
+from specdec_cli.models.loading import load_model
+from specdec_cli.plugins.registry import VerifierRegistry
+from specdec_cli.plugins.verifiers import Verifier
 from tests.conftest import tiny_recipe
 
 
@@ -138,7 +139,7 @@ def test_a_third_party_kl_bound_gets_the_sweep_and_the_kl_column(tiny_models):
 
 
 def test_the_draft_cost_note_says_when_speculation_cannot_pay():
-    from specdec_cli.calibration import DraftCost, draft_cost_note
+    from specdec_cli.generation.calibration import DraftCost, draft_cost_note
 
     slow = DraftCost(target_token_s=0.060, target_block_s=0.105, draft_s=0.074, acceptance=0.95,
                      machine="AMD EPYC (no native bfloat16), 2 threads")  # fmt: skip
@@ -154,10 +155,10 @@ def test_the_draft_cost_note_says_when_speculation_cannot_pay():
 
 
 def test_the_draft_cost_is_measured_once_and_cached(tiny_models, tmp_path, monkeypatch):
-    from specdec_cli.calibration import draft_cost
+    from specdec_cli.generation.calibration import draft_cost
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    monkeypatch.setattr("specdec_cli.calibration._plausible", lambda cost, decoder: True)  # a busy CI machine measures slow
+    monkeypatch.setattr("specdec_cli.generation.calibration._plausible", lambda cost, decoder: True)  # a busy CI machine measures slow
     decoder = SpeculativeDecoder.from_recipe(build_recipe(tiny_recipe(tiny_models, "llama")))
     calls = []
     original = SpeculativeDecoder.generate_ids
@@ -170,7 +171,7 @@ def test_the_draft_cost_is_measured_once_and_cached(tiny_models, tmp_path, monke
 
 def test_a_verifier_keeps_its_colour_whatever_else_is_installed():
     """A colour comes from the name alone (installing a plugin recolours nothing); the shipped ones differ."""
-    from specdec_cli.plotting import verifier_colour
+    from specdec_cli.results.plotting import verifier_colour
 
     shipped = [name for name, info in VerifierRegistry().describe().items()
                if info.get("package", "").startswith("specdec-cli ")]

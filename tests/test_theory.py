@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdec_cli.testing import random_distributions
-from specdec_cli.theory import optimal_acceptance, optimal_acceptance_two_drafts
+from specdec_cli.base.theory import optimal_acceptance, optimal_acceptance_two_drafts
+from specdec_cli.kit.testing import random_distributions
 
 
 def _coupling_optimum(target: torch.Tensor, drafts: torch.Tensor) -> float:

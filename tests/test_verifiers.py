@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from specdec_cli.errors import UsageError
-from specdec_cli.registry import VerifierRegistry
-from specdec_cli.testing import (
+from specdec_cli.base.errors import UsageError
+from specdec_cli.kit.testing import (
     adversarial_distribution_pairs,
     candidate_acceptance,
     enumerate_output_law,
     optimal_acceptance,
     random_distributions,
 )
-from specdec_cli.verifiers import BlockVerifier, Verifier, device_path, load_verifier
+from specdec_cli.plugins.registry import VerifierRegistry, load_verifier
+from specdec_cli.plugins.verifiers import BlockVerifier, Verifier, device_path
 from specdec_plugins._importance import Problems
 
 LOSSLESS = ["speculative", "specinfer", "spectr", "is-lp", "is-truncated"]

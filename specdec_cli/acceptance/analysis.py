@@ -27,19 +27,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import Draft, load_drafts
-from ..draft_rows import DraftRows, round_robin
-from ..drafting import DraftRequest
-from ..engine import SpeculativeDecoder
-from ..randomness import Draws, Stream, sample_key
-from ..errors import NonFiniteLogitsError, SpecdecError, UsageError
-from ..model_pool import ModelPool
-from ..model_session import next_token_logits
-from ..recipe import Recipe, VerifierConfig
-from ..sampling import non_finite_message, probs_from_logits, sampling_law
-from ..theory import MAX_TWO_DRAFT_SUPPORT, optimal_acceptance, optimal_acceptance_two_drafts, two_draft_support
-from ..registry import VerifierRegistry, error_line
-from ..verifiers import BlockVerifier
+from ..base.errors import NonFiniteLogitsError, SpecdecError, UsageError
+from ..base.randomness import Draws, Stream, sample_key
+from ..base.recipe import Recipe, VerifierConfig
+from ..base.sampling import non_finite_message, probs_from_logits, sampling_law
+from ..base.theory import MAX_TWO_DRAFT_SUPPORT, optimal_acceptance, optimal_acceptance_two_drafts, two_draft_support
+from ..engine.decoder import SpeculativeDecoder
+from ..engine.decoding import Draft, load_drafts
+from ..engine.session import next_token_logits
+from ..models.pool import ModelPool
+from ..plugins.draft_rows import DraftRows, round_robin
+from ..plugins.drafting import DraftRequest
+from ..plugins.registry import VerifierRegistry, error_line
+from ..plugins.verifiers import BlockVerifier
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, DrafterSection, PromptAcceptance
 
 KL_FRACTIONS = (0.1, 0.3, 1.0)

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from ..plotting import describe_run, save, verifier_colour
-from ..inputs import write_atomically
-from ..recipe import Recipe
+from ..base.inputs import write_atomically
+from ..base.recipe import Recipe
+from ..results.plotting import describe_run, save, verifier_colour
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, Estimate
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ section's ``drafter`` and ``coverage``, and with ``--drafter`` the ``sections`` 
 def payload(recipe: Recipe, request: AcceptanceRequest, reports: list[AcceptanceReport], device: "torch.device") -> dict:
     """acceptance.json's content (also what ``--json`` prints): the one section of a run without ``--drafter`` at
     the top level, as before drafters; with ``--drafter``, ``drafters`` and a ``sections`` list, one per drafter."""
-    from ..provenance import provenance  # torch: this runs after the models did
+    from ..results.provenance import provenance  # torch: this runs after the models did
 
     named = [report.drafter for report in reports if report.drafter is not None]
     if named:
@@ -114,7 +114,7 @@ def plot(path: Path, report: AcceptanceReport, content: dict | None = None) -> N
 def figure(report: AcceptanceReport, content: dict | None = None):
     """Acceptance against K for every row (± standard error); beside it, acceptance against KL for rows
     with a KL bound; above, what was run (from ``content``, acceptance.json's: recipe and environment).
-    Each verifier keeps its colour in every plot (:func:`~specdec_cli.plotting.verifier_colour`)."""
+    Each verifier keeps its colour in every plot (:func:`~specdec_cli.results.plotting.verifier_colour`)."""
     import matplotlib
 
     matplotlib.use("Agg")

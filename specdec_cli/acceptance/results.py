@@ -11,9 +11,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..drafter_registry import DrafterRegistry
-from ..recipe import DraftConfig, Recipe
-from ..results_store import RecordKind
+from ..base.recipe import DraftConfig, Recipe
+from ..plugins.drafter_registry import DrafterRegistry
+from ..results.store import RecordKind
 
 OPTIMUM = "optimum"
 

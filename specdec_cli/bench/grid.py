@@ -6,10 +6,10 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from ..drafter_registry import DrafterRegistry, recipe_draft_rows
-from ..errors import UsageError
-from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig
-from ..registry import VerifierRegistry
+from ..base.errors import UsageError
+from ..base.recipe import AUTOREGRESSIVE, Recipe, VerifierConfig
+from ..plugins.drafter_registry import DrafterRegistry, recipe_draft_rows
+from ..plugins.registry import VerifierRegistry
 
 BASELINE = AUTOREGRESSIVE
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from ..plotting import describe_run, save, verifier_colour
+from ..results.plotting import describe_run, save, verifier_colour
 from .grid import BASELINE
 from .results import BenchResults, CellResult, ConditionsPart
 
@@ -193,7 +193,7 @@ def figure(results: BenchResults):
     """Speedup of every configuration over the target alone (± std over seeds when there are several),
     the baseline at 1 and a line there, so a slower configuration reads as slower; beside it, speedup
     against quality when the task has a quality metric; above, what was run. Each verifier keeps its
-    colour (:func:`~specdec_cli.plotting.verifier_colour`). A ValueError when nothing has samples."""
+    colour (:func:`~specdec_cli.results.plotting.verifier_colour`). A ValueError when nothing has samples."""
     import matplotlib
 
     matplotlib.use("Agg")

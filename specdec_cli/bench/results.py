@@ -11,11 +11,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import UsageError
-from ..registry import VerifierRegistry
+from ..base.errors import UsageError
+from ..plugins.registry import VerifierRegistry
 from .grid import BASELINE, GridCell
 from .metrics import (
-    STAT_TOTALS, corpus_quality, expected_speedup, mean_and_std, share_time, speed_summary, spread,
+    STAT_TOTALS,
+    corpus_quality,
+    expected_speedup,
+    mean_and_std,
+    share_time,
+    speed_summary,
+    spread,
 )  # fmt: skip
 
 SUMMARIZED = ("block_efficiency", "acceptance_rate", "token_acceptance", "tokens_per_second", "speedup",
@@ -47,7 +53,7 @@ class ConditionsPart:
     """Samples of a results folder run under one set of conditions (threads, device, versions)."""
 
     conditions: dict | None
-    """:func:`~specdec_cli.provenance.run_conditions`; None for samples written before they were kept."""
+    """:func:`~specdec_cli.results.provenance.run_conditions`; None for samples written before they were kept."""
     samples: int
 
 

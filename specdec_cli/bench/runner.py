@@ -7,13 +7,13 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine import DecodingRun, SequenceJob, SpeculativeDecoder
-from ..randomness import sample_key
-from ..errors import SpecdecError, UsageError
-from ..model_pool import ModelPool
-from ..recipe import Recipe, validate
-from ..results_store import ResultsStore
-from ..registry import VerifierRegistry
+from ..base.errors import SpecdecError, UsageError
+from ..base.randomness import sample_key
+from ..base.recipe import Recipe, validate
+from ..engine.decoder import DecodingRun, SequenceJob, SpeculativeDecoder
+from ..models.pool import ModelPool
+from ..plugins.registry import VerifierRegistry
+from ..results.store import ResultsStore
 from .grid import BASELINE, GridCell
 from .tasks import Example, Task
 
@@ -34,7 +34,7 @@ class BenchSample:
     accepted_mask: list[bool]
     stats: dict
     conditions: dict
-    """:func:`~specdec_cli.provenance.run_conditions` of the run that made it."""
+    """:func:`~specdec_cli.results.provenance.run_conditions` of the run that made it."""
 
     def to_record(self) -> dict:
         return {**dataclasses.asdict(self), "new_tokens": len(self.token_ids), "wall_time_s": self.stats["wall_time_s"]}
@@ -61,7 +61,7 @@ class BenchRunner:
         target = self.pool.target(recipe.target)
         self.template = template or task.template(target.is_encoder_decoder, lang_pair)
         self.conditions = conditions
-        """:func:`~specdec_cli.provenance.run_conditions`, kept on every sample (a resume compares them)."""
+        """:func:`~specdec_cli.results.provenance.run_conditions`, kept on every sample (a resume compares them)."""
         self.failures: dict[str, CellFailure] = {}
         """cell key → why that cell stopped in this run (its remaining samples are skipped)."""
         self._on_failure: Callable[[CellFailure], None] | None = None

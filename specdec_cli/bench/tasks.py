@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SpecdecError, UsageError
-from ..inputs import json_object_lines, optional_string, read_text, subset, text_value
+from ..base.errors import SpecdecError, UsageError
+from ..base.inputs import json_object_lines, optional_string, read_text, subset, text_value
 
 LANGUAGES = {"en": "English", "fr": "French", "de": "German", "cs": "Czech", "ru": "Russian", "hi": "Hindi"}
 

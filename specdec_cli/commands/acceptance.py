@@ -16,13 +16,13 @@ from rich.console import Console
 
 from ..acceptance import report
 from ..acceptance.results import PROMPT_RECORDS, AcceptanceReport, AcceptanceRequest, DrafterSection, PromptAcceptance
-from ..draft_rows import round_robin
-from ..drafter_registry import draft_law
-from ..errors import SpecdecError, UsageError
-from ..inputs import check_plot_path, subset
-from ..recipe import Recipe
-from ..results_store import ResultsStore
-from ..registry import VerifierRegistry
+from ..base.errors import SpecdecError, UsageError
+from ..base.inputs import check_plot_path, subset
+from ..base.recipe import Recipe
+from ..plugins.draft_rows import round_robin
+from ..plugins.drafter_registry import draft_law
+from ..plugins.registry import VerifierRegistry
+from ..results.store import ResultsStore
 from . import common
 
 if TYPE_CHECKING:

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
+from ..base.errors import SpecdecError, UsageError
+from ..base.inputs import check_plot_path, write_atomically
+from ..base.recipe import Recipe
 from ..bench import report
-from ..bench.results import BenchResults, summarize
 from ..bench.grid import Grid
+from ..bench.results import BenchResults, summarize
 from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair, turns_note
-from ..errors import SpecdecError, UsageError
-from ..inputs import check_plot_path, write_atomically
-from ..recipe import Recipe
-from ..results_store import ResultsStore, load_saved
-from ..registry import VerifierRegistry
+from ..plugins.registry import VerifierRegistry
+from ..results.store import ResultsStore, load_saved
 from . import common
 
 if TYPE_CHECKING:
@@ -193,9 +193,9 @@ def _run(plan: _Plan, output: _Output) -> None:
     for line in [f"skipped: {reason}" for reason in plan.skipped] + [f"note: {note}" for note in plan.notes]:
         err.print(line, highlight=False, soft_wrap=True)
     from ..bench.runner import BenchRunner, check_conditions, pending_samples, shard  # torch: only a run imports it
-    from ..model_pool import ModelPool
-    from ..models import resolve_device
-    from ..provenance import provenance, run_conditions
+    from ..models.loading import resolve_device
+    from ..models.pool import ModelPool
+    from ..results.provenance import provenance, run_conditions
 
     conditions = run_conditions(resolve_device(plan.base.target.device))
     if not output.allow_mixed_conditions and pending_samples(store, plan.cells, plan.seeds,

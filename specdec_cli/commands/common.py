@@ -20,11 +20,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from ..drafter_registry import DrafterRegistry
-from ..errors import SpecdecError, UsageError
-from ..inputs import has_suffix, json_object_lines, read_stdin, read_text, text_value
-from ..recipe import Recipe, apply_overrides, build_recipe, read_recipe_file, set_path, target_alone
-from ..registry import VerifierRegistry
+from ..base.errors import SpecdecError, UsageError
+from ..base.inputs import has_suffix, json_object_lines, read_stdin, read_text, text_value
+from ..base.recipe import Recipe, apply_overrides, build_recipe, read_recipe_file, set_path, target_alone
+from ..plugins.drafter_registry import DrafterRegistry
+from ..plugins.registry import VerifierRegistry
 
 DEFAULT_RECIPE = build_recipe(read_recipe_file(None))
 """The shipped default recipe: where an option left out takes its value from (unless --recipe names another)."""

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..drafter_registry import DrafterRegistry
+from ..plugins.drafter_registry import DrafterRegistry
 from . import listing
 
 

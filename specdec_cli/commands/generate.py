@@ -18,17 +18,17 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import __version__
-from ..errors import UsageError
-from ..inputs import require_text
-from ..parameters import parameter_defaults
-from ..recipe import AUTOREGRESSIVE, Recipe, VerifierConfig, target_alone
-from ..registry import VerifierRegistry
-from ..stats import GenerationResult
+from ..base.errors import UsageError
+from ..base.inputs import require_text
+from ..base.recipe import AUTOREGRESSIVE, Recipe, VerifierConfig, target_alone
+from ..plugins.parameters import parameter_defaults
+from ..plugins.registry import VerifierRegistry
+from ..results.stats import GenerationResult
 from . import common
 
 if TYPE_CHECKING:  # torch and transformers load only when a command runs models
-    from ..comparison import ConfigurationResult
-    from ..engine import SpeculativeDecoder
+    from ..engine.decoder import SpeculativeDecoder
+    from ..generation.comparison import ConfigurationResult
 
 ACCEPTED_STYLE = "green"
 LOADING = "Loading models (the first run converts the GGUF weights once)…"
@@ -153,8 +153,8 @@ def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: boo
               batch_size: int = 1) -> None:  # fmt: skip
     """One configuration: the text streams as blocks are committed (as samples finish, in a batch), then a table
     of its statistics."""
-    from ..calibration import note_for
-    from ..engine import SpeculativeDecoder
+    from ..engine.decoder import SpeculativeDecoder
+    from ..generation.calibration import note_for
 
     err = Console(stderr=True)
     with err.status(LOADING):
@@ -213,9 +213,9 @@ def _compare(recipe: Recipe, names: list[str], kl: float | None, prompts: list[s
              as_json: bool, recalibrate: bool) -> None:  # fmt: skip
     """Every verifier of ``names`` on the same prompts and seeds, models loaded once: each round's texts
     as it finishes, then one table over the rounds every verifier finished."""
-    from ..calibration import note_for
-    from ..comparison import Comparison
-    from ..engine import SpeculativeDecoder
+    from ..engine.decoder import SpeculativeDecoder
+    from ..generation.calibration import note_for
+    from ..generation.comparison import Comparison
 
     registry = VerifierRegistry()
     recipes = _comparison_recipes(recipe, names, kl, registry)
@@ -271,7 +271,7 @@ def _print_round(out: Console, rows: list[ConfigurationResult], results: list[Ge
 
 
 def _json_header(recipe: Recipe, decoder: SpeculativeDecoder, interrupted: bool) -> dict:
-    from ..provenance import provenance
+    from ..results.provenance import provenance
 
     return {"specdec_version": __version__, "recipe": recipe.to_dict(), "environment": provenance(decoder.device),
             "interrupted": interrupted}  # fmt: skip
@@ -285,7 +285,7 @@ def _comparison_recipes(recipe: Recipe, names: list[str], kl: float | None,
                         registry: VerifierRegistry) -> dict[str, Recipe]:  # fmt: skip
     """The recipe for each listed verifier (its parameters from the recipe, --kl where it has a KL bound),
     each checked against the recipe's drafts before any model loads."""
-    from ..engine import SpeculativeDecoder
+    from ..engine.decoder import SpeculativeDecoder
 
     labels = [AUTOREGRESSIVE if target_alone(n) else registry.canonical(n) for n in names]
     if len(set(labels)) < len(labels):

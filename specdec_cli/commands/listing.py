@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..registry import REQUIRED
+from ..plugins.registry import REQUIRED
 
 
 def listed(described: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> tuple[list[dict], dict[str, str]]:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..registry import VerifierRegistry
+from ..plugins.registry import VerifierRegistry
 from . import listing
 
 

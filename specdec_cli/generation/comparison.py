@@ -12,8 +12,8 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .engine import SpeculativeDecoder
-from .stats import GenerationResult
+from ..engine.decoder import SpeculativeDecoder
+from ..results.stats import GenerationResult
 
 TokenCallback = Callable[[int], None]
 """on_tokens(count): tokens committed (or, at a sample's end, the rest of its budget) for progress."""

@@ -7,7 +7,7 @@ samples) and up to L draft tokens:
 1. every drafter proposes for every sequence (:meth:`~specdec_cli.drafting.Drafter.propose`: the model drafter runs
    one forward per position for all rows); each sequence's block length is its own (its drafters' proposals, its
    remaining tokens), and the model drafters are asked last, for what the others leave to verify;
-2. the target scores all B × K rows in one forward (:class:`~specdec_cli.model_session.ModelSession`);
+2. the target scores all B × K rows in one forward (:class:`~specdec_cli.engine.session.ModelSession`);
 3. the verifier decides every sequence's block on the device, one call per distinct block shape: a block alone
    through :meth:`~specdec_cli.verifiers.BlockVerifier.verify_block` (compiled, or replayed from a CUDA graph,
    under ``--compile``), several through :meth:`~specdec_cli.verifiers.BlockVerifier.verify_batch`;
@@ -34,26 +34,39 @@ from typing import Any
 
 import torch
 
+from ..base.errors import NonFiniteLogitsError, SpecdecError, UsageError, is_allocation_error, requested_memory
+from ..base.inputs import require_text
+from ..base.randomness import Draws, Stream, block_generator, sample_key
+from ..base.recipe import AUTOREGRESSIVE, DecodingConfig, Recipe
+from ..base.sampling import non_finite_message, sample_with, sampling_law
+from ..base.timing import RegionTimer
+from ..models.loading import LoadedModel, shared_vocab_size
+from ..models.pool import ModelPool
+from ..plugins.draft_rows import DraftRows, rows_per_config
+from ..plugins.drafter_registry import DrafterRegistry, recipe_draft_rows
+from ..plugins.drafting import (
+    Drafter,
+    DraftRequest,
+    DraftSetup,
+    Proposal,
+    ProposalError,
+    block_length,
+    empty_proposal,
+    proposal_problem,
+)
+from ..plugins.registry import VerifierRegistry, error_line
+from ..plugins.verifiers import (
+    BatchDecision,
+    batch_decision_problem,
+    batch_departs_from_drafts,
+    decision_problem,
+    decision_value_problem,
+)
+from ..results.stats import GenerationResult, SampleStats
 from .decoding import Draft, create_verifier, load_drafts, target_sampling
-from .draft_rows import DraftRows, rows_per_config
 from .drafted import Drafted, count_to_eos, longest_matches
-from .drafter_registry import DrafterRegistry, recipe_draft_rows
-from .drafting import DraftRequest, Drafter, DraftSetup, Proposal, ProposalError, block_length, empty_proposal, proposal_problem
-from .errors import NonFiniteLogitsError, SpecdecError, UsageError, is_allocation_error, requested_memory
 from .graphs import CapturedVerifyStep
-from .inputs import require_text
-from .model_pool import ModelPool
-from .model_session import ModelSession, batch_problem
-from .models import LoadedModel, shared_vocab_size
-from .randomness import Draws, Stream, block_generator, sample_key
-from .recipe import AUTOREGRESSIVE, DecodingConfig, Recipe
-from .registry import VerifierRegistry, error_line
-from .sampling import non_finite_message, sample_with, sampling_law
-from .stats import GenerationResult, SampleStats
-from .timing import RegionTimer
-from .verifiers import (
-    BatchDecision, batch_decision_problem, batch_departs_from_drafts, decision_problem, decision_value_problem,
-)  # fmt: skip
+from .session import ModelSession, batch_problem
 
 BlockCallback = Callable[[int, int, list[int], list[bool]], None]
 """on_block(prompt_index, sample_index, new_token_ids, accepted_mask) after each committed block."""
@@ -98,8 +111,8 @@ class SpeculativeDecoder:
 
     def _compiled(self) -> tuple[Callable, Callable]:
         """The verify step and the sampling law through ``torch.compile``: each traces into one graph (keyed
-        randomness, no reads: :func:`~specdec_cli.decoding.create_verifier` refused a verifier without keyed
-        randomness). On a GPU the verify step is captured in CUDA graphs instead (:mod:`specdec_cli.graphs`),
+        randomness, no reads: :func:`~specdec_cli.engine.decoding.create_verifier` refused a verifier without keyed
+        randomness). On a GPU the verify step is captured in CUDA graphs instead (:mod:`specdec_cli.engine.graphs`),
         compiled only where a block reads the host; on the CPU a verifier with a reading CPU path stays eager."""
         compiled_law = torch.compile(sampling_law)
         if self.verifier is None:
@@ -231,7 +244,7 @@ class SpeculativeDecoder:
 
     def check_batching(self) -> None:
         """Refuse, in one line, a model whose rows cannot keep their own positions, so cannot decode in batches
-        (:func:`~specdec_cli.model_session.batch_problem`): the one place that asks whether this decoder batches."""
+        (:func:`~specdec_cli.engine.session.batch_problem`): the one place that asks whether this decoder batches."""
         for model in [self.target, *(draft.model for draft in self.drafts if draft.model is not None)]:
             problem = batch_problem(model)
             if problem is not None:

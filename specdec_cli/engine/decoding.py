@@ -1,8 +1,8 @@
 """Drafts and verifiers under a :class:`~specdec_cli.recipe.DecodingConfig`.
 
-A :class:`~specdec_cli.engine.SpeculativeDecoder` holds loaded models and one decoding config;
+A :class:`~specdec_cli.engine.decoder.SpeculativeDecoder` holds loaded models and one decoding config;
 the verifier, draft length, number of drafts and sampling settings can change from call to
-call without loading anything again (:meth:`~specdec_cli.engine.SpeculativeDecoder.with_config`).
+call without loading anything again (:meth:`~specdec_cli.engine.decoder.SpeculativeDecoder.with_config`).
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .draft_rows import DraftRows, drafter_key
-from .drafter_registry import DEFAULT_DRAFTER, DrafterRegistry
-from .errors import UsageError
-from .model_pool import ModelPool
-from .models import LoadedModel
-from .recipe import DecodingConfig, DraftConfig
-from .sampling import SamplingParams
-from .registry import VerifierRegistry
-from .verifiers import BlockVerifier
+from ..base.errors import UsageError
+from ..base.recipe import DecodingConfig, DraftConfig
+from ..base.sampling import SamplingParams
+from ..models.loading import LoadedModel
+from ..models.pool import ModelPool
+from ..plugins.draft_rows import DraftRows, drafter_key
+from ..plugins.drafter_registry import DEFAULT_DRAFTER, DrafterRegistry
+from ..plugins.registry import VerifierRegistry
+from ..plugins.verifiers import BlockVerifier
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,7 +44,7 @@ class Draft:
         )
 
     def law(self, config: DecodingConfig) -> Hashable:
-        """The key of this draft's law for :class:`~specdec_cli.draft_rows.DraftRows`: its drafter and parameters,
+        """The key of this draft's law for :class:`~specdec_cli.plugins.draft_rows.DraftRows`: its drafter and parameters,
         the loaded model (drafts whose entries name one model share one loaded object) and sampling settings."""
         model = None if self.model is None else id(self.model.model)
         return drafter_key(self.drafter, self.params), model, self.sampling(config)

@@ -39,14 +39,14 @@ from typing import Any
 
 import torch
 
-from .drafter_registry import DrafterRegistry
-from .drafting import Drafter, Proposal
-from .errors import SpecdecError
-from .parameters import PluginParameterError, parameter_specs
-from .randomness import Draws
-from .recipe import DraftConfig, build_recipe
-from .registry import PluginRegistry, VerifierRegistry
-from .sampling import SamplingParams
+from ..base.errors import SpecdecError
+from ..base.randomness import Draws
+from ..base.recipe import DraftConfig, build_recipe
+from ..base.sampling import SamplingParams
+from ..plugins.drafter_registry import DrafterRegistry
+from ..plugins.drafting import Drafter, Proposal
+from ..plugins.parameters import PluginParameterError, parameter_specs
+from ..plugins.registry import PluginRegistry, VerifierRegistry
 
 PROMPTS = ("a b c d a b c", "e e a", "d c b a e d c b a")
 """Prompts over the tiny vocabulary, with repeats (for drafters that look back at the context)."""
@@ -132,7 +132,7 @@ def check_drafter(cls: type[Drafter], params: dict[str, Any] | None = None, samp
 
 
 def _decoder(cls: type[Drafter], recipe: dict[str, Any], **generation: Any):
-    from .engine import SpeculativeDecoder
+    from ..engine.decoder import SpeculativeDecoder
 
     built = build_recipe({**recipe, "generation": {**recipe["generation"], **generation}})
     try:
@@ -271,8 +271,8 @@ def _check_kl_bound(cls: type, verifier: Any, first_token_law: dict, target_law)
 
 def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: int) -> None:
     """verify_block, given keyed draws (or a seeded generator) as the engine gives them, samples its block_law."""
+    from ..plugins.verifiers import decision_problem, decision_value_problem
     from .testing import chi_square_p_value, decision_outcomes
-    from .verifiers import decision_problem, decision_value_problem
 
     rows = [_likeliest_row(law) for law in draft_laws]
     target_probs = torch.stack([torch.stack([target_law(r[:t]) for t in range(DRAFT_LENGTH + 1)]) for r in rows])

@@ -5,7 +5,7 @@ the installed verifiers (``specdec verifiers``) and reading a results folder (``
 start at once: :meth:`PluginRegistry.describe` keeps what it learned from the plugin classes in a
 cache, keyed by the installed entry points and the files of their modules. :class:`PluginRegistry`
 finds, loads and describes plugins of one group; :class:`VerifierRegistry` adds what core asks of
-verifiers, and :class:`~specdec_cli.drafter_registry.DrafterRegistry` of drafters.
+verifiers, and :class:`~specdec_cli.plugins.drafter_registry.DrafterRegistry` of drafters.
 
 Plugins are third-party code, and a broken one must not take the command down with it: whatever a module raises on
 import (``sys.exit`` included), a class that breaks the contract, or two packages claiming one name becomes a load
@@ -32,14 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from stevedore.extension import ExtensionManager, OnLoadFailureCallbackT
 
-from .errors import SpecdecError, UsageError
-from .inputs import cache_dir, write_cache_file
-from .parameters import (
-    PluginParameterError,
-    PluginParameterValueError,
-    parameter_defaults,
-    parameter_specs,
-)
+from ..base.errors import SpecdecError, UsageError
+from ..base.inputs import cache_dir, write_cache_file
+from .parameters import PluginParameterError, PluginParameterValueError, parameter_defaults, parameter_specs
 
 if TYPE_CHECKING:
     from .draft_rows import DraftRows

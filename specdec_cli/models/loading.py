@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from .errors import ModelLoadError, SpecdecError, UsageError
-from .inputs import cache_dir, check_writable_folder
-from .recipe import ModelConfig
+from ..base.errors import ModelLoadError, SpecdecError, UsageError
+from ..base.inputs import cache_dir, check_writable_folder
+from ..base.recipe import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

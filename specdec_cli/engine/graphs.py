@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base.randomness import Draws
+from ..plugins.verifiers import BlockDecision, BlockVerifier, decision_problem
 from .device_path import capture_cuda_graph, count_block
-from .randomness import Draws
-from .verifiers import BlockDecision, BlockVerifier, decision_problem
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ bench (cell, seed, example), an acceptance prompt) as soon as it is made, flushe
 leaves a valid folder and a re-run skips what is done. Processes of a distributed run write
 ``samples.rank<R>.jsonl`` and rank 0 merges them at the end. The summaries (``results.json``,
 ``acceptance.json``, tables) are derived from the records and rewritten whenever a run stops.
-Every file that is rewritten rather than appended to is replaced at once (:func:`~specdec_cli.inputs.write_atomically`):
+Every file that is rewritten rather than appended to is replaced at once (:func:`~specdec_cli.base.inputs.write_atomically`):
 a full disk or a kill while writing leaves its previous version.
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import SpecdecError, UsageError
-from .inputs import check_writable_folder, write_atomically
+from ..base.errors import SpecdecError, UsageError
+from ..base.inputs import check_writable_folder, write_atomically
 
 SAMPLES = "samples.jsonl"
 CONFIG = "config.json"
@@ -77,7 +77,7 @@ class ResultsStore:
 
     def __init__(self, folder: Path | None, config: dict[str, Any], rank: int = 0, world_size: int = 1,
                  kind: RecordKind = BENCH_SAMPLES):  # fmt: skip
-        from .randomness import SCHEME  # here: the listing and report paths must not import torch
+        from ..base.randomness import SCHEME  # here: the listing and report paths must not import torch
 
         self.folder = folder
         self.config = {**config, RANDOMNESS: SCHEME}

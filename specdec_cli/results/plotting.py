@@ -25,7 +25,7 @@ def verifier_colour(name: str) -> str:
 def describe_run(recipe: dict, what: str, conditions: list[dict]) -> str:
     """A plot's title, so the picture says what was run: ``what`` (the task and its examples, or the
     prompts), the token limit, the models (``recipe`` as its dict), and the machine of each set of
-    ``conditions`` (:func:`~specdec_cli.provenance.run_conditions`: device and threads)."""
+    ``conditions`` (:func:`~specdec_cli.results.provenance.run_conditions`: device and threads)."""
     target = recipe["target"]
     drafts = ", ".join(_model_name(draft, target) for draft in recipe.get("drafts", ())) or "none"
     # Several sets of conditions (a resume under others): each value once, 'threads 1 / 2'.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from .. import __version__
 
 
 def run_conditions(device: torch.device) -> dict:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafting import Proposal, empty_proposal
-from .model_session import pad_to
-from .verifiers import BatchDecision
+from ..plugins.drafting import Proposal, empty_proposal
+from ..plugins.verifiers import BatchDecision
+from .session import pad_to
 
 
 @dataclass

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-from .models import LoadedModel
-from .timing import RegionTimer
+from ..base.timing import RegionTimer
+from ..models.loading import LoadedModel
 
 __all__ = ["ModelSession", "batch_problem", "next_token_logits", "pad_to"]
 

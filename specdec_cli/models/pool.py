@@ -1,7 +1,7 @@
 """Every model a process decodes with, each loaded once.
 
 ``generate``, ``acceptance``, ``bench`` and the library build decoders through
-:meth:`~specdec_cli.engine.SpeculativeDecoder.from_recipe`, which takes its models from a
+:meth:`~specdec_cli.engine.decoder.SpeculativeDecoder.from_recipe`, which takes its models from a
 :class:`ModelPool`: a bench grid of twenty configurations, or an acceptance run that scores
 with every draft, loads each model once.
 """
@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from .models import LoadedModel, check_same_tokenizer, derive_early_exit_draft, load_model
-from .recipe import ModelConfig
+from ..base.recipe import ModelConfig
+from .loading import LoadedModel, check_same_tokenizer, derive_early_exit_draft, load_model
 
 
 class ModelPool:

@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from ..base.errors import SpecdecError, UsageError
+from ..base.recipe import DraftConfig, GenerationConfig, ModelConfig, Recipe
 from .draft_rows import DraftRows, drafter_key, every_config
-from .errors import SpecdecError, UsageError
-from .recipe import DraftConfig, GenerationConfig, ModelConfig, Recipe
 from .registry import PluginRegistry, class_problem, class_summary, error_line
 
 DRAFTER_GROUP = "specdec.drafters"

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from .engine import SpeculativeDecoder
-from .inputs import cache_dir, write_cache_file
-from .provenance import cpu_model
-from .recipe import AUTOREGRESSIVE
-from .stats import SampleStats
+from ..base.inputs import cache_dir, write_cache_file
+from ..base.recipe import AUTOREGRESSIVE
+from ..engine.decoder import SpeculativeDecoder
+from ..results.provenance import cpu_model
+from ..results.stats import SampleStats
 
 _CALIBRATION_TOKENS = 8
 _REPEATS = 3

@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import UsageError
+from ..base.errors import UsageError
 
 UNCHECKED = object()
 """The annotation of a parameter whose type is not declared, or not one :meth:`ParameterSpec.problem` checks."""
