@@ -3,12 +3,16 @@ caches kept out of the user's home and the checkout (tests/isolation.py)."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
 from tests import isolation
 
 isolation.redirect_caches()
+# One intra-op thread, in this process and in the CLI runs tests start: the models are tiny, and on a loaded
+# 2-core machine a second thread only adds waits (a tiny generation took ten to twenty times as long with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
