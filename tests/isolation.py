@@ -39,6 +39,10 @@ _BYTECODE_OR_PYTEST = re.compile(r"(^|/)(__pycache__|\.pytest_cache)/")  # Pytho
 def redirect_caches() -> None:
     """Point every variable of :data:`CACHE_VARIABLES` at its folder; before torch, transformers and specdec_cli
     are imported, as huggingface_hub reads its variables at import."""
+    # Installed toolchains found through HOME stay the user's (a rustup proxy on PATH, which some library probes,
+    # wrote a fresh settings file into the session's home): where they live, not a cache.
+    for variable, folder in (("RUSTUP_HOME", ".rustup"), ("CARGO_HOME", ".cargo")):
+        os.environ.setdefault(variable, str(Path.home() / folder))
     for variable, folder in CACHE_VARIABLES.items():
         (FOLDER / folder).mkdir(parents=True, exist_ok=True)
         os.environ[variable] = str(FOLDER / folder)
