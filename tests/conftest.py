@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models saved to disk once per session, and recipes that point at them."""
+"""Shared fixtures: tiny models saved to disk once per session, and recipes that point at them; the session's
+caches kept out of the user's home and the checkout (tests/isolation.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,20 @@ import os
 import signal
 from pathlib import Path
 
-import pytest
-import torch
-import yaml
-from transformers.utils import logging as hf_logging
+from tests import isolation
 
-from specdec_cli.kit.testing import save_tiny_model
+isolation.redirect_caches()
+# One intra-op thread, in this process and in the CLI runs tests start: the models are tiny, and on a loaded
+# 2-core machine a second thread only adds waits (a tiny generation took ten to twenty times as long with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Never wait on the network: a hub id that is not cached must fail at once.
-os.environ["HF_HUB_OFFLINE"] = "1"
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from specdec_cli.kit.testing import save_tiny_model  # noqa: E402
+
 # transformers' own bars (saving and loading tiny models) would land in the stderr tests inspect.
 hf_logging.disable_progress_bar()
 
@@ -78,3 +84,11 @@ def interruptible() -> None:
     background by a shell (``cmd &`` without job control) ignores SIGINT, its children inherit that, and Python
     then installs no KeyboardInterrupt handler: the signal would never reach the run under test."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run that wrote under the user's home or in the checkout fails, whatever its tests did."""
+    left = isolation.finish()
+    if left:
+        print(f"\n{left}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -173,10 +173,10 @@ def restore_threads():
 
 @pytest.mark.parametrize("verifiers", [["--verifier", "speculative,none"], []])
 def test_threads_is_applied_and_recorded(run, recipe_path, restore_threads, verifiers):
-    code, out, err = run(["generate", "-r", recipe_path, "--threads", "1", "--json", "--max-new-tokens", "3",
+    code, out, err = run(["generate", "-r", recipe_path, "--threads", "2", "--json", "--max-new-tokens", "3",
                           *verifiers, "a b"])  # fmt: skip
     assert code == 0, err
-    assert json.loads(out)["environment"]["threads"] == 1
+    assert json.loads(out)["environment"]["threads"] == 2  # the session's default is 1 (conftest)
 
 
 @pytest.mark.parametrize("verifiers", [["--verifier", "speculative,none"], []])
