@@ -14,8 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-BUILT_INS = {"verifiers": {"speculative", "mentored", "specinfer", "spectr", "is-lp", "is-truncated", "block"},
-             "drafters": {"model", "early-exit", "prompt-lookup"}}
+BUILT_INS = {
+    "verifiers": {"speculative", "mentored", "specinfer", "spectr", "is-lp", "is-truncated", "block"},
+    "drafters": {"model", "early-exit", "prompt-lookup"},
+}
 COMMANDS = ["generate", "acceptance", "bench", "verifiers", "drafters"]
 
 
@@ -55,8 +57,9 @@ def tiny_generate(folder: Path) -> None:
     target = save_tiny_model(folder / "target", "llama", seed=1)
     draft = save_tiny_model(folder / "draft", "llama", seed=2, layers=1)
     recipe = folder / "tiny.yaml"
-    recipe.write_text(json.dumps({"target": {"model": str(target), "device": "cpu"},
-                                  "draft": {"model": str(draft), "device": "cpu"}}))  # JSON is YAML
+    recipe.write_text(
+        json.dumps({"target": {"model": str(target), "device": "cpu"}, "draft": {"model": str(draft), "device": "cpu"}})
+    )  # JSON is YAML
     os.environ["SPECDEC_CACHE"] = str(folder / "cache")
     out = specdec("generate", "-r", str(recipe), "--max-new-tokens", "8", "--json", "hello world")
     sample = json.loads(out)["samples"][0]

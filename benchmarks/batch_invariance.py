@@ -35,8 +35,11 @@ def main() -> None:
         settings = [f"generation.max_new_tokens={args.max_new_tokens}", f"draft.dtype={dtype}"]
         decoder = SpeculativeDecoder.from_recipe(load_recipe("default", settings))
         alone, batched = decoder.generate(prompts), decoder.generate(prompts, batch_size=args.batch_size)
-        firsts = sorted(next(i for i, (a, b) in enumerate(zip(one.token_ids, many.token_ids)) if a != b)
-                        for one, many in zip(alone, batched) if one.token_ids != many.token_ids)  # fmt: skip
+        firsts = sorted(
+            next(i for i, (a, b) in enumerate(zip(one.token_ids, many.token_ids)) if a != b)
+            for one, many in zip(alone, batched)
+            if one.token_ids != many.token_ids
+        )
         same = sum(one.token_ids == many.token_ids for one, many in zip(alone, batched))
         print(f"| {dtype} | {same} / {len(prompts)} | {', '.join(map(str, firsts)) or '—'} |")
 

@@ -35,7 +35,7 @@ from verifier_speed import (  # noqa: E402
     start_report,
     time_verification,
     verifier_laws,
-)  # fmt: skip
+)
 
 
 def compile_and_time(
@@ -68,8 +68,10 @@ def main() -> None:
     args = parser.parse_args()
     start_report(args, "", f"V = {args.vocab}, L = {args.draft_length}; median of {args.repeats} after one warm-up run")
     graphs = args.device.startswith("cuda")
-    print("| verifier | K | ops per block | eager ms | eager ms, GPU path | compiled ms | compiled ÷ eager | compile s |"
-          + (" reduce-overhead ms | reduce-overhead ÷ eager | capture s |" if graphs else ""))
+    print(
+        "| verifier | K | ops per block | eager ms | eager ms, GPU path | compiled ms | compiled ÷ eager | compile s |"
+        + (" reduce-overhead ms | reduce-overhead ÷ eager | capture s |" if graphs else "")
+    )
     print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if graphs else ""))
     failures = []
     for name in args.verifiers.split(","):
@@ -87,14 +89,19 @@ def main() -> None:
             try:
                 compile_seconds, compiled = compile_and_time(verifier, laws, randomness, args.device, args.repeats)
             except Exception as error:  # any failure to compile is a result to report, not a crash
-                failures.append(f"- {name}, K = {num_drafts} ({count.ops} ops, eager {1000 * eager:.2f} ms): "
-                                f"{why_not_compiled(error)}")  # fmt: skip
+                failures.append(
+                    f"- {name}, K = {num_drafts} ({count.ops} ops, eager {1000 * eager:.2f} ms): "
+                    f"{why_not_compiled(error)}"
+                )
                 continue
-            row = (f"| {name} | {num_drafts} | {count.ops} | {1000 * eager:.2f} | {1000 * eager_gpu_path:.2f} | "
-                   f"{1000 * compiled:.2f} | {compiled / eager:.2f} | {compile_seconds:.1f} |")  # fmt: skip
+            row = (
+                f"| {name} | {num_drafts} | {count.ops} | {1000 * eager:.2f} | {1000 * eager_gpu_path:.2f} | "
+                f"{1000 * compiled:.2f} | {compiled / eager:.2f} | {compile_seconds:.1f} |"
+            )
             if graphs:
-                capture_seconds, replayed = compile_and_time(verifier, laws, randomness, args.device, args.repeats,
-                                                             mode="reduce-overhead")  # fmt: skip
+                capture_seconds, replayed = compile_and_time(
+                    verifier, laws, randomness, args.device, args.repeats, mode="reduce-overhead"
+                )
                 row += f" {1000 * replayed:.2f} | {replayed / eager:.2f} | {capture_seconds:.1f} |"
             print(row, flush=True)
     if failures:

@@ -34,7 +34,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args()
-    decoder = SpeculativeDecoder.from_recipe(load_recipe("default", [f"generation.max_new_tokens={args.max_new_tokens}"]))
+    decoder = SpeculativeDecoder.from_recipe(
+        load_recipe("default", [f"generation.max_new_tokens={args.max_new_tokens}"])
+    )
     print(f"# Sampling settings for the offline default demo\n\n`{' '.join(sys.argv)}`\n")
     print(f"Provenance: `{provenance(decoder.device)}`\n")
     for settings in SETTINGS:

@@ -42,7 +42,9 @@ CANDIDATES = {
 
 def run(overrides: list[str], prompts: list[str], autoregressive: bool = False) -> dict:
     sampling = ["generation.temperature=1", "generation.top_p=1"]  # as measured (the demo default is T = 0.3)
-    decoder = SpeculativeDecoder.from_recipe(load_recipe("default", sampling + overrides), autoregressive=autoregressive)
+    decoder = SpeculativeDecoder.from_recipe(
+        load_recipe("default", sampling + overrides), autoregressive=autoregressive
+    )
     decoder.generate(prompts[:1])  # warm-up, excluded
     results = decoder.generate(prompts)
     stats = [r.stats for r in results]
@@ -68,11 +70,15 @@ def main() -> None:
     prompts = PROMPTS[: args.prompts]
     common = [f"generation.max_new_tokens={args.max_new_tokens}", f"generation.temperature={args.temperature}"]
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"device: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; "
-          f"torch {torch.__version__}, transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}\n")
+    print(
+        f"device: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; "
+        f"torch {torch.__version__}, transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}\n"
+    )
     baseline = run(common, prompts, autoregressive=True)
-    print(f"target alone: {baseline['tokens_per_s']:.2f} tokens/s, "
-          f"{1000 * baseline['target_s_per_forward']:.1f} ms per target forward\n")
+    print(
+        f"target alone: {baseline['tokens_per_s']:.2f} tokens/s, "
+        f"{1000 * baseline['target_s_per_forward']:.1f} ms per target forward\n"
+    )
     print("| draft | block efficiency | acceptance rate | c = draft/target forward time | tokens/s | speedup |")
     print("|---|---|---|---|---|---|")
     raw = {"baseline": baseline}
@@ -80,9 +86,12 @@ def main() -> None:
         measured = run(common + overrides, prompts)
         raw[name] = measured
         cost_ratio = measured["draft_s_per_forward"] / baseline["target_s_per_forward"]
-        print(f"| {name} | {measured['block_efficiency']:.3f} | {measured['acceptance_rate']:.3f} | "
-              f"{cost_ratio:.3f} | {measured['tokens_per_s']:.2f} | "
-              f"{measured['tokens_per_s'] / baseline['tokens_per_s']:.3f} |", flush=True)
+        print(
+            f"| {name} | {measured['block_efficiency']:.3f} | {measured['acceptance_rate']:.3f} | "
+            f"{cost_ratio:.3f} | {measured['tokens_per_s']:.2f} | "
+            f"{measured['tokens_per_s'] / baseline['tokens_per_s']:.3f} |",
+            flush=True,
+        )
     print("\nraw:\n```json\n" + json.dumps(raw, indent=1) + "\n```")
 
 

@@ -118,10 +118,14 @@ def main() -> None:
     args = parser.parse_args()
     names = args.verifiers.split(",")
     verifiers = {name: load_verifier(name) for name in names}
-    print(f"`{' '.join(['python benchmarks/is_acceptance.py', *sys.argv[1:]])}`: {device_name('cpu')}, "
-          f"torch {torch.__version__}\n")  # fmt: skip
-    print("Tokens per block: exact expectation given the drafted block (sampled verify_block), mean ± standard "
-          "error over the blocks.\n")  # fmt: skip
+    print(
+        f"`{' '.join(['python benchmarks/is_acceptance.py', *sys.argv[1:]])}`: {device_name('cpu')}, "
+        f"torch {torch.__version__}\n"
+    )
+    print(
+        "Tokens per block: exact expectation given the drafted block (sampled verify_block), mean ± standard "
+        "error over the blocks.\n"
+    )
     differences = [f"{name} - {names[0]}" for name in names[1:]]
     print("| K | " + " | ".join(names + differences) + " | s/block |")
     print("|---" * (2 * len(names) + 1) + "|")

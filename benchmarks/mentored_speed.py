@@ -44,7 +44,9 @@ def laws(kind: str, vocab: int, draft_length: int) -> tuple[torch.Tensor, torch.
     sharpness = 12.0 if kind == "near_one_token" else 1e4
     noise = draft.log() - target[:, :-1].log()  # [1, L, V]: the draft's noise on the logits (and a constant)
     target = (target.log() * sharpness).softmax(-1)  # [1, L+1, V]
-    draft = target[:, :-1] if kind == "one_token_equal" else (target[:, :-1].log() + 0.1 * sharpness * noise).softmax(-1)
+    draft = (
+        target[:, :-1] if kind == "one_token_equal" else (target[:, :-1].log() + 0.1 * sharpness * noise).softmax(-1)
+    )
     generator = torch.Generator().manual_seed(1)
     tokens = torch.multinomial(draft[0], 1, generator=generator).view(1, draft_length)
     return target, draft, tokens
@@ -79,17 +81,22 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"device: {device_name('cpu')}; torch {torch.__version__}; "
-          f"date {time.strftime('%Y-%m-%d')}; V = {args.vocab}, L = {args.draft_length}, D = {args.kl}; "
-          f"median of {args.blocks} blocks; CPU time (time.process_time); load average at the start "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+    print(
+        f"device: {device_name('cpu')}; torch {torch.__version__}; "
+        f"date {time.strftime('%Y-%m-%d')}; V = {args.vocab}, L = {args.draft_length}, D = {args.kl}; "
+        f"median of {args.blocks} blocks; CPU time (time.process_time); load average at the start "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+    )
     print("| laws | speculative ms | mentored ms | mentored ÷ speculative | accepted: speculative | mentored |")
     print("|---|---|---|---|---|---|")
     for kind in KINDS:
         timed = time_blocks(kind, args.vocab, args.draft_length, args.kl, args.blocks)
         (spec_ms, spec_accepted), (mentored_ms, mentored_accepted) = timed["speculative"], timed["mentored"]
-        print(f"| {kind} | {spec_ms:.2f} | {mentored_ms:.2f} | {mentored_ms / spec_ms:.2f} | "
-              f"{spec_accepted:.2f} | {mentored_accepted:.2f} |", flush=True)
+        print(
+            f"| {kind} | {spec_ms:.2f} | {mentored_ms:.2f} | {mentored_ms / spec_ms:.2f} | "
+            f"{spec_accepted:.2f} | {mentored_accepted:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

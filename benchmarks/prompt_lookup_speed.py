@@ -41,12 +41,17 @@ PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "grounded_prompts.j
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--draft-length", type=int, default=8, help="L: specdec's draft length, transformers' num tokens")
+    parser.add_argument(
+        "--draft-length", type=int, default=8, help="L: specdec's draft length, transformers' num tokens"
+    )
     parser.add_argument("--max-ngram", type=int, default=3, help="longest n-gram matched, on both sides")
-    parser.add_argument("--rounds", type=int, default=2, help="Passes over the prompts (each interleaves all configurations).")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="Passes over the prompts (each interleaves all configurations)."
+    )
     args = parser.parse_args()
-    recipe = load_recipe("default", [f"generation.max_new_tokens={args.max_new_tokens}",
-                                     f"speculation.draft_length={args.draft_length}"])  # fmt: skip
+    recipe = load_recipe(
+        "default", [f"generation.max_new_tokens={args.max_new_tokens}", f"speculation.draft_length={args.draft_length}"]
+    )
     lookup_entry = DraftConfig(drafter="prompt-lookup", params={"max_ngram": args.max_ngram})
     recipe = dataclasses.replace(recipe, drafts=(lookup_entry,))  # what --drafter prompt-lookup does, with max_ngram
     lookup = SpeculativeDecoder.from_recipe(recipe)
@@ -60,10 +65,21 @@ def main() -> None:
     def run_hf(lookup_tokens, ids, seed):
         torch.manual_seed(seed)
         before = counter.calls
-        extra = {"prompt_lookup_num_tokens": lookup_tokens, "max_matching_ngram_size": args.max_ngram} if lookup_tokens else {}
-        output = target.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=True,
-                                 temperature=generation.temperature, top_p=generation.top_p, top_k=0,
-                                 pad_token_id=target.generation_config.eos_token_id, **extra)  # fmt: skip
+        extra = (
+            {"prompt_lookup_num_tokens": lookup_tokens, "max_matching_ngram_size": args.max_ngram}
+            if lookup_tokens
+            else {}
+        )
+        output = target.generate(
+            torch.tensor([ids]),
+            max_new_tokens=args.max_new_tokens,
+            do_sample=True,
+            temperature=generation.temperature,
+            top_p=generation.top_p,
+            top_k=0,
+            pad_token_id=target.generation_config.eos_token_id,
+            **extra,
+        )
         return output.shape[1] - len(ids), counter.calls - before, None
 
     configs = {
@@ -74,16 +90,24 @@ def main() -> None:
     }
     totals = run_interleaved(configs, encoded, args.rounds)
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"device: cpu ({cpu_name()}, {torch.get_num_threads()} threads); torch {torch.__version__}, "
-          f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}")
-    print(f"{len(prompts)} chat prompts from examples/grounded_prompts.jsonl × {args.rounds} rounds, max_new_tokens "
-          f"{args.max_new_tokens}, T = {generation.temperature}, top-p {generation.top_p}; L = {args.draft_length}, "
-          f"n-grams up to {args.max_ngram}; float32 target\n")  # fmt: skip
+    print(
+        f"device: cpu ({cpu_name()}, {torch.get_num_threads()} threads); torch {torch.__version__}, "
+        f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}"
+    )
+    print(
+        f"{len(prompts)} chat prompts from examples/grounded_prompts.jsonl × {args.rounds} rounds, max_new_tokens "
+        f"{args.max_new_tokens}, T = {generation.temperature}, top-p {generation.top_p}; L = {args.draft_length}, "
+        f"n-grams up to {args.max_ngram}; float32 target\n"
+    )
     print_table(totals)
-    print(f"\nspecdec prompt lookup ÷ specdec target alone, tokens/s: "
-          f"{rate_ratio(totals, 'specdec prompt lookup', 'specdec target alone'):.2f}")
-    print(f"specdec prompt lookup ÷ transformers prompt lookup, tokens/s: "
-          f"{rate_ratio(totals, 'specdec prompt lookup', 'transformers prompt lookup'):.2f}")
+    print(
+        f"\nspecdec prompt lookup ÷ specdec target alone, tokens/s: "
+        f"{rate_ratio(totals, 'specdec prompt lookup', 'specdec target alone'):.2f}"
+    )
+    print(
+        f"specdec prompt lookup ÷ transformers prompt lookup, tokens/s: "
+        f"{rate_ratio(totals, 'specdec prompt lookup', 'transformers prompt lookup'):.2f}"
+    )
     print("\nraw:\n```json\n" + json.dumps(totals, indent=1) + "\n```")
 
 

@@ -41,18 +41,33 @@ PROMPTS = ["a b c d a b c", "e d c b a e d c b", "a a b b c c a a b"]  # words o
 NUM_SAMPLES = 2
 MAX_NEW_TOKENS = 24
 SEED = 7
-STATS = ("prompt_tokens", "new_tokens", "target_forwards", "draft_forwards", "blocks", "drafted_tokens",
-         "verified_tokens", "accepted_tokens", "accepted_per_position", "drafted_per_position", "stop_reason")
+STATS = (
+    "prompt_tokens",
+    "new_tokens",
+    "target_forwards",
+    "draft_forwards",
+    "blocks",
+    "drafted_tokens",
+    "verified_tokens",
+    "accepted_tokens",
+    "accepted_per_position",
+    "drafted_per_position",
+    "stop_reason",
+)
 """SampleStats fields that do not depend on time (every *_time_s field is left out)."""
 
 # Tiny checkpoints: (kind, seed, layers, sharpness); seeds as tests/conftest.py's, so drafts disagree with targets.
 # At the tests' sharpness (6) the tied-embedding gpt2 and bart and the t5 pair copy their last token for ever
 # (bart: always id 0), which would prove little; flatter heads give varied sampled tokens.
 MODELS = {
-    "llama-target": ("llama", 1, 2, 6.0), "llama-draft": ("llama", 2, 1, 6.0),
-    "gpt2-target": ("gpt2", 3, 2, 0.7), "gpt2-draft": ("gpt2", 4, 1, 0.7),
-    "t5-target": ("t5", 5, 2, 2.0), "t5-draft": ("t5", 6, 2, 2.0),
-    "bart-target": ("bart", 7, 2, 0.5), "bart-draft": ("bart", 8, 1, 0.5),
+    "llama-target": ("llama", 1, 2, 6.0),
+    "llama-draft": ("llama", 2, 1, 6.0),
+    "gpt2-target": ("gpt2", 3, 2, 0.7),
+    "gpt2-draft": ("gpt2", 4, 1, 0.7),
+    "t5-target": ("t5", 5, 2, 2.0),
+    "t5-draft": ("t5", 6, 2, 2.0),
+    "bart-target": ("bart", 7, 2, 0.5),
+    "bart-draft": ("bart", 8, 1, 0.5),
 }
 # Recipes: name -> (target, draft entries, the recipe's verifier). A draft entry names a model above with "model".
 PAIRS = {
@@ -111,8 +126,12 @@ def cases() -> list[tuple[str, str, int, dict[str, Any]]]:
         for name in ("speculative", "block", "spectr"):
             add(pair, f"{name}/T1", both, {**verifier_changes(name), **SAMPLED})
         add(pair, "speculative/greedy", both, {**verifier_changes("speculative"), **GREEDY})
-    add("llama-lookup", "speculative/T1/no-kv-cache", (1,), {**verifier_changes("speculative"), **SAMPLED,
-                                                              "kv_cache": False})  # fmt: skip
+    add(
+        "llama-lookup",
+        "speculative/T1/no-kv-cache",
+        (1,),
+        {**verifier_changes("speculative"), **SAMPLED, "kv_cache": False},
+    )
     for name in ("specinfer", "is-lp", "is-truncated"):  # one row each from the model and prompt lookup
         add("llama-model+lookup", f"{name}/T1", both, {**verifier_changes(name, 1), **SAMPLED})
     add("llama-model+lookup", "specinfer/K2/T1", both, {**verifier_changes("specinfer", 2), **SAMPLED})
@@ -128,8 +147,12 @@ def cases() -> list[tuple[str, str, int, dict[str, Any]]]:
     # Refused today: what a user is told must not change either.
     add("llama-model+lookup", "refused/spectr/T1", (1,), {**verifier_changes("spectr", 1), **SAMPLED})
     add("bart", "refused/speculative/T1", (4,), {**verifier_changes("speculative"), **SAMPLED})
-    add("llama", "refused/speculative/T1/no-kv-cache", (4,), {**verifier_changes("speculative"), **SAMPLED,
-                                                                "kv_cache": False})  # fmt: skip
+    add(
+        "llama",
+        "refused/speculative/T1/no-kv-cache",
+        (4,),
+        {**verifier_changes("speculative"), **SAMPLED, "kv_cache": False},
+    )
     return out
 
 
@@ -183,8 +206,10 @@ def run_in(work: Path, args: argparse.Namespace) -> int:
     decoder_class = public("SpeculativeDecoder", "engine")
 
     started = time.perf_counter()
-    models = {name: save_tiny_model(work / "models" / name, kind, seed=seed, layers=layers, sharpness=sharpness)
-              for name, (kind, seed, layers, sharpness) in MODELS.items()}  # fmt: skip
+    models = {
+        name: save_tiny_model(work / "models" / name, kind, seed=seed, layers=layers, sharpness=sharpness)
+        for name, (kind, seed, layers, sharpness) in MODELS.items()
+    }
     selected = [c for c in cases() if not args.only or any(part in c[0] for part in args.only)]
     decoders: dict[str, Any] = {}
     results: dict[str, Any] = {}
@@ -198,17 +223,28 @@ def run_in(work: Path, args: argparse.Namespace) -> int:
             line = (str(error).strip().splitlines() or [""])[0].replace(str(work), "<tmp>")
             results[case] = {"error": f"{type(error).__name__}: {line}"}
         outcome = results[case].get("error") or f"{sum(len(s['token_ids']) for s in results[case]['samples'])} tokens"
-        print(f"[{number}/{len(selected)}] {case}: {outcome} ({time.perf_counter() - case_start:.1f} s)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[{number}/{len(selected)}] {case}: {outcome} ({time.perf_counter() - case_start:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     elapsed = time.perf_counter() - started
     meta = {
-        "format": FORMAT, "specdec_cli": str(Path(specdec_cli.__file__).resolve().parent),
-        "version": getattr(specdec_cli, "__version__", "?"), "torch": torch.__version__,
-        "transformers": transformers.__version__, "python": platform.python_version(), "threads": args.threads,
-        "cpu": cpu_model(), "seconds": round(elapsed, 1), "prompts": PROMPTS, "num_samples": NUM_SAMPLES,
-        "max_new_tokens": MAX_NEW_TOKENS, "seed": SEED,
+        "format": FORMAT,
+        "specdec_cli": str(Path(specdec_cli.__file__).resolve().parent),
+        "version": getattr(specdec_cli, "__version__", "?"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "threads": args.threads,
+        "cpu": cpu_model(),
+        "seconds": round(elapsed, 1),
+        "prompts": PROMPTS,
+        "num_samples": NUM_SAMPLES,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "seed": SEED,
         "models": {name: file_digest(path) for name, path in models.items()},
-    }  # fmt: skip
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_results(out, meta, results)
@@ -228,8 +264,7 @@ def write_results(path: Path, meta: dict[str, Any], cases: dict[str, Any]) -> No
 
 def write_recipe(work: Path, pair: str, models: dict[str, Path]) -> Path:
     target, drafts, verifier = PAIRS[pair]
-    entries = [{**entry, "model": str(models[entry["model"]])} if "model" in entry else dict(entry)
-               for entry in drafts]  # fmt: skip
+    entries = [{**entry, "model": str(models[entry["model"]])} if "model" in entry else dict(entry) for entry in drafts]
     for entry in entries:
         if "model" in entry:
             entry["device"] = "cpu"
@@ -262,12 +297,17 @@ def generate(decoder: Any, batch_size: int, changes: dict[str, Any]) -> dict[str
     samples = []
     for result in results:
         key = (result.prompt_index, result.sample_index)
-        samples.append({
-            "prompt_index": result.prompt_index, "sample_index": result.sample_index,
-            "token_ids": list(result.token_ids), "accepted_mask": [bool(a) for a in result.accepted_mask],
-            "text": result.text, "block_lengths": blocks.get(key, []),
-            "stats": {name: getattr(result.stats, name, "<missing>") for name in STATS},
-        })  # fmt: skip
+        samples.append(
+            {
+                "prompt_index": result.prompt_index,
+                "sample_index": result.sample_index,
+                "token_ids": list(result.token_ids),
+                "accepted_mask": [bool(a) for a in result.accepted_mask],
+                "text": result.text,
+                "block_lengths": blocks.get(key, []),
+                "stats": {name: getattr(result.stats, name, "<missing>") for name in STATS},
+            }
+        )
     return {"samples": samples, "finish_order": [list(key) for key in finished]}
 
 
@@ -288,8 +328,10 @@ def compare(before_path: str, after_path: str) -> int:
     before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
     for label, data, path in (("A", before, before_path), ("B", after, after_path)):
         meta = data.get("meta", {})
-        print(f"{label}: {path}: {meta.get('specdec_cli')} torch {meta.get('torch')} transformers "
-              f"{meta.get('transformers')}, {len(data['cases'])} cases, {meta.get('seconds')} s")  # fmt: skip
+        print(
+            f"{label}: {path}: {meta.get('specdec_cli')} torch {meta.get('torch')} transformers "
+            f"{meta.get('transformers')}, {len(data['cases'])} cases, {meta.get('seconds')} s"
+        )
     if before.get("meta", {}).get("models") != after.get("meta", {}).get("models"):
         print("warning: the tiny models' files differ (save_tiny_model changed?): token differences may come from them")
     differing = []
@@ -321,13 +363,16 @@ def describe(a: Any, b: Any) -> str:
     for x, y in zip(a["samples"], b["samples"]):
         where = f"prompt {x['prompt_index']} sample {x['sample_index']}"
         if x["token_ids"] != y["token_ids"]:
-            first = next((i for i, (s, t) in enumerate(zip(x["token_ids"], y["token_ids"])) if s != t),
-                         min(len(x["token_ids"]), len(y["token_ids"])))  # fmt: skip
+            first = next(
+                (i for i, (s, t) in enumerate(zip(x["token_ids"], y["token_ids"])) if s != t),
+                min(len(x["token_ids"]), len(y["token_ids"])),
+            )
             parts.append(f"{where}: tokens differ from position {first}")
             continue
         fields = [k for k in ("accepted_mask", "text", "block_lengths") if x.get(k) != y.get(k)]
-        fields += [f"stats.{k}" for k in sorted(set(x["stats"]) | set(y["stats"]))
-                   if x["stats"].get(k) != y["stats"].get(k)]  # fmt: skip
+        fields += [
+            f"stats.{k}" for k in sorted(set(x["stats"]) | set(y["stats"])) if x["stats"].get(k) != y["stats"].get(k)
+        ]
         if fields:
             parts.append(f"{where}: same tokens, {', '.join(fields)} differ")
     if a.get("finish_order") != b.get("finish_order"):
@@ -361,10 +406,12 @@ def batch_invariance(path: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON file to write (the tree under test is the one on PYTHONPATH)")
-    parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
-                        help="print the cases that differ; exit 1 if any")  # fmt: skip
-    parser.add_argument("--batch-invariance", metavar="FILE",
-                        help="list the cases whose samples depend on the batch size")  # fmt: skip
+    parser.add_argument(
+        "--compare", nargs=2, metavar=("A.json", "B.json"), help="print the cases that differ; exit 1 if any"
+    )
+    parser.add_argument(
+        "--batch-invariance", metavar="FILE", help="list the cases whose samples depend on the batch size"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--only", nargs="*", help="run only cases whose name contains one of these")
     args = parser.parse_args()

@@ -151,15 +151,18 @@ def start_report(args: argparse.Namespace, versions: str, conditions: str) -> No
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"device: {device_name(args.device)}, load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}"
-          f"{versions}; date {time.strftime('%Y-%m-%d')}; {conditions}\n")
+    print(
+        f"device: {device_name(args.device)}, load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}"
+        f"{versions}; date {time.strftime('%Y-%m-%d')}; {conditions}\n"
+    )
 
 
 def load_target(target: str, device: str):
     """The default recipe's target, or a real shape with random weights (bfloat16 on a GPU)."""
     if target == "default":
-        return SpeculativeDecoder.from_recipe(load_recipe("default", [f"target.device={device}"]),
-                                              autoregressive=True).target.model
+        return SpeculativeDecoder.from_recipe(
+            load_recipe("default", [f"target.device={device}"]), autoregressive=True
+        ).target.model
     return random_model(target, device, torch.bfloat16 if device.startswith("cuda") else torch.float32)
 
 
@@ -184,15 +187,22 @@ def time_target_forward(model, num_drafts: int, draft_length: int, repeats: int)
 def main() -> None:
     parser = benchmark_arguments(__doc__.splitlines()[0], repeats=5)
     parser.add_argument("--vocab", default="32000,50257,128256")
-    parser.add_argument("--target", default="default", choices=["default", *SHAPES],
-                        help="the model whose forward the verification is compared with")
-    parser.add_argument("--same-tokens", action="store_true",
-                        help="every row draws row 0's tokens (all rows alive until a correction)")
+    parser.add_argument(
+        "--target",
+        default="default",
+        choices=["default", *SHAPES],
+        help="the model whose forward the verification is compared with",
+    )
+    parser.add_argument(
+        "--same-tokens", action="store_true", help="every row draws row 0's tokens (all rows alive until a correction)"
+    )
     args = parser.parse_args()
     start_report(args, f", transformers {transformers.__version__}", f"median of {args.repeats}")
     graphs = args.device.startswith("cuda")
-    print("| verifier | V | K | L | ops per block | host reads | verification ms | ÷ target forward |"
-          + (" CUDA graph ms | ÷ target forward |" if graphs else ""))
+    print(
+        "| verifier | V | K | L | ops per block | host reads | verification ms | ÷ target forward |"
+        + (" CUDA graph ms | ÷ target forward |" if graphs else "")
+    )
     print("|---|---|---|---|---|---|---|---|" + ("---|---|" if graphs else ""))
     model = load_target(args.target, args.device)
     forwards = {}
@@ -208,16 +218,20 @@ def main() -> None:
                     laws = verifier_laws(name, vocab, num_drafts, draft_length, args.device, args.same_tokens)
                     count = count_verification(name, VERIFIERS[name], laws, args.device)
                     seconds = time_verification(name, VERIFIERS[name], laws, args.device, args.repeats)
-                    row = (f"| {name} | {vocab} | {num_drafts} | {draft_length} | {count.ops} | {count.reads} | "
-                           f"{1000 * seconds:.2f} | {seconds / forwards[key]:.3f} |")  # fmt: skip
+                    row = (
+                        f"| {name} | {vocab} | {num_drafts} | {draft_length} | {count.ops} | {count.reads} | "
+                        f"{1000 * seconds:.2f} | {seconds / forwards[key]:.3f} |"
+                    )
                     if graphs and count.reads:
                         row += " — | — |"  # a host read mid-block: no graph holds it
                     elif graphs:
                         replayed = time_captured_verification(name, VERIFIERS[name], laws, args.device, args.repeats)
                         row += f" {1000 * replayed:.3f} | {replayed / forwards[key]:.4f} |"
                     print(row, flush=True)
-    print(f"\ntarget forward ({args.target}, {next(model.parameters()).dtype}, K rows × L+1 tokens after a "
-          "64-token prefix):\n")
+    print(
+        f"\ntarget forward ({args.target}, {next(model.parameters()).dtype}, K rows × L+1 tokens after a "
+        "64-token prefix):\n"
+    )
     for (num_drafts, draft_length), seconds in sorted(forwards.items()):
         print(f"- K={num_drafts}, L={draft_length}: {1000 * seconds:.1f} ms")
 

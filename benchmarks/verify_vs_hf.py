@@ -34,13 +34,17 @@ from specdec_cli.engine.device_path import capture_cuda_graph
 
 PARAMS = SamplingParams(temperature=1.0)
 # Older transformers (before 5.2x) also ask whether the last candidate is an end of sequence: it is not.
-HF_EXTRA = {"is_done_candidate": False} if "is_done_candidate" in inspect.signature(_speculative_sampling).parameters else {}
+HF_EXTRA = (
+    {"is_done_candidate": False} if "is_done_candidate" in inspect.signature(_speculative_sampling).parameters else {}
+)
 
 
 def block_inputs(vocab: int, draft_length: int, generator: torch.Generator):
     """Logits of one block: a draft close to the target, as real drafts are (long accepted prefixes)."""
     target_logits = torch.randn(1, draft_length + 1, vocab, generator=generator) * 3  # [1, L+1, V]
-    draft_logits = target_logits[:, :draft_length] + torch.randn(1, draft_length, vocab, generator=generator)  # [1, L, V]
+    draft_logits = target_logits[:, :draft_length] + torch.randn(
+        1, draft_length, vocab, generator=generator
+    )  # [1, L, V]
     draft_tokens = torch.multinomial(draft_logits[0].softmax(-1), 1, generator=generator).T  # [1, L]
     prompt = torch.randint(0, vocab, (1, 32), generator=generator)  # [1, 32]
     return target_logits, draft_logits, draft_tokens, torch.cat([prompt, draft_tokens], dim=1)
@@ -74,17 +78,21 @@ def measure(vocab: int, draft_length: int, repeats: int, device: str) -> dict[st
     draft_probs, _ = sampling_law(draft_logits, PARAMS)
     verifiers = {name: load_verifier(name) for name in ("speculative", "block")}
     runs = {
-        "transformers": lambda: _speculative_sampling(candidate_ids, draft_logits, draft_length, target_logits,
-                                                      **HF_EXTRA),
-        "specdec speculative": lambda: specdec_block(verifiers["speculative"], target_logits, draft_probs,
-                                                     draft_tokens, draws),
+        "transformers": lambda: _speculative_sampling(
+            candidate_ids, draft_logits, draft_length, target_logits, **HF_EXTRA
+        ),
+        "specdec speculative": lambda: specdec_block(
+            verifiers["speculative"], target_logits, draft_probs, draft_tokens, draws
+        ),
         "specdec speculative + draft law": lambda: specdec_block(
-            verifiers["speculative"], target_logits, sampling_law(draft_logits, PARAMS)[0], draft_tokens, draws),
+            verifiers["speculative"], target_logits, sampling_law(draft_logits, PARAMS)[0], draft_tokens, draws
+        ),
         "specdec block": lambda: specdec_block(verifiers["block"], target_logits, draft_probs, draft_tokens, draws),
-    }  # fmt: skip
+    }
     if device.startswith("cuda"):  # the same step replayed from one CUDA graph: its launches are the cost
         replay, packed = capture_cuda_graph(
-            lambda: specdec_step(verifiers["speculative"], target_logits, draft_probs, draft_tokens, draws))
+            lambda: specdec_step(verifiers["speculative"], target_logits, draft_probs, draft_tokens, draws)
+        )
         runs["specdec speculative, CUDA graph"] = lambda: (replay(), packed.tolist())
     times: dict[str, list[float]] = {name: [] for name in runs}
     for repeat in range(repeats + 1):
@@ -119,12 +127,16 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"device: {device_name(args.device)}; torch {torch.__version__}, "
-          f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}; "
-          f"median of {args.repeats} interleaved repeats; temperature 1, K = 1\n")  # fmt: skip
+    print(
+        f"device: {device_name(args.device)}; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}; "
+        f"median of {args.repeats} interleaved repeats; temperature 1, K = 1\n"
+    )
     graphs = args.device.startswith("cuda")
-    print("| V | L | transformers ms | specdec speculative ms | ÷ transformers | + draft law ms | ÷ transformers "
-          "| specdec block ms | ÷ transformers |" + (" speculative, CUDA graph ms | ÷ transformers |" if graphs else ""))
+    print(
+        "| V | L | transformers ms | specdec speculative ms | ÷ transformers | + draft law ms | ÷ transformers "
+        "| specdec block ms | ÷ transformers |" + (" speculative, CUDA graph ms | ÷ transformers |" if graphs else "")
+    )
     print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if graphs else ""))
     for vocab in [int(v) for v in args.vocab.split(",")]:
         for draft_length in [int(v) for v in args.draft_length.split(",")]:
@@ -132,8 +144,12 @@ def main() -> None:
             hf = t["transformers"]
             cells = [t["specdec speculative"], t["specdec speculative + draft law"], t["specdec block"]]
             cells += [t["specdec speculative, CUDA graph"]] if graphs else []
-            print(f"| {vocab} | {draft_length} | {1000 * hf:.3f} | "
-                  + " | ".join(f"{1000 * c:.3f} | {c / hf:.2f}" for c in cells) + " |", flush=True)  # fmt: skip
+            print(
+                f"| {vocab} | {draft_length} | {1000 * hf:.3f} | "
+                + " | ".join(f"{1000 * c:.3f} | {c / hf:.2f}" for c in cells)
+                + " |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

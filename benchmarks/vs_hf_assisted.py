@@ -47,11 +47,16 @@ def hf_generate(model, input_ids, max_new_tokens: int, assistant=None) -> int:
     sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     extra = {}
     if assistant is not None:
-        assistant.generation_config.update(num_assistant_tokens=4, num_assistant_tokens_schedule="constant",
-                                           assistant_confidence_threshold=0.0, **sampling)  # fmt: skip
+        assistant.generation_config.update(
+            num_assistant_tokens=4,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+            **sampling,
+        )
         extra["assistant_model"] = assistant
-    output = model.generate(input_ids, max_new_tokens=max_new_tokens, pad_token_id=model.generation_config.eos_token_id,
-                            **sampling, **extra)  # fmt: skip
+    output = model.generate(
+        input_ids, max_new_tokens=max_new_tokens, pad_token_id=model.generation_config.eos_token_id, **sampling, **extra
+    )
     return output.shape[1] - input_ids.shape[1]
 
 
@@ -59,10 +64,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2, help="Passes over the prompts (each interleaves all configurations).")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="Passes over the prompts (each interleaves all configurations)."
+    )
     args = parser.parse_args()
-    recipe = load_recipe("default", [f"generation.max_new_tokens={args.max_new_tokens}", "generation.temperature=1",
-                                     "generation.top_p=1"])  # as measured (the demo default is T = 0.3)
+    recipe = load_recipe(
+        "default",
+        [f"generation.max_new_tokens={args.max_new_tokens}", "generation.temperature=1", "generation.top_p=1"],
+    )  # as measured (the demo default is T = 0.3)
     speculative = SpeculativeDecoder.from_recipe(recipe)
     target = speculative.target
     alone = speculative.with_config(verifier="none")
@@ -119,12 +128,16 @@ def run_interleaved(configs: dict, encoded: list[list[int]], rounds: int) -> dic
 
 def print_table(totals: dict) -> None:
     """One row per configuration (engine overhead for specdec's)."""
-    print("| configuration | tokens | tokens/s | median tokens/s per prompt | tokens per target forward | engine overhead |")
+    print(
+        "| configuration | tokens | tokens/s | median tokens/s per prompt | tokens per target forward | engine overhead |"
+    )
     print("|---|---|---|---|---|---|")
     for name, total in totals.items():
         overhead = f"{1 - total['forward_s'] / total['seconds']:.3f}" if name.startswith("specdec") else "—"
-        print(f"| {name} | {total['tokens']} | {total['tokens'] / total['seconds']:.2f} | "
-              f"{statistics.median(total['rates']):.2f} | {total['tokens'] / total['forwards']:.2f} | {overhead} |")
+        print(
+            f"| {name} | {total['tokens']} | {total['tokens'] / total['seconds']:.2f} | "
+            f"{statistics.median(total['rates']):.2f} | {total['tokens'] / total['forwards']:.2f} | {overhead} |"
+        )
 
 
 def rate_ratio(totals: dict, first: str, second: str) -> float:
@@ -134,10 +147,14 @@ def rate_ratio(totals: dict, first: str, second: str) -> float:
 
 def report(totals: dict, num_prompts: int, args: argparse.Namespace) -> None:
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"device: cpu ({cpu_name()}, {torch.get_num_threads()} threads); torch {torch.__version__}, "
-          f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}")
-    print(f"{num_prompts} chat prompts from examples/prompts.txt × {args.rounds} rounds, max_new_tokens "
-          f"{args.max_new_tokens}, temperature 1, full vocabulary, L = γ = 4; float32 target, bfloat16 draft\n")
+    print(
+        f"device: cpu ({cpu_name()}, {torch.get_num_threads()} threads); torch {torch.__version__}, "
+        f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}"
+    )
+    print(
+        f"{num_prompts} chat prompts from examples/prompts.txt × {args.rounds} rounds, max_new_tokens "
+        f"{args.max_new_tokens}, temperature 1, full vocabulary, L = γ = 4; float32 target, bfloat16 draft\n"
+    )
     print_table(totals)
     ratio = rate_ratio(totals, "specdec speculative", "transformers assisted")
     print(f"\nspecdec speculative ÷ transformers assisted, tokens/s: {ratio:.2f}")

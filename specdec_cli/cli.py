@@ -54,11 +54,15 @@ def _show_version(value: bool) -> None:
 @app.callback()
 def _global_options(
     version: Annotated[
-        bool, typer.Option("--version", metavar="", callback=_show_version, is_eager=True, help="Print the version and exit.")
+        bool,
+        typer.Option(
+            "--version", metavar="", callback=_show_version, is_eager=True, help="Print the version and exit."
+        ),
     ] = False,
     debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show full tracebacks for errors.")] = False,
-    verbose: Annotated[bool, typer.Option(
-        "--verbose", metavar="", help="Let the libraries' own progress bars and warnings through.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", metavar="", help="Let the libraries' own progress bars and warnings through.")
+    ] = False,
 ) -> None:
     """Speculative decoding: generate with exact, pluggable verifiers; measure acceptance and speed."""
 

@@ -281,8 +281,14 @@ class Plan:
         """
         pick = sample_with(self.chosen, uniforms.select).unsqueeze(1)  # [P, 1]: 0 or 1, Y's slot
         # [P, K]: Y's step, x3 … xK's, and a last column that is never taken (the scheme has K - 1 steps)
-        scheme_taken = torch.cat([uniforms.accept[:, :1] < self.scheme.accepts.gather(1, pick),
-                                  uniforms.accept[:, 2:] < self.scheme.accepts[:, 2:], pick < 0], 1)  # fmt: skip
+        scheme_taken = torch.cat(
+            [
+                uniforms.accept[:, :1] < self.scheme.accepts.gather(1, pick),
+                uniforms.accept[:, 2:] < self.scheme.accepts[:, 2:],
+                pick < 0,
+            ],
+            1,
+        )
         taken = torch.where(use, scheme_taken, uniforms.accept < self.fallback.accepts)  # [P, K]
         scheme_tokens = torch.cat([tokens.gather(1, pick), tokens[:, 2:], tokens[:, :1]], 1)  # [P, K]
         kept = torch.where(use, scheme_tokens, tokens).gather(1, taken.long().argmax(1, keepdim=True))  # [P, 1]
@@ -427,22 +433,29 @@ class ImportanceSampling(Verifier):
 
         def decide(target, draft, tokens, solution, key, block_start):  # one block, its LPs solved
             problems = Problems.block(target, draft, tokens)
-            decision = self._decide_solved(problems, self._first_pair(problems), solution, target, tokens,
-                                           Draws(key, block_start))  # fmt: skip
+            decision = self._decide_solved(
+                problems, self._first_pair(problems), solution, target, tokens, Draws(key, block_start)
+            )
             return decision.tokens, decision.num_accepted, decision.row
 
         with device_path():
             lps = torch.func.vmap(packed)(target_probs, draft_probs, draft_tokens)  # [B, P, 4 M + 2]
         solutions = _solve_on_host(self, lps.flatten(0, 1)).view(batch, lps.shape[1], -1)  # [B, P, M M + M]
         with device_path():
-            fields = torch.func.vmap(decide)(target_probs, draft_probs, draft_tokens, solutions, randomness.key,
-                                             randomness.block_start)  # fmt: skip
+            fields = torch.func.vmap(decide)(
+                target_probs, draft_probs, draft_tokens, solutions, randomness.key, randomness.block_start
+            )
         return BatchDecision(*fields).as_long()  # tokens [B, L+1], num_accepted [B], row [B]
 
     def _decide_solved(
-        self, problems: Problems, pair: "_FirstPair", solution: torch.Tensor, target_probs: torch.Tensor,
-        draft_tokens: torch.Tensor, randomness: Randomness,
-    ) -> BlockDecision:  # fmt: skip
+        self,
+        problems: Problems,
+        pair: "_FirstPair",
+        solution: torch.Tensor,
+        target_probs: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        randomness: Randomness,
+    ) -> BlockDecision:
         """A block's decision once its free LPs are solved (``solution`` ``[P, M M + M]``); target_probs
         ``[K, L+1, V]``, draft_tokens ``[K, L]``."""
         num_drafts, draft_length = draft_tokens.shape
@@ -471,8 +484,11 @@ class ImportanceSampling(Verifier):
         else:  # every position kept a candidate: the bonus token, from q after the followed row
             output = int(sample_with(target_probs[alive[0], draft_length][None], drawn[_BONUS, -1, :1]))
         committed = tokens[alive[0]][:position] + [output] * (draft_length + 1 - position)  # past the output: filler
-        return BlockDecision(torch.tensor(committed, device=device), torch.tensor(position, device=device),
-                             torch.tensor(alive[0], device=device))  # fmt: skip
+        return BlockDecision(
+            torch.tensor(committed, device=device),
+            torch.tensor(position, device=device),
+            torch.tensor(alive[0], device=device),
+        )
 
     # ----------------------------------------------------------------------- planning
 

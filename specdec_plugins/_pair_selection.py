@@ -165,8 +165,12 @@ def top_ids(score: torch.Tensor, count: int) -> torch.Tensor:
     if edge[0] == edge[1] and edge[0] != -math.inf:
         return score.topk(count, dim=-1).indices
     offsets = torch.arange(_TOP_BLOCK, device=score.device)  # [block]
-    candidates = torch.cat([(maxima.indices[: count + 1, None] * _TOP_BLOCK + offsets).flatten(),
-                            torch.arange(whole, score.shape[-1], device=score.device)])  # fmt: skip
+    candidates = torch.cat(
+        [
+            (maxima.indices[: count + 1, None] * _TOP_BLOCK + offsets).flatten(),
+            torch.arange(whole, score.shape[-1], device=score.device),
+        ]
+    )
     top = score[0, candidates].topk(count + 1)  # [count + 1]
     finite = [value for value in top.values.tolist() if value != -math.inf]
     if len(set(finite)) < len(finite) or any(math.isnan(value) for value in finite):

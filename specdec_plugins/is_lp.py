@@ -25,8 +25,13 @@ class ImportanceSamplingLP(ImportanceSampling):
     name = "is-lp"
 
     def __init__(
-        self, *, max_support: Annotated[int, "the most tokens the drafts may put mass on (the LP has m(m-1) weights "
-                                             "for m tokens): restrict it with top-k or top-p"] = 64,
+        self,
+        *,
+        max_support: Annotated[
+            int,
+            "the most tokens the drafts may put mass on (the LP has m(m-1) weights "
+            "for m tokens): restrict it with top-k or top-p",
+        ] = 64,
     ):
         if max_support < 1:
             raise ValueError(f"is-lp: max_support must be >= 1, got {max_support}")

@@ -39,8 +39,11 @@ class ImportanceSamplingTruncated(ImportanceSampling):
     name = "is-truncated"
 
     def __init__(
-        self, *, s: Annotated[int, "tokens with free LP weights (the top s by (q - p1 p2)+): the others follow the "
-                                   "tail rule"] = 5,
+        self,
+        *,
+        s: Annotated[
+            int, "tokens with free LP weights (the top s by (q - p1 p2)+): the others follow the tail rule"
+        ] = 5,
         alphabet: Annotated[int | None, "cap on the alphabet's size, in tokens (None: no cap)"] = None,
         alphabet_mass: Annotated[float, "the alphabet: the smallest top set of q with this much mass, in ]0, 1]"] = 1.0,
     ):

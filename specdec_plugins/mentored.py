@@ -168,7 +168,9 @@ def _verify_lazily(q, p, x, bound: float, randomness) -> BlockDecision:
     roundoff = vocab * max(torch.finfo(q.dtype).eps, torch.finfo(p.dtype).eps) / 2
     spread = roundoff / (1 - roundoff) + 1e-12 if roundoff < 0.5 else math.inf  # γ, and room for float64 rounding
     margin = (1 - spread) / (1 + spread)
-    ratios = (q[:-1].gather(-1, tokens).double() / p.gather(-1, tokens).double()).squeeze(-1).tolist()  # [L]: unnormalised
+    ratios = (
+        (q[:-1].gather(-1, tokens).double() / p.gather(-1, tokens).double()).squeeze(-1).tolist()
+    )  # [L]: unnormalised
     for position, (u, ratio) in enumerate(zip(uniforms, ratios)):
         rows = slice(position, position + 1)
         if u < ratio * float(p[position].sum()) / float(q[position].sum()) * margin:  # surely accepted
@@ -182,8 +184,14 @@ def _verify_lazily(q, p, x, bound: float, randomness) -> BlockDecision:
     return commit_known(draft_length, q[-1], x, draws)
 
 
-def solve(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float, lazy: bool, masses=None,
-          buffers: "_Buffers | None" = None) -> "_Solution":  # fmt: skip
+def solve(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    bound: float,
+    lazy: bool,
+    masses=None,
+    buffers: "_Buffers | None" = None,
+) -> "_Solution":
     """The exact optimum for q and p ``[..., V]`` (any probabilities; renormalised in float64; ``masses``: their
     float64 sums ``[..., 1]`` where the caller has them; ``buffers``: the CPU path's arrays, which the solution
     then shares: it is valid until their next use)."""
@@ -260,7 +268,9 @@ class _Solution:
 
     def residual_on_host(self) -> torch.Tensor:
         """:meth:`residual_row` of a one-row solution ``[1, V]`` → ``[V]``, its fallback chosen on the host."""
-        excess = torch.addcmul(self.q[0], self.beta[0], self.p[0], value=-1).clamp_min_(0)  # [V]: :meth:`_excess`, in place
+        excess = torch.addcmul(self.q[0], self.beta[0], self.p[0], value=-1).clamp_min_(
+            0
+        )  # [V]: :meth:`_excess`, in place
         return excess if float(excess.sum()) > 0 else self.q[0]
 
 
@@ -432,7 +442,9 @@ class _Groups:
         masses = masses or [probs.sum(-1, keepdim=True, dtype=torch.float64) for probs in (target_probs, draft_probs)]
         for law, probs, mass in zip((self.q, self.p), (target_probs, draft_probs), masses):
             torch.div(probs, mass.view(rows, 1), out=law)
-        self.t = torch.div(self.q, self.p, out=buffers.ratio).nan_to_num_(nan=0.0, posinf=math.inf)  # [N, V]: :func:`_ratio`
+        self.t = torch.div(self.q, self.p, out=buffers.ratio).nan_to_num_(
+            nan=0.0, posinf=math.inf
+        )  # [N, V]: :func:`_ratio`
         # q ln t, 0 where q = 0: xlogy, and log at 0, take a slow path per element (4× and 10× slower at V = 128k).
         torch.clamp_min(self.t, TINY, out=log_ratio).log_().mul_(self.q)
         self.full_kl = log_ratio.sum(-1, keepdim=True)  # [N, 1]: KL(q ‖ p)
@@ -476,8 +488,10 @@ class _Groups:
         torch.le(ratio, limits[:, 0], out=masks[:, 0])
         torch.ge(ratio, limits[:, 1], out=masks[:, 1])
         sums = torch.bmm(weights, masks.transpose(-1, -2)).tolist()  # [N][3][2]: (q, p, q ln t) × groups
-        return [(q_low, q_high, p_low, p_high, total - w_low - w_high)
-                for ((q_low, q_high), (p_low, p_high), (w_low, w_high)), total in zip(sums, self.total_log_ratio)]  # fmt: skip
+        return [
+            (q_low, q_high, p_low, p_high, total - w_low - w_high)
+            for ((q_low, q_high), (p_low, p_high), (w_low, w_high)), total in zip(sums, self.total_log_ratio)
+        ]
 
 
 def _solve_by_sets(target_probs, draft_probs, bound: float, masses=None, buffers=None) -> _Solution:
@@ -492,8 +506,10 @@ def _solve_by_sets(target_probs, draft_probs, bound: float, masses=None, buffers
     unsettled = [row for row, (waiting, root) in enumerate(zip(pending, found)) if waiting and root is None]
     if unsettled:  # rarely
         sorted_segment, sorted_rho, _ = _SortedTable(groups.q[unsettled], groups.p[unsettled], bound).root()
-        for field, value in zip((segment.q, segment.p, segment.offset, rho),
-                                (sorted_segment.q, sorted_segment.p, sorted_segment.offset, sorted_rho)):  # fmt: skip
+        for field, value in zip(
+            (segment.q, segment.p, segment.offset, rho),
+            (sorted_segment.q, sorted_segment.p, sorted_segment.offset, sorted_rho),
+        ):
             field[:, unsettled] = value
 
     def rows(tensor: torch.Tensor) -> torch.Tensor:  # [..., N, k] → [..., *batch, k]
@@ -533,7 +549,9 @@ def _iterate_sets(groups: _Groups, waiting: list, thresholds: list, bound: float
             previous[row] = segment
             rho[row], *moved = _scalar_root(*segment, bound)
             if coarse:
-                waiting[row] = not all(math.isclose(*pair, rel_tol=_COARSE_TOLERANCE) for pair in zip(moved, thresholds[row]))
+                waiting[row] = not all(
+                    math.isclose(*pair, rel_tol=_COARSE_TOLERANCE) for pair in zip(moved, thresholds[row])
+                )
             elif groups.same_groups(row, thresholds[row], moved):
                 found[row], waiting[row] = (*segment, rho[row]), False
             thresholds[row] = moved

@@ -75,8 +75,9 @@ class ModelDrafter(Drafter):
         laws = torch.empty(batch * rows, length, vocab, device=device)  # [B K, n, V]
         finite = torch.ones((), dtype=torch.bool, device=device)  # []
         contexts = [context for context in request.contexts for _ in range(rows)]
-        by_params = [(params, [b * rows + row for b in range(batch) for row in same])
-                     for params, same in self._rows_by_params()]  # fmt: skip
+        by_params = [
+            (params, [b * rows + row for b in range(batch) for row in same]) for params, same in self._rows_by_params()
+        ]
         for t in range(length):
             step = tokens[:, t - 1 : t] if t else None  # [B K, 1]: each row's last draft token
             logits = session.forward(contexts if t == 0 else None, step, 1, request.timer)[:, -1].to(device)  # [B K, V]
@@ -85,8 +86,13 @@ class ModelDrafter(Drafter):
                 laws[same, t] = law
                 finite &= row_finite.all()
             tokens[:, t] = sample_with(laws[:, t], request.uniforms[:, t].reshape(-1))
-        return Proposal(tokens.view(batch, rows, length), laws.view(batch, rows, length, vocab), finite,
-                        list(request.max_lengths), forwards=length)  # fmt: skip
+        return Proposal(
+            tokens.view(batch, rows, length),
+            laws.view(batch, rows, length, vocab),
+            finite,
+            list(request.max_lengths),
+            forwards=length,
+        )
 
     def _rows_by_params(self) -> list[tuple[SamplingParams, list[int]]]:
         """Rows that share sampling settings, so each settings' law is computed in one call."""

@@ -30,7 +30,9 @@ class PromptLookup(SequenceDrafter):
     deterministic = True
 
     def __init__(
-        self, *, min_ngram: Annotated[int, "the shortest n-gram looked up"] = 1,
+        self,
+        *,
+        min_ngram: Annotated[int, "the shortest n-gram looked up"] = 1,
         max_ngram: Annotated[int, "the longest n-gram looked up (tried first)"] = 3,
         num_tokens: Annotated[int | None, "tokens proposed at most (None: the block's draft length)"] = None,
     ):
@@ -58,8 +60,11 @@ class PromptLookup(SequenceDrafter):
         found = haystack[end + 1 : end + 1 + limit] if end is not None else []
         found = found[: found.index(_JOIN)] if _JOIN in found else found
         tokens = torch.tensor([found], dtype=torch.long, device=self.draft_setup.device).view(1, -1)  # [1, n]
-        return SequenceProposal(tokens, one_hot_laws(tokens, self.draft_setup.vocab_size),
-                                torch.ones((), dtype=torch.bool, device=self.draft_setup.device))
+        return SequenceProposal(
+            tokens,
+            one_hot_laws(tokens, self.draft_setup.vocab_size),
+            torch.ones((), dtype=torch.bool, device=self.draft_setup.device),
+        )
 
     def _latest_match(self, haystack: list[int]) -> int | None:
         """The end position of the latest occurrence, before the last position, of the haystack's final n-gram

@@ -266,8 +266,14 @@ def _solve_by_buckets(q: torch.Tensor, p: torch.Tensor, count: int) -> tuple[tor
     root_bucket = int(_positive_count(edges, below, above, counts, counts)) - 1
     first, last = max(root_bucket - 1, 1), root_bucket + 1  # bucket 0 lies below 1: no order needed
     members = ((bucket >= first) & (bucket <= last)).nonzero().squeeze(-1)  # [n]
-    return _solve_run(q[members].double(), p[members].double(), counts, float(below[first]), float(above[last + 1]),
-                      float(edges[last + 1]))  # fmt: skip
+    return _solve_run(
+        q[members].double(),
+        p[members].double(),
+        counts,
+        float(below[first]),
+        float(above[last + 1]),
+        float(edges[last + 1]),
+    )
 
 
 def _ratio_buckets(q: torch.Tensor, p: torch.Tensor, scale: float) -> torch.Tensor:

@@ -50,9 +50,7 @@ class SpeculativeSampling(Verifier):
     def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
         q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
         accept = ratio_acceptance(q[:-1], p, x.unsqueeze(-1)).squeeze(-1)  # [L]: min(1, q(x_t)/p(x_t))
-        return single_draft_block(
-            accept, lambda n: excess_weights(row_at(q, n), row_at(p, n)), q, x, randomness
-        )
+        return single_draft_block(accept, lambda n: excess_weights(row_at(q, n), row_at(p, n)), q, x, randomness)
 
     def acceptance_probability(self, target_probs, draft_probs):
         return torch.minimum(target_probs, draft_probs[..., 0, :]).sum(-1)  # [...]

@@ -63,7 +63,12 @@ def _checkout_extras() -> set[str]:
     try:
         listed = subprocess.run(
             ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
-            cwd=CHECKOUT, env=_USER_ENVIRONMENT, capture_output=True, text=True, timeout=60, check=True,
+            cwd=CHECKOUT,
+            env=_USER_ENVIRONMENT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
         ).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return set()

@@ -21,6 +21,8 @@ PROMPTS = ["a b c", "d e", "e e a b", "c"]
 
 def mentored_row(kl: float) -> str:
     return AcceptanceRow("mentored", kl_bound=kl).label
+
+
 KL_VALUES = (0.0, 0.05, 0.2, 1.0)
 
 
@@ -83,9 +85,9 @@ def test_block_level_verifiers_say_why_they_have_no_cell(report):
 def test_analytic_acceptance_matches_the_engine(tiny_models, name):
     """At the first position of each prompt, the engine accepts as often as the analysis says."""
     params = {"kl": 0.2} if name == "mentored" else {}
-    recipe = build_recipe(tiny_recipe(
-        tiny_models, "llama", generation={"max_new_tokens": 2}, verifier={"name": name, "params": params}
-    ))  # fmt: skip
+    recipe = build_recipe(
+        tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 2}, verifier={"name": name, "params": params})
+    )
     request = AcceptanceRequest(verifiers=(name,), num_drafts=(1,), kl_values=(0.2,))
     analysis = AcceptanceAnalysis(recipe, request)
     row = mentored_row(0.2) if name == "mentored" else name
@@ -96,8 +98,9 @@ def test_analytic_acceptance_matches_the_engine(tiny_models, name):
     accepted = 0
     for index, prompt in enumerate(PROMPTS):
         ids = decoder.encode_prompt(prompt)
-        accepted += sum(decoder.generate_ids(ids, 1000 * index + s)[2].accepted_per_position[:1] == [1]
-                        for s in range(samples))  # fmt: skip
+        accepted += sum(
+            decoder.generate_ids(ids, 1000 * index + s)[2].accepted_per_position[:1] == [1] for s in range(samples)
+        )
     measured = accepted / (samples * len(PROMPTS))
     stderr = (expected * (1 - expected) / (samples * len(PROMPTS))) ** 0.5
     assert abs(measured - expected) < 4 * stderr
@@ -122,7 +125,9 @@ def test_different_temperature_drafts(tiny_models):
     recipe = tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 6})
     draft = recipe.pop("draft")
     recipe["drafts"] = [{**draft, "temperature": 1.0}, {**draft, "temperature": 1.5}]
-    analysis = AcceptanceAnalysis(build_recipe(recipe), AcceptanceRequest(verifiers=("specinfer", "spectr"), num_drafts=(1, 2)))
+    analysis = AcceptanceAnalysis(
+        build_recipe(recipe), AcceptanceRequest(verifiers=("specinfer", "spectr"), num_drafts=(1, 2))
+    )
     report = analysis.run(PROMPTS[:2])
     assert not report.identical_drafts
     assert report.cell("specinfer", 2) is not None
@@ -148,8 +153,23 @@ def test_cli_table_json_csv_and_plot(run, tiny_models, write_recipe, tmp_path): 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"question_id": 1, "turns": ["a b c"]}\n{"question_id": 2, "turns": ["d e"]}\n')
     out, picture = tmp_path / "out", tmp_path / "plot.png"
-    code, stdout, _ = run(["acceptance", "-r", recipe, "--prompt-file", str(prompts), "--num-drafts", "1,2",
-                           "--kl", "0,0.3", "--output", str(out), "--plot", str(picture)])  # fmt: skip
+    code, stdout, _ = run(
+        [
+            "acceptance",
+            "-r",
+            recipe,
+            "--prompt-file",
+            str(prompts),
+            "--num-drafts",
+            "1,2",
+            "--kl",
+            "0,0.3",
+            "--output",
+            str(out),
+            "--plot",
+            str(picture),
+        ]
+    )
     assert code == 0
     assert "optimum" in stdout and "mentored D=0.3" in stdout and "K=2" in stdout
     payload = json.loads((out / "acceptance.json").read_text())
@@ -159,8 +179,20 @@ def test_cli_table_json_csv_and_plot(run, tiny_models, write_recipe, tmp_path): 
     rows = list(csv.DictReader((out / "acceptance.csv").open()))
     assert {"optimum", "speculative", "mentored D=0.3"} <= {r["row"] for r in rows}
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    code, stdout, _ = run(["acceptance", "-r", recipe, "--prompt", "a b", "--verifier", "speculative,spectr",
-                           "--num-drafts", "1,2", "--json"])  # fmt: skip
+    code, stdout, _ = run(
+        [
+            "acceptance",
+            "-r",
+            recipe,
+            "--prompt",
+            "a b",
+            "--verifier",
+            "speculative,spectr",
+            "--num-drafts",
+            "1,2",
+            "--json",
+        ]
+    )
     payload = json.loads(stdout)
     assert code == 0 and payload["rows"] == ["optimum", "speculative", "spectr"]
     assert payload["table"]["spectr"]["2"]["mean"] <= payload["table"]["optimum"]["2"]["mean"] + 1e-9
@@ -180,13 +212,30 @@ def test_cli_limit_shuffle_and_prompt_arguments(run, tiny_models, write_recipe, 
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 3})))
     prompts = ["a", "b c", "d e a", "c c", "e"]
     (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
-    code, out, err = run(["acceptance", "-r", recipe, "--prompt-file", str(tmp_path / "p.txt"), "--limit", "2",
-                          "--shuffle", "--shuffle-seed", "3", "--verifier", "speculative", "--num-drafts", "1",
-                          "--json"])  # fmt: skip
+    code, out, err = run(
+        [
+            "acceptance",
+            "-r",
+            recipe,
+            "--prompt-file",
+            str(tmp_path / "p.txt"),
+            "--limit",
+            "2",
+            "--shuffle",
+            "--shuffle-seed",
+            "3",
+            "--verifier",
+            "speculative",
+            "--num-drafts",
+            "1",
+            "--json",
+        ]
+    )
     assert code == 0, err
     assert [p["prompt"] for p in json.loads(out)["prompts"]] == subset(prompts, 2, True, 3) != prompts[:2]
-    code, out, _ = run(["acceptance", "-r", recipe, "a b", "c", "--verifier", "speculative", "--num-drafts", "1",
-                        "--json"])  # fmt: skip
+    code, out, _ = run(
+        ["acceptance", "-r", recipe, "a b", "c", "--verifier", "speculative", "--num-drafts", "1", "--json"]
+    )
     assert code == 0 and [p["prompt"] for p in json.loads(out)["prompts"]] == ["a b", "c"]
 
 
@@ -216,7 +265,9 @@ def _with_drafts(models, family: str, drafts: list[dict], **sections) -> dict:
     """A tiny recipe whose drafts are ``drafts`` ('draft' as a model: the family's tiny draft model)."""
     recipe = tiny_recipe(models, family, **sections)
     recipe.pop("draft")
-    recipe["drafts"] = [{"model": str(models[f"{family}-draft"]), "device": "cpu"} if d == "draft" else d for d in drafts]
+    recipe["drafts"] = [
+        {"model": str(models[f"{family}-draft"]), "device": "cpu"} if d == "draft" else d for d in drafts
+    ]
     return recipe
 
 
@@ -288,10 +339,27 @@ def test_drafter_sections_each_on_its_own(run, tiny_models, write_recipe):  # no
 
 def test_mixed_model_and_lookup_rows_go_through_specinfer(run, tiny_models, write_recipe, tmp_path):  # noqa: F811
     """No --drafter: the entries together, K = 2 rows of different laws; speculative is left out with its reason."""
-    recipe = write_recipe(_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8}))
+    recipe = write_recipe(
+        _with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8})
+    )
     out_folder, picture = tmp_path / "out", tmp_path / "plot.png"
-    code, out, err = run(["acceptance", "-r", str(recipe), *LOOKUP_PROMPTS, "--verifier", "speculative,specinfer,spectr",
-                          "--num-drafts", "2", "--json", "--output", str(out_folder), "--plot", str(picture)])  # fmt: skip
+    code, out, err = run(
+        [
+            "acceptance",
+            "-r",
+            str(recipe),
+            *LOOKUP_PROMPTS,
+            "--verifier",
+            "speculative,specinfer,spectr",
+            "--num-drafts",
+            "2",
+            "--json",
+            "--output",
+            str(out_folder),
+            "--plot",
+            str(picture),
+        ]
+    )
     assert code == 0, err
     assert "left out: speculative (verifier 'speculative' takes at most 1 draft(s)" in err
     assert "spectr (" in err and "identical" in err.split("spectr (")[1]
@@ -305,12 +373,15 @@ def test_mixed_model_and_lookup_rows_go_through_specinfer(run, tiny_models, writ
     assert {row["drafter"] for row in csv.DictReader((out_folder / "acceptance.csv").open())} == {""}
 
 
-@pytest.mark.parametrize("value, message", [
-    ("early-exit", "--drafter early-exit drafts with a model that the recipe does not name"),
-    ("nosuch", "unknown drafter 'nosuch'"),
-    ("model,Model", "--drafter lists model more than once"),
-    (",", "--drafter expects a comma list of str values"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("early-exit", "--drafter early-exit drafts with a model that the recipe does not name"),
+        ("nosuch", "unknown drafter 'nosuch'"),
+        ("model,Model", "--drafter lists model more than once"),
+        (",", "--drafter expects a comma list of str values"),
+    ],
+)
 def test_a_drafter_that_cannot_work_here_is_one_line(run, tiny_models, write_recipe, value, message):  # noqa: F811
     recipe = write_recipe(tiny_recipe(tiny_models, "llama"))
     code, _, err = run(["acceptance", "-r", str(recipe), "a b", "--drafter", value])
@@ -319,13 +390,30 @@ def test_a_drafter_that_cannot_work_here_is_one_line(run, tiny_models, write_rec
 
 
 def test_derived_kl_bounds_come_from_the_first_entry_with_a_model_whatever_the_drafter_order(
-    run, tiny_models, write_recipe  # noqa: F811
-):  # fmt: skip
-    recipe = write_recipe(_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8}))
+    run,
+    tiny_models,
+    write_recipe,  # noqa: F811
+):
+    recipe = write_recipe(
+        _with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8})
+    )
     tables = {}
     for order in ("model,prompt-lookup", "prompt-lookup,model"):
-        code, out, err = run(["acceptance", "-r", str(recipe), *LOOKUP_PROMPTS, "--drafter", order, "--verifier",
-                              "mentored", "--num-drafts", "1", "--json"])  # fmt: skip
+        code, out, err = run(
+            [
+                "acceptance",
+                "-r",
+                str(recipe),
+                *LOOKUP_PROMPTS,
+                "--drafter",
+                order,
+                "--verifier",
+                "mentored",
+                "--num-drafts",
+                "1",
+                "--json",
+            ]
+        )
         assert code == 0, err
         assert "× the pair's mean KL(q‖p)" in err
         tables[order] = {section["drafter"]: section["table"] for section in json.loads(out)["sections"]}

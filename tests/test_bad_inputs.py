@@ -49,7 +49,10 @@ ACCEPTANCE = [
     ("acceptance -r {recipe} --prompt ab --num-drafts 0", "--num-drafts values must be >= 1"),
     ("acceptance -r {recipe} --prompt ab --num-drafts two", "--num-drafts expects a comma list of int"),
     ("acceptance -r {recipe} --prompt-file {dir}/null.jsonl", "'prompt' must be text"),
-    ("acceptance -r {recipe} --prompt ab --verifier is-lp --set verifier.params.max_support=0", "max_support must be >= 1"),
+    (
+        "acceptance -r {recipe} --prompt ab --verifier is-lp --set verifier.params.max_support=0",
+        "max_support must be >= 1",
+    ),
     ("acceptance -r {recipe} --prompt ab --verifier nosuch", "unknown verifier 'nosuch'"),
     ("acceptance -r {recipe} --prompt ab --device mps", "no MPS"),
     ("acceptance -r {recipe} --prompt ab --output {dir}/source.txt", "--output '{dir}/source.txt' is a file"),
@@ -58,15 +61,25 @@ ACCEPTANCE = [
 ]
 BENCH_DATA = "--source {dir}/source.txt --reference {dir}/reference.txt"
 BENCH = [
-    ("bench -r {recipe} %s --temperature -1" % BENCH_DATA, "grid cell 'baseline T=-1': generation.temperature: must be >= 0"),
+    (
+        "bench -r {recipe} %s --temperature -1" % BENCH_DATA,
+        "grid cell 'baseline T=-1': generation.temperature: must be >= 0",
+    ),
     ("bench -r {recipe} %s --draft-temperatures=-1" % BENCH_DATA, "drafts.0.temperature: must be >= 0"),
-    ("bench -r {recipe} %s --draft-length 0" % BENCH_DATA, "grid cell 'speculative K=1 L=0 T=1': speculation.draft_length"),
+    (
+        "bench -r {recipe} %s --draft-length 0" % BENCH_DATA,
+        "grid cell 'speculative K=1 L=0 T=1': speculation.draft_length",
+    ),
     ("bench -r {recipe} %s --num-drafts 0" % BENCH_DATA, "speculation.num_drafts: must be >= 1"),
-    ("bench -r {recipe} %s --verifier is-lp,speculative --set verifier.params.max_support=0" % BENCH_DATA,
-     "grid cell 'is-lp K=1 L=3 T=1': verifier 'is-lp': max_support must be >= 1"),
+    (
+        "bench -r {recipe} %s --verifier is-lp,speculative --set verifier.params.max_support=0" % BENCH_DATA,
+        "grid cell 'is-lp K=1 L=3 T=1': verifier 'is-lp': max_support must be >= 1",
+    ),
     ("bench -r {recipe} %s --verifier mentored --kl -1" % BENCH_DATA, "kl must be a finite number >= 0"),
-    ("bench -r {recipe} %s --verifier spectr --num-drafts 2 --draft-temperatures 1.0,1.2" % BENCH_DATA,
-     "no speculative configuration to compare with the baseline (skipped: verifier 'spectr' needs identical drafts"),
+    (
+        "bench -r {recipe} %s --verifier spectr --num-drafts 2 --draft-temperatures 1.0,1.2" % BENCH_DATA,
+        "no speculative configuration to compare with the baseline (skipped: verifier 'spectr' needs identical drafts",
+    ),
     ("bench -r {recipe} %s --verifier nosuch" % BENCH_DATA, "unknown verifier 'nosuch'"),
     ("bench -r {recipe} %s --draft-length x" % BENCH_DATA, "--draft-length expects a comma list of int"),
     ("bench -r {recipe} --dataset {dir}/duplicate-ids.jsonl --source-field text", "examples 1 and 2 share the id '1'"),
@@ -199,8 +212,23 @@ def test_a_plot_that_fails_never_hides_the_table(run, inputs, monkeypatch, tmp_p
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(report, "plot", broken_plot)
-    code, out, err = run(["acceptance", "-r", inputs["recipe"], "--prompt", "a b", "--num-drafts", "1", "--verifier",
-                          "speculative", "--max-new-tokens", "3", "--plot", str(tmp_path / "plot.png")])  # fmt: skip
+    code, out, err = run(
+        [
+            "acceptance",
+            "-r",
+            inputs["recipe"],
+            "--prompt",
+            "a b",
+            "--num-drafts",
+            "1",
+            "--verifier",
+            "speculative",
+            "--max-new-tokens",
+            "3",
+            "--plot",
+            str(tmp_path / "plot.png"),
+        ]
+    )
     assert code == 1
     assert "token-level acceptance probability" in out  # the table came first
     _one_error_line(err, "could not write the plot")

@@ -32,13 +32,23 @@ from tests.test_drafters import RegistryWith as DrafterRegistryWith
 from tests.test_reliability_plugins import RegistryWith as VerifierRegistryWith
 
 PROMPTS = ["a b c d", "e e a", "b", "d c b a e d c b a"]
-LOSSLESS = [("speculative", 1), ("block", 1), ("specinfer", 1), ("specinfer", 2), ("specinfer", 3), ("spectr", 2),
-            ("spectr", 3), ("is-lp", 2), ("is-truncated", 3)]  # fmt: skip
+LOSSLESS = [
+    ("speculative", 1),
+    ("block", 1),
+    ("specinfer", 1),
+    ("specinfer", 2),
+    ("specinfer", 3),
+    ("spectr", 2),
+    ("spectr", 3),
+    ("is-lp", 2),
+    ("is-truncated", 3),
+]
 
 
 def _decoder(models, family: str, verifier: str = "speculative", num_drafts: int = 1, drafts=None, **generation):
-    recipe = tiny_recipe(models, family, verifier={"name": verifier}, speculation={"num_drafts": num_drafts},
-                         generation=generation)  # fmt: skip
+    recipe = tiny_recipe(
+        models, family, verifier={"name": verifier}, speculation={"num_drafts": num_drafts}, generation=generation
+    )
     if drafts is not None:
         recipe.pop("draft")
         recipe["drafts"] = drafts
@@ -46,8 +56,9 @@ def _decoder(models, family: str, verifier: str = "speculative", num_drafts: int
 
 
 BATCH_CASES = [pytest.param(verifier, k, 8, id=f"{verifier}-K{k}-B8") for verifier, k in LOSSLESS] + [
-    pytest.param(verifier, k, 3, id=f"{verifier}-K{k}-B3") for verifier, k in (("speculative", 1), ("specinfer", 2),
-                                                                              ("spectr", 3))]  # fmt: skip
+    pytest.param(verifier, k, 3, id=f"{verifier}-K{k}-B3")
+    for verifier, k in (("speculative", 1), ("specinfer", 2), ("spectr", 3))
+]
 """Every lossless verifier at batch 8; at batch 3 (more steps, and sequences joining more often) one per K."""
 
 
@@ -99,8 +110,17 @@ def test_stats_are_kept_per_sequence(tiny_models):
     alone = decoder.generate(PROMPTS, num_samples=2)
     batched = decoder.generate(PROMPTS, num_samples=2, batch_size=8)
     for one, many in zip(alone, batched):
-        for name in ("new_tokens", "target_forwards", "draft_forwards", "blocks", "drafted_tokens", "accepted_tokens",
-                     "accepted_per_position", "drafted_per_position", "stop_reason"):  # fmt: skip
+        for name in (
+            "new_tokens",
+            "target_forwards",
+            "draft_forwards",
+            "blocks",
+            "drafted_tokens",
+            "accepted_tokens",
+            "accepted_per_position",
+            "drafted_per_position",
+            "stop_reason",
+        ):
             assert getattr(one.stats, name) == getattr(many.stats, name), name
         assert many.stats.wall_time_s > 0
 
@@ -153,7 +173,9 @@ def test_a_batch_without_the_kv_cache_recomputes_what_the_cache_holds(tiny_model
     cached = _decoder(tiny_models, family, **generation).generate(PROMPTS, num_samples=2, batch_size=3)
     recipe = tiny_recipe(tiny_models, family, speculation={"kv_cache": False}, generation=generation)
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
-    assert [r.token_ids for r in decoder.generate(PROMPTS, num_samples=2, batch_size=3)] == [r.token_ids for r in cached]
+    assert [r.token_ids for r in decoder.generate(PROMPTS, num_samples=2, batch_size=3)] == [
+        r.token_ids for r in cached
+    ]
     assert not decoder.drafters[0].session.use_cache  # the draft recomputed too
     with pytest.raises(UsageError, match="batch_size must be a whole number"):
         decoder.generate("a b", batch_size=0)

@@ -25,10 +25,15 @@ def data(tmp_path) -> dict[str, Path]:
     source, reference, dataset = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "data.jsonl"
     source.write_text("\n".join(SOURCES) + "\n")
     reference.write_text("\n".join(REFERENCES) + "\n")
-    dataset.write_text("".join(
-        json.dumps({"id": i, "question_id": i, "document": s, "summary": r, "turns": [s], "category": "cat" + str(i % 2)}) + "\n"
-        for i, (s, r) in enumerate(zip(SOURCES, REFERENCES))
-    ))  # fmt: skip
+    dataset.write_text(
+        "".join(
+            json.dumps(
+                {"id": i, "question_id": i, "document": s, "summary": r, "turns": [s], "category": "cat" + str(i % 2)}
+            )
+            + "\n"
+            for i, (s, r) in enumerate(zip(SOURCES, REFERENCES))
+        )
+    )
     return {"source": source, "reference": reference, "dataset": dataset}
 
 
@@ -38,8 +43,20 @@ def recipe_path(tiny_models, write_recipe) -> str:
 
 
 def _bench_args(recipe: str, data: dict, out: Path, *extra: str) -> list[str]:
-    return ["bench", "-r", recipe, "--source", str(data["source"]), "--reference", str(data["reference"]),
-            "--template", "{source}", "--output", str(out), *extra]  # fmt: skip
+    return [
+        "bench",
+        "-r",
+        recipe,
+        "--source",
+        str(data["source"]),
+        "--reference",
+        str(data["reference"]),
+        "--template",
+        "{source}",
+        "--output",
+        str(out),
+        *extra,
+    ]
 
 
 def _samples(out: Path) -> list[dict]:
@@ -54,8 +71,21 @@ def test_metrics_in_results_equal_recomputation_from_samples(run, recipe_path, d
     from sacrebleu.metrics import BLEU, CHRF
 
     out = tmp_path / "out"
-    code, stdout, _ = run(_bench_args(recipe_path, data, out, "--verifier", "speculative,specinfer",
-                                      "--num-drafts", "1,2", "--draft-length", "2,3", "--seeds", "0,1"))  # fmt: skip
+    code, stdout, _ = run(
+        _bench_args(
+            recipe_path,
+            data,
+            out,
+            "--verifier",
+            "speculative,specinfer",
+            "--num-drafts",
+            "1,2",
+            "--draft-length",
+            "2,3",
+            "--seeds",
+            "0,1",
+        )
+    )
     assert code == 0 and "speculative K=1 L=2 T=1" in stdout and "baseline T=1" in stdout
     samples = _samples(out)
     cells = _by_cell(out)
@@ -87,8 +117,9 @@ def test_metrics_in_results_equal_recomputation_from_samples(run, recipe_path, d
 
 def test_same_seed_cells_share_the_baseline_and_lossless_cells_agree(run, recipe_path, data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    code, _, _ = run(_bench_args(recipe_path, data, out, "--verifier", "speculative,specinfer,spectr,block",
-                                 "--temperature", "0"))  # fmt: skip
+    code, _, _ = run(
+        _bench_args(recipe_path, data, out, "--verifier", "speculative,specinfer,spectr,block", "--temperature", "0")
+    )
     assert code == 0
     texts = {}
     for sample in _samples(out):
@@ -117,8 +148,23 @@ def test_rouge_for_summaries_and_spec_bench_categories(run, recipe_path, data, t
     from rouge_score import rouge_scorer
 
     out = tmp_path / "xsum"
-    code, _, _ = run(["bench", "-r", recipe_path, "--task", "xsum", "--dataset", str(data["dataset"]),
-                      "--template", "{source}", "--limit", "5", "--output", str(out)])  # fmt: skip
+    code, _, _ = run(
+        [
+            "bench",
+            "-r",
+            recipe_path,
+            "--task",
+            "xsum",
+            "--dataset",
+            str(data["dataset"]),
+            "--template",
+            "{source}",
+            "--limit",
+            "5",
+            "--output",
+            str(out),
+        ]
+    )
     assert code == 0
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     for key, cell in _by_cell(out).items():
@@ -127,8 +173,20 @@ def test_rouge_for_summaries_and_spec_bench_categories(run, recipe_path, data, t
         expected = 100 * sum(scorer.score(s["reference"], s["text"])["rougeL"].fmeasure for s in mine) / len(mine)
         assert cell["per_seed"]["0"]["rougeL"] == pytest.approx(expected)
     out = tmp_path / "spec-bench"
-    code, _, _ = run(["bench", "-r", recipe_path, "--task", "spec-bench", "--dataset", str(data["dataset"]),
-                      "--output", str(out), "--json"])  # fmt: skip
+    code, _, _ = run(
+        [
+            "bench",
+            "-r",
+            recipe_path,
+            "--task",
+            "spec-bench",
+            "--dataset",
+            str(data["dataset"]),
+            "--output",
+            str(out),
+            "--json",
+        ]
+    )
     assert code == 0
     speculative = _by_cell(out)["speculative K=1 L=3 T=1"]["per_seed"]["0"]
     assert set(speculative["tokens_per_second_by_category"]) == {"cat0", "cat1"}
@@ -164,12 +222,31 @@ def test_a_rerun_with_other_cells_reuses_the_shared_samples(run, recipe_path, da
 
 def test_grid_expansion(run, recipe_path, data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "2", "--verifier", "speculative,mentored,spectr",
-                                   "--kl", "0.1,0.3", "--num-drafts", "1,2"))  # fmt: skip
+    code, _, err = run(
+        _bench_args(
+            recipe_path,
+            data,
+            out,
+            "--limit",
+            "2",
+            "--verifier",
+            "speculative,mentored,spectr",
+            "--kl",
+            "0.1,0.3",
+            "--num-drafts",
+            "1,2",
+        )
+    )
     assert code == 0
     keys = set(_by_cell(out))
-    assert keys == {"baseline T=1", "speculative K=1 L=3 T=1", "mentored D=0.1 K=1 L=3 T=1",
-                    "mentored D=0.3 K=1 L=3 T=1", "spectr K=1 L=3 T=1", "spectr K=2 L=3 T=1"}  # fmt: skip
+    assert keys == {
+        "baseline T=1",
+        "speculative K=1 L=3 T=1",
+        "mentored D=0.1 K=1 L=3 T=1",
+        "mentored D=0.3 K=1 L=3 T=1",
+        "spectr K=1 L=3 T=1",
+        "spectr K=2 L=3 T=1",
+    }
     assert "skipped: verifier 'speculative' takes at most 1 draft(s) per position" in err
 
 
@@ -179,14 +256,20 @@ def test_offline_task_without_data_says_how_to_give_it(run, recipe_path):  # noq
 
 
 def _command(recipe: str, data: dict, out: Path) -> list[str]:
-    return [sys.executable, "-m", "specdec_cli", *_bench_args(recipe, data, out, "--verifier", "speculative,specinfer",
-                                                               "--num-drafts", "1,2", "--seeds", "0,1")]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "specdec_cli",
+        *_bench_args(recipe, data, out, "--verifier", "speculative,specinfer", "--num-drafts", "1,2", "--seeds", "0,1"),
+    ]
 
 
 def _final_numbers(out: Path) -> dict:
     samples = {(s["cell"], s["seed"], s["example_id"]): s["token_ids"] for s in _samples(out)}
-    cells = {k: {m: v for m, v in c["per_seed"]["1"].items() if m in ("block_efficiency", "acceptance_rate", "bleu")}
-             for k, c in _by_cell(out).items()}  # fmt: skip
+    cells = {
+        k: {m: v for m, v in c["per_seed"]["1"].items() if m in ("block_efficiency", "acceptance_rate", "bleu")}
+        for k, c in _by_cell(out).items()
+    }
     return {"samples": samples, "cells": cells}
 
 
@@ -198,8 +281,12 @@ def test_interrupted_run_resumes_to_the_same_results(recipe_path, data, tmp_path
     for attempt in range(3):  # on a busy machine the run can finish its last samples before the signal lands
         threshold = max(1, total // 3 // 4**attempt)  # early, and earlier at each try: the tiny models are fast
         shutil.rmtree(resumed, ignore_errors=True)
-        process = subprocess.Popen(_command(recipe_path, data, resumed), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   preexec_fn=interruptible)  # fmt: skip
+        process = subprocess.Popen(
+            _command(recipe_path, data, resumed),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=interruptible,
+        )
         deadline = time.time() + 120
         while time.time() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < threshold):
             time.sleep(0.02)
@@ -229,13 +316,16 @@ def test_two_processes_give_the_samples_of_one(recipe_path, data, tmp_path):
 
 def test_spec_bench_per_category_speedups_and_the_multi_turn_note(run, recipe_path, tmp_path):  # noqa: F811
     dataset = tmp_path / "questions.jsonl"
-    dataset.write_text("".join(
-        json.dumps({"question_id": i, "category": f"cat{i % 2}", "turns": [s, "d e"] if i < 2 else [s]}) + "\n"
-        for i, s in enumerate(SOURCES[:4])
-    ))  # fmt: skip
+    dataset.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": f"cat{i % 2}", "turns": [s, "d e"] if i < 2 else [s]}) + "\n"
+            for i, s in enumerate(SOURCES[:4])
+        )
+    )
     out = tmp_path / "out"
-    code, stdout, err = run(["bench", "-r", recipe_path, "--task", "spec-bench", "--dataset", str(dataset),
-                             "--output", str(out)])  # fmt: skip
+    code, stdout, err = run(
+        ["bench", "-r", recipe_path, "--task", "spec-bench", "--dataset", str(dataset), "--output", str(out)]
+    )
     assert code == 0, err
     assert "2 of 4 questions have 2 turns; only the first turn of each is generated" in err
     metrics = _by_cell(out)["speculative K=1 L=3 T=1"]["per_seed"]["0"]
@@ -256,19 +346,47 @@ def test_per_category_speedup_compares_the_examples_both_runs_finished():
     from specdec_cli.bench.results import summarize
 
     def record(cell, example, category, tokens, seconds):
-        stats = {"new_tokens": tokens, "target_forwards": tokens, "draft_forwards": 0, "drafted_tokens": 0,
-                 "verified_tokens": 0, "accepted_tokens": 0, "draft_time_s": 0.0, "target_time_s": seconds,
-                 "verify_time_s": 0.0, "wall_time_s": seconds, "forward_time_s": seconds,
-                 "drafted_per_position": [], "accepted_per_position": []}  # fmt: skip
-        return {"cell": cell, "seed": 0, "example_id": example, "index": int(example), "category": category,
-                "text": "x", "reference": None, "stats": stats}  # fmt: skip
+        stats = {
+            "new_tokens": tokens,
+            "target_forwards": tokens,
+            "draft_forwards": 0,
+            "drafted_tokens": 0,
+            "verified_tokens": 0,
+            "accepted_tokens": 0,
+            "draft_time_s": 0.0,
+            "target_time_s": seconds,
+            "verify_time_s": 0.0,
+            "wall_time_s": seconds,
+            "forward_time_s": seconds,
+            "drafted_per_position": [],
+            "accepted_per_position": [],
+        }
+        return {
+            "cell": cell,
+            "seed": 0,
+            "example_id": example,
+            "index": int(example),
+            "category": category,
+            "text": "x",
+            "reference": None,
+            "stats": stats,
+        }
 
-    baseline = {"verifier": "none", "kl": None, "num_drafts": 0, "draft_length": 0, "temperature": 1.0,
-                "draft_temperatures": None}  # fmt: skip
+    baseline = {
+        "verifier": "none",
+        "kl": None,
+        "num_drafts": 0,
+        "draft_length": 0,
+        "temperature": 1.0,
+        "draft_temperatures": None,
+    }
     speculative = {**baseline, "verifier": "speculative", "num_drafts": 1, "draft_length": 3}
     config = {"cells": [baseline, speculative], "task": {"metrics": [], "per_category": True}}
-    records = [record("baseline T=1", "0", "a", 10, 1.0),  # the baseline never ran example 1
-               record("speculative K=1 L=3 T=1", "0", "a", 10, 0.5), record("speculative K=1 L=3 T=1", "1", "a", 10, 5.0)]
+    records = [
+        record("baseline T=1", "0", "a", 10, 1.0),  # the baseline never ran example 1
+        record("speculative K=1 L=3 T=1", "0", "a", 10, 0.5),
+        record("speculative K=1 L=3 T=1", "1", "a", 10, 5.0),
+    ]
     metrics = summarize(config, records).cells[1].per_seed["0"]
     assert metrics["speedup_by_category"] == {"a": pytest.approx(2.0)} and metrics["speedup"] == pytest.approx(2.0)
 
@@ -277,12 +395,30 @@ def test_drafters_are_a_grid_axis(run, recipe_path, data, tmp_path):  # noqa: F8
     """`bench --task xsum --drafter model,prompt-lookup` runs one cell per drafter beside the baseline, in one table
     with their ROUGE-L; the prompt-lookup cell runs no draft forward."""
     out = tmp_path / "out"
-    code, stdout, err = run(["bench", "-r", recipe_path, "--task", "xsum", "--dataset", str(data["dataset"]),
-                             "--template", "{source}", "--output", str(out), "--drafter", "model,prompt-lookup"])
+    code, stdout, err = run(
+        [
+            "bench",
+            "-r",
+            recipe_path,
+            "--task",
+            "xsum",
+            "--dataset",
+            str(data["dataset"]),
+            "--template",
+            "{source}",
+            "--output",
+            str(out),
+            "--drafter",
+            "model,prompt-lookup",
+        ]
+    )
     assert code == 0, err
     cells = _by_cell(out)
-    assert set(cells) == {"baseline T=1", "speculative K=1 L=3 T=1 drafter=model",
-                          "speculative K=1 L=3 T=1 drafter=prompt-lookup"}  # fmt: skip
+    assert set(cells) == {
+        "baseline T=1",
+        "speculative K=1 L=3 T=1 drafter=model",
+        "speculative K=1 L=3 T=1 drafter=prompt-lookup",
+    }
     lookup = [s["stats"] for s in _samples(out) if s["cell"].endswith("drafter=prompt-lookup")]
     assert lookup and all(stats["draft_forwards"] == 0 for stats in lookup)
     table = " ".join(stdout.replace("│", " ").split())

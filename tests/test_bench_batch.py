@@ -3,7 +3,6 @@ alone at its own batch size, its samples those of batch 1, and a killed batched 
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -39,15 +38,20 @@ def test_batch_size_is_a_grid_axis_with_its_own_baseline(run, recipe_path, data,
         return sum(s["new_tokens"] for s in mine) / sum(s["share_time_s"] for s in mine)
 
     batched = cells["speculative K=1 L=3 T=1 B=3"]["per_seed"]["0"]
-    assert batched["speedup"] == pytest.approx(throughput("speculative K=1 L=3 T=1 B=3") / throughput("baseline T=1 B=3"))
+    assert batched["speedup"] == pytest.approx(
+        throughput("speculative K=1 L=3 T=1 B=3") / throughput("baseline T=1 B=3")
+    )
     for sample in samples:  # a sample's share of its batch's time is at most its own wall time
         assert 0 < sample["stats"]["share_time_s"] <= sample["stats"]["wall_time_s"] + 1e-9
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--batch-size", "0"], "--batch-size must be at least 1"),
-    (["--batch-size", "2,x"], "--batch-size"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--batch-size", "2,x"], "--batch-size"),
+    ],
+)
 def test_bad_batch_sizes_are_one_line_before_any_model_loads(run, recipe_path, data, tmp_path, args, message):  # noqa: F811
     code, _, err = run(_bench_args(recipe_path, data, tmp_path / "out", *args))
     assert code == 2 and message in err and "Traceback" not in err
@@ -56,16 +60,32 @@ def test_bad_batch_sizes_are_one_line_before_any_model_loads(run, recipe_path, d
 
 def test_a_killed_batched_run_resumes_to_the_same_samples(recipe_path, data, tmp_path):  # noqa: F811
     def command(out: Path) -> list[str]:
-        return [sys.executable, "-m", "specdec_cli", *_bench_args(recipe_path, data, out, "--batch-size", "3",
-                                                                  "--verifier", "speculative,specinfer", "--num-drafts",
-                                                                  "1,2", "--seeds", "0,1")]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "specdec_cli",
+            *_bench_args(
+                recipe_path,
+                data,
+                out,
+                "--batch-size",
+                "3",
+                "--verifier",
+                "speculative,specinfer",
+                "--num-drafts",
+                "1,2",
+                "--seeds",
+                "0,1",
+            ),
+        ]
 
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     subprocess.run(command(reference), check=True, capture_output=True)
     total = len(_samples(reference))
     samples = resumed / "samples.jsonl"
-    process = subprocess.Popen(command(resumed), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               preexec_fn=interruptible)  # fmt: skip
+    process = subprocess.Popen(
+        command(resumed), stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible
+    )
     deadline = time.time() + 120
     while time.time() < deadline and (not samples.exists() or len(samples.read_text().splitlines()) < total // 3):
         time.sleep(0.01)

@@ -94,16 +94,27 @@ def test_the_papers_motivating_example():
     """q = (1/3, 2/3), p = (2/3, 1/3), L = 2: 11/9 accepted tokens against token-wise 10/9 (Sun et al., §1)."""
     target, draft = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64), torch.tensor([2 / 3, 1 / 3], dtype=torch.float64)
     accepted = {
-        name: expected_committed_tokens(committed_block_law(load_verifier(name), lambda _: target, [lambda _: draft], 2, 2)) - 1
+        name: expected_committed_tokens(
+            committed_block_law(load_verifier(name), lambda _: target, [lambda _: draft], 2, 2)
+        )
+        - 1
         for name in ("block", "speculative")
     }
     assert accepted["block"] == pytest.approx(11 / 9, abs=1e-12)
     assert accepted["speculative"] == pytest.approx(10 / 9, abs=1e-12)
 
 
-@pytest.mark.parametrize(("name", "num_drafts"), [
-    ("speculative", 1), ("specinfer", 2), ("specinfer", 3), ("spectr", 2), ("is-lp", 2), ("is-truncated", 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "num_drafts"),
+    [
+        ("speculative", 1),
+        ("specinfer", 2),
+        ("specinfer", 3),
+        ("spectr", 2),
+        ("is-lp", 2),
+        ("is-truncated", 2),
+    ],
+)
 def test_token_level_block_laws_are_the_target_law(name, num_drafts):
     """The alive-set walk of the token-level verifiers keeps the target's law over a whole block."""
     verifier, vocab, draft_length = load_verifier(name), 3, 2
@@ -157,7 +168,9 @@ def _sampled_outcomes(verifier, target_probs, draft_probs, draft_tokens, samples
 
 
 def _exact_outcomes(verifier, target_probs, draft_probs, draft_tokens) -> dict:
-    return decision_outcomes(verifier.block_law(target_probs.double(), draft_probs.double(), draft_tokens), draft_tokens)
+    return decision_outcomes(
+        verifier.block_law(target_probs.double(), draft_probs.double(), draft_tokens), draft_tokens
+    )
 
 
 def _p_value(counts: Counter, law: dict) -> float:
@@ -166,15 +179,25 @@ def _p_value(counts: Counter, law: dict) -> float:
     return chi_square_p_value(counts, law)
 
 
-@pytest.mark.parametrize(("name", "params", "num_drafts", "identical"), [
-    ("block", {}, 1, True), ("speculative", {}, 1, True), ("mentored", {"kl": 0.1}, 1, True),
-    ("specinfer", {}, 2, False), ("specinfer", {}, 3, False), ("spectr", {}, 3, True),
-    ("is-lp", {}, 2, False), ("is-truncated", {"s": 2, "alphabet": 3}, 2, True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "params", "num_drafts", "identical"),
+    [
+        ("block", {}, 1, True),
+        ("speculative", {}, 1, True),
+        ("mentored", {"kl": 0.1}, 1, True),
+        ("specinfer", {}, 2, False),
+        ("specinfer", {}, 3, False),
+        ("spectr", {}, 3, True),
+        ("is-lp", {}, 2, False),
+        ("is-truncated", {"s": 2, "alphabet": 3}, 2, True),
+    ],
+)
 def test_verify_block_samples_its_exact_law(name, params, num_drafts, identical):
     verifier = load_verifier(name, params)
     inputs = _block_inputs(num_drafts, identical)
-    samples = 1500 if name.startswith("is-") else 2000 if name in ("mentored", "spectr") else 4000  # bisections are slow
+    samples = (
+        1500 if name.startswith("is-") else 2000 if name in ("mentored", "spectr") else 4000
+    )  # bisections are slow
     counts = _sampled_outcomes(verifier, *inputs, samples=samples)
     law = _exact_outcomes(verifier, *inputs)
     assert _p_value(counts, law) > 1e-3
@@ -186,10 +209,14 @@ def test_verify_block_is_deterministic_given_the_generator():
     target_probs, draft_probs, draft_tokens = _block_inputs(1, True)
     for name in ("block", "speculative", "mentored"):
         verifier = load_verifier(name)
-        first = [verifier.verify_block(target_probs, draft_probs, draft_tokens, torch.Generator().manual_seed(s))
-                 for s in range(20)]  # fmt: skip
-        second = [verifier.verify_block(target_probs, draft_probs, draft_tokens, torch.Generator().manual_seed(s))
-                  for s in range(20)]  # fmt: skip
+        first = [
+            verifier.verify_block(target_probs, draft_probs, draft_tokens, torch.Generator().manual_seed(s))
+            for s in range(20)
+        ]
+        second = [
+            verifier.verify_block(target_probs, draft_probs, draft_tokens, torch.Generator().manual_seed(s))
+            for s in range(20)
+        ]
         for a, b in zip(first, second):
             assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
         assert len({tuple(d.tokens[: int(d.num_accepted) + 1].tolist()) for d in first}) > 1
@@ -217,7 +244,9 @@ def test_block_law_of_one_position_is_speculative_sampling(vocab):
         p = draft_law(()).view(1, 1, -1)  # [1, 1, V]
         for x in range(vocab):
             if p[0, 0, x] > 0:
-                torch.testing.assert_close(block.block_law(q, p, torch.tensor([[x]])), speculative.block_law(q, p, torch.tensor([[x]])))
+                torch.testing.assert_close(
+                    block.block_law(q, p, torch.tensor([[x]])), speculative.block_law(q, p, torch.tensor([[x]]))
+                )
 
 
 # --------------------------------------------------------------------------- end to end through the CLI
@@ -235,13 +264,19 @@ def test_block_keeps_the_target_law_through_the_cli(tiny_models, write_recipe, r
     from tests.conftest import tiny_recipe
 
     depth, samples = 3, 1200
-    recipe = tiny_recipe(tiny_models, family, verifier={"name": "block"}, speculation={"draft_length": 3},
-                         generation={"max_new_tokens": depth, "temperature": 1.0})  # fmt: skip
+    recipe = tiny_recipe(
+        tiny_models,
+        family,
+        verifier={"name": "block"},
+        speculation={"draft_length": 3},
+        generation={"max_new_tokens": depth, "temperature": 1.0},
+    )
     # Seed 1: with seed 0 the first 1200 samples of the llama pair are a rare fluctuation for every verifier
     # (they share the draft's draws: p = 6e-6 for block and speculative alike, where seeds 1-7 give 0.2-0.86
     # and seed 0's next 4000 samples give 0.59).
-    code, out, err = run(["generate", "-r", str(write_recipe(recipe)), "--json", "--num-samples", str(samples),
-                          "--seed", "1", "a b c d"])  # fmt: skip
+    code, out, err = run(
+        ["generate", "-r", str(write_recipe(recipe)), "--json", "--num-samples", str(samples), "--seed", "1", "a b c d"]
+    )
     assert code == 0, err
     results = json.loads(out)["samples"]
     counts = Counter(tuple(sample["token_ids"]) for sample in results)
@@ -250,8 +285,10 @@ def test_block_keeps_the_target_law_through_the_cli(tiny_models, write_recipe, r
     assert 0.05 < accepted / drafted < 0.95, "the draft must be accepted sometimes and rejected sometimes"
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
     prompt_ids = decoder.encode_prompt("a b c d")
-    laws = {role: exact_sequence_law(model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
-            for role, model in (("target", decoder.target.model), ("draft", decoder.drafters[0].session.model))}  # fmt: skip
+    laws = {
+        role: exact_sequence_law(model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
+        for role, model in (("target", decoder.target.model), ("draft", decoder.drafters[0].session.model))
+    }
     assert chi_square_p_value(counts, laws["target"]) > 1e-3
     assert chi_square_p_value(counts, laws["draft"]) < 1e-6  # the check has power
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdec_cli.cli import main
-from specdec_cli.kit.testing import save_tiny_model, tiny_model, tiny_tokenizer
+from specdec_cli.kit.testing import tiny_model, tiny_tokenizer
 from tests.conftest import tiny_recipe
 
 
@@ -52,14 +52,33 @@ def test_version_and_help(run):
     assert code == 0 and out.startswith("specdec ")
     code, out, _ = run(["generate", "--help"])
     assert code == 0
-    for option in ("--recipe", "--verifier", "--kl", "--num-drafts", "--draft-length", "--max-new-tokens",
-                   "--temperature", "--top-k", "--top-p", "--seed", "--device", "--dtype", "--set",
-                   "--prompt-file", "--num-samples", "--chat", "--json", "--autoregressive"):  # fmt: skip
+    for option in (
+        "--recipe",
+        "--verifier",
+        "--kl",
+        "--num-drafts",
+        "--draft-length",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-k",
+        "--top-p",
+        "--seed",
+        "--device",
+        "--dtype",
+        "--set",
+        "--prompt-file",
+        "--num-samples",
+        "--chat",
+        "--json",
+        "--autoregressive",
+    ):
         assert option in out
 
 
 def test_json_output_schema(run, recipe_path):
-    code, out, _ = run(["generate", "-r", recipe_path, "--json", "--num-samples", "2", "--max-new-tokens", "6", "a b c"])
+    code, out, _ = run(
+        ["generate", "-r", recipe_path, "--json", "--num-samples", "2", "--max-new-tokens", "6", "a b c"]
+    )
     assert code == 0
     payload = json.loads(out)
     assert payload["recipe"]["generation"]["max_new_tokens"] == 6
@@ -69,14 +88,27 @@ def test_json_output_schema(run, recipe_path):
         assert set(sample) >= {"text", "token_ids", "stats", "prompt", "sample_index"}
         assert 1 <= len(sample["token_ids"]) <= 6
         stats = sample["stats"]
-        for key in ("target_forwards", "draft_forwards", "new_tokens", "accepted_per_position", "block_efficiency",
-                    "acceptance_rate", "draft_time_s", "target_time_s", "verify_time_s", "tokens_per_second"):  # fmt: skip
+        for key in (
+            "target_forwards",
+            "draft_forwards",
+            "new_tokens",
+            "accepted_per_position",
+            "block_efficiency",
+            "acceptance_rate",
+            "draft_time_s",
+            "target_time_s",
+            "verify_time_s",
+            "tokens_per_second",
+        ):
             assert key in stats
         assert stats["new_tokens"] == len(sample["token_ids"])
     # Same seed, same output; the recipe's seed is overridable.
-    assert json.loads(run(["generate", "-r", recipe_path, "--json", "--max-new-tokens", "6", "a b c"])[1])[
-        "samples"
-    ][0]["token_ids"] == payload["samples"][0]["token_ids"]
+    assert (
+        json.loads(run(["generate", "-r", recipe_path, "--json", "--max-new-tokens", "6", "a b c"])[1])["samples"][0][
+            "token_ids"
+        ]
+        == payload["samples"][0]["token_ids"]
+    )
 
 
 def test_streams_text_and_prints_stats_on_stderr(run, recipe_path):
@@ -114,7 +146,11 @@ def test_autoregressive_flag_and_verifier_none(run, recipe_path):
         (["--top-p", "1.5"], 2, "generation.top_p: must be in (0, 1]"),
         (["--verifier", "nosuch"], 2, "unknown verifier 'nosuch'; installed verifiers: "),
         (["--num-drafts", "3"], 2, "takes at most 1 draft(s) per position; lower --num-drafts (K × draft configs = 3)"),
-        (["--kl", "0.5"], 2, "--kl sets a KL bound, which verifier 'speculative' does not have; verifiers with one: mentored"),
+        (
+            ["--kl", "0.5"],
+            2,
+            "--kl sets a KL bound, which verifier 'speculative' does not have; verifiers with one: mentored",
+        ),
     ],
 )
 def test_bad_recipe_and_flags(run, recipe_path, args, code, message):
@@ -210,13 +246,15 @@ def test_nan_logits_are_reported(run, tiny_models, write_recipe, tmp_path, comma
 def test_debug_shows_the_traceback(recipe_path):
     result = subprocess.run(
         [sys.executable, "-m", "specdec_cli", "--debug", "generate", "-r", recipe_path, "--draft-length", "0", "a"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode != 0 and "Traceback" in result.stderr
     result = subprocess.run(
         [sys.executable, "-m", "specdec_cli", "generate", "-r", recipe_path, "--draft-length", "0", "a"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
 
 
@@ -234,8 +272,23 @@ def test_seq2seq_through_the_cli(run, tiny_models, write_recipe):
 
 def test_generate_compares_verifiers_on_the_same_prompts_and_seeds(run, recipe_path):
     """A comma list runs each verifier on the same prompts and seeds: each one's samples equal a run of it alone."""
-    code, out, err = run(["generate", "-r", recipe_path, "--verifier", "speculative,mentored,none", "--kl", "0.3",
-                          "--max-new-tokens", "6", "--num-samples", "2", "--json", "c d e"])  # fmt: skip
+    code, out, err = run(
+        [
+            "generate",
+            "-r",
+            recipe_path,
+            "--verifier",
+            "speculative,mentored,none",
+            "--kl",
+            "0.3",
+            "--max-new-tokens",
+            "6",
+            "--num-samples",
+            "2",
+            "--json",
+            "c d e",
+        ]
+    )
     assert code == 0, err
     payload = json.loads(out)
     rows = {row["label"]: row for row in payload["configurations"]}
@@ -243,22 +296,29 @@ def test_generate_compares_verifiers_on_the_same_prompts_and_seeds(run, recipe_p
     assert rows["none"]["speedup"] == 1.0 and rows["none"]["acceptance_rate"] is None
     assert rows["speculative"]["speedup"] > 0 and 0 <= rows["speculative"]["acceptance_rate"] <= 1
     assert "cpu" in payload["environment"]["device"]
-    for label, single in (("speculative", ["--verifier", "speculative"]), ("mentored D=0.3", ["--verifier", "mentored",
-                          "--kl", "0.3"]), ("none", ["--autoregressive"])):  # fmt: skip
-        code, alone, _ = run(["generate", "-r", recipe_path, *single, "--max-new-tokens", "6", "--num-samples", "2",
-                              "--json", "c d e"])  # fmt: skip
+    for label, single in (
+        ("speculative", ["--verifier", "speculative"]),
+        ("mentored D=0.3", ["--verifier", "mentored", "--kl", "0.3"]),
+        ("none", ["--autoregressive"]),
+    ):
+        code, alone, _ = run(
+            ["generate", "-r", recipe_path, *single, "--max-new-tokens", "6", "--num-samples", "2", "--json", "c d e"]
+        )
         expected = [(s["token_ids"], s["accepted_mask"]) for s in json.loads(alone)["samples"]]
         assert [(s["token_ids"], s["accepted_mask"]) for s in rows[label]["samples"]] == expected, label
     code, out, _ = run(["generate", "-r", recipe_path, "--verifier", "speculative,block", "--max-new-tokens", "4", "a"])
     assert code == 0 and "verifiers compared" in out and "add none to --verifier for speedups" in out
 
 
-@pytest.mark.parametrize("verifiers, pattern", [
-    ("speculative,Speculative", "--verifier lists a verifier twice"),
-    ("speculative,nosuch", "unknown verifier 'nosuch'"),
-    ("speculative,block", "--kl sets a KL bound, which verifier 'speculative' does not have"),
-    ("none,speculative", "--kl sets a KL bound, which verifier 'speculative' does not have"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "verifiers, pattern",
+    [
+        ("speculative,Speculative", "--verifier lists a verifier twice"),
+        ("speculative,nosuch", "unknown verifier 'nosuch'"),
+        ("speculative,block", "--kl sets a KL bound, which verifier 'speculative' does not have"),
+        ("none,speculative", "--kl sets a KL bound, which verifier 'speculative' does not have"),
+    ],
+)
 def test_generate_comparison_inputs_are_checked_before_loading(run, recipe_path, verifiers, pattern):
     code, _, err = run(["generate", "-r", recipe_path, "--verifier", verifiers, "--kl", "0.1", "a"])
     assert code == 2
@@ -283,16 +343,25 @@ def test_help_shows_placeholders_and_defaults_not_python_types(run, command):
         assert "default recipe" in out
 
 
-@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["verifiers"],
-                                  ["bench", "--report", "benchmarks/results/wmt_default"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "args", [["--help"], ["generate", "--help"], ["verifiers"], ["bench", "--report", "benchmarks/results/wmt_default"]]
+)
 def test_listing_help_and_reports_never_import_torch(args, tmp_path):
     """These paths run no model, so they must start fast: neither torch nor transformers is imported
     (`verifiers` reads the plugins' description cache, which its first run writes)."""
-    script = ("import sys; from specdec_cli.cli import main\n"
-              "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-              "print('heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")  # fmt: skip
+    script = (
+        "import sys; from specdec_cli.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print('heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     env = {**os.environ, "SPECDEC_CACHE": str(tmp_path)}
     for _ in range(2):  # the first run may fill the cache
-        result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
-                                cwd=Path(__file__).resolve().parent.parent, timeout=120)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-c", script, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=Path(__file__).resolve().parent.parent,
+            timeout=120,
+        )
     assert result.stdout.strip().splitlines()[-1] == "heavy: []", result.stdout[-500:] + result.stderr[-500:]

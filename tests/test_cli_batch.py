@@ -18,8 +18,18 @@ def _prompt_file(tmp_path) -> str:
 
 
 def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path, tmp_path):  # noqa: F811
-    args = ["generate", "-r", recipe_path, "--json", "--num-samples", "3", "--max-new-tokens", "8", "--prompt-file",
-            _prompt_file(tmp_path)]  # fmt: skip
+    args = [
+        "generate",
+        "-r",
+        recipe_path,
+        "--json",
+        "--num-samples",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--prompt-file",
+        _prompt_file(tmp_path),
+    ]
     code, out, err = run([*args, "--batch-size", "4"])
     assert code == 0, err
     batched = json.loads(out)
@@ -27,15 +37,25 @@ def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path, 
     assert len(batched["samples"]) == 6
     assert [s["token_ids"] for s in batched["samples"]] == [s["token_ids"] for s in alone["samples"]]
     assert [(s["prompt"], s["sample_index"]) for s in batched["samples"]] == [
-        (s["prompt"], s["sample_index"]) for s in alone["samples"]]  # fmt: skip
+        (s["prompt"], s["sample_index"]) for s in alone["samples"]
+    ]
     throughput = batched["throughput"]
     assert throughput["batch_size"] == 4 and throughput["tokens_per_s"] > 0
     assert throughput["new_tokens"] == sum(len(s["token_ids"]) for s in batched["samples"])
 
 
 def test_a_batch_shows_each_sample_whole(run, recipe_path, tmp_path):  # noqa: F811
-    args = ["generate", "-r", recipe_path, "--num-samples", "2", "--max-new-tokens", "6", "--prompt-file",
-            _prompt_file(tmp_path)]  # fmt: skip
+    args = [
+        "generate",
+        "-r",
+        recipe_path,
+        "--num-samples",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--prompt-file",
+        _prompt_file(tmp_path),
+    ]
     code, out, err = run([*args, "--batch-size", "2"])
     assert code == 0, err
     samples = json.loads(run([*args, "--json"])[1])["samples"]
@@ -44,14 +64,19 @@ def test_a_batch_shows_each_sample_whole(run, recipe_path, tmp_path):  # noqa: F
     headers = [i for i, line in enumerate(shown) if "prompt" in line and "sample" in line]
     assert len(headers) == 4 and "batch size 2" in err
     for (prompt, sample), text in texts.items():  # each sample's whole text on the line after its own header
-        header = next(i for i in headers if f"prompt {['a b c', 'd'].index(prompt) + 1}, sample {sample + 1}" in shown[i])
+        header = next(
+            i for i in headers if f"prompt {['a b c', 'd'].index(prompt) + 1}, sample {sample + 1}" in shown[i]
+        )
         assert shown[header + 1].strip() == text.strip()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--batch-size", "0"], "--batch-size must be at least 1"),
-    (["--batch-size", "2", "--verifier", "speculative,none"], "--batch-size decodes one configuration at a time"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--batch-size", "2", "--verifier", "speculative,none"], "--batch-size decodes one configuration at a time"),
+    ],
+)
 def test_bad_batch_uses_are_one_line(run, recipe_path, args, message):  # noqa: F811
     code, _, err = run(["generate", "-r", recipe_path, *args, "a b"])
     assert code == 2

@@ -39,8 +39,13 @@ class _Registry(VerifierRegistry):
 
 
 def _decoder(tiny_models, verifier: str, compile_steps: bool) -> SpeculativeDecoder:
-    recipe = tiny_recipe(tiny_models, "llama", verifier={"name": verifier}, generation={"max_new_tokens": 4},
-                         speculation={"draft_length": 3, "compile": compile_steps})  # fmt: skip
+    recipe = tiny_recipe(
+        tiny_models,
+        "llama",
+        verifier={"name": verifier},
+        generation={"max_new_tokens": 4},
+        speculation={"draft_length": 3, "compile": compile_steps},
+    )
     return SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=_Registry())
 
 
@@ -51,8 +56,17 @@ def test_the_compiled_steps_decide_as_the_eager_ones(tiny_models):
     assert compiled.generate_ids(prompt_ids, 3)[0] == eager.generate_ids(prompt_ids, 3)[0]  # each compile takes long
 
 
-@pytest.mark.parametrize(("verifier", "compiled"), [("speculative", True), ("block", True), ("mentored", False),
-                                                    ("specinfer", False), ("spectr", False), ("is-lp", False)])
+@pytest.mark.parametrize(
+    ("verifier", "compiled"),
+    [
+        ("speculative", True),
+        ("block", True),
+        ("mentored", False),
+        ("specinfer", False),
+        ("spectr", False),
+        ("is-lp", False),
+    ],
+)
 def test_compile_on_the_cpu_leaves_a_reading_cpu_path_eager(tiny_models, verifier, compiled):
     """Compiled, mentored took 80× its eager time per block on the CPU (benchmarks/results/compile_speed_cpu.md):
     the compiler sends a verifier down its device path, which on a CPU costs more than its reading path."""

@@ -19,8 +19,11 @@ from specdec_plugins.speculative import SpeculativeSampling
 BUILT_INS = sorted({entry.name for entry in VerifierRegistry().entry_points() if entry.built_in})
 
 
-REFUSED = {"mentored": [{"kl": -1.0}, {"kl": float("inf")}], "is-lp": [{"max_support": 0}],
-           "is-truncated": [{"s": 0}, {"alphabet": 0}, {"alphabet_mass": 1.5}]}  # fmt: skip
+REFUSED = {
+    "mentored": [{"kl": -1.0}, {"kl": float("inf")}],
+    "is-lp": [{"max_support": 0}],
+    "is-truncated": [{"s": 0}, {"alphabet": 0}, {"alphabet_mass": 1.5}],
+}
 """Parameters each built-in must refuse in one line naming them (the kit adds unknown and ill-typed ones)."""
 
 
@@ -67,11 +70,14 @@ class RejectsFirst(SpeculativeSampling):
         return BlockDecision(torch.cat([token, draft_tokens[0]]), zero, zero)
 
 
-@pytest.mark.parametrize("cls, params, message", [
-    (AcceptAll, {}, "declares lossless, but its block's output law differs from the target's"),
-    (Overspent, {"kl": 0.05}, "over its bound 0.05"),
-    (RejectsFirst, {}, "verify_block's decisions do not follow its block_law"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cls, params, message",
+    [
+        (AcceptAll, {}, "declares lossless, but its block's output law differs from the target's"),
+        (Overspent, {"kl": 0.05}, "over its bound 0.05"),
+        (RejectsFirst, {}, "verify_block's decisions do not follow its block_law"),
+    ],
+)
 def test_the_kit_fails_a_verifier_that_breaks_the_contract(cls, params, message):
     with pytest.raises(ConformanceError, match=message):
         check_verifier(cls, params, samples=300)
@@ -105,12 +111,15 @@ class Silent(SpeculativeSampling):
             raise ValueError("bad value")
 
 
-@pytest.mark.parametrize("cls, bad_params, message", [
-    (Undescribed, [], "parameter 'strength' needs a type and a description"),
-    (Careless, [{"strength": 3.0}], "made its constructor fail"),
-    (SpeculativeSampling, [{}], "accepted the bad parameters {}"),
-    (Silent, [{"strength": -1.0}], "refused {'strength': -1.0} without naming the parameter"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cls, bad_params, message",
+    [
+        (Undescribed, [], "parameter 'strength' needs a type and a description"),
+        (Careless, [{"strength": 3.0}], "made its constructor fail"),
+        (SpeculativeSampling, [{}], "accepted the bad parameters {}"),
+        (Silent, [{"strength": -1.0}], "refused {'strength': -1.0} without naming the parameter"),
+    ],
+)
 def test_the_kit_fails_a_verifier_whose_parameters_break_the_contract(cls, bad_params, message):
     with pytest.raises(ConformanceError, match=re.escape(message)):
         check_verifier(cls, bad_params=bad_params, samples=300)

@@ -85,8 +85,9 @@ def test_a_block_captured_in_a_cuda_graph_decides_as_eager_on_new_laws(case):
     eager_decisions = set()
     for kind, block, draws in blocks:  # every block kind replayed through the one graph
         block, draws = _on_cuda(block), _cuda_draws(draws)
-        for buffer, values in zip((*static, static_draws.key, static_draws.block_start),
-                                  (*block, draws.key, draws.block_start)):  # fmt: skip
+        for buffer, values in zip(
+            (*static, static_draws.key, static_draws.block_start), (*block, draws.key, draws.block_start)
+        ):
             buffer.copy_(values)
         replay()
         with torch.inference_mode():
@@ -142,19 +143,29 @@ class _Registry(VerifierRegistry):
 
 
 def _cuda_decoder(tiny_models, verifier: str, num_drafts: int = 1, **params) -> SpeculativeDecoder:
-    recipe = tiny_recipe(tiny_models, "llama", target={"device": "cuda"}, draft={"device": "cuda"},
-                         verifier={"name": verifier, "params": params},
-                         speculation={"draft_length": 4, "num_drafts": num_drafts, "compile": True},
-                         generation={"max_new_tokens": 24})  # fmt: skip
+    recipe = tiny_recipe(
+        tiny_models,
+        "llama",
+        target={"device": "cuda"},
+        draft={"device": "cuda"},
+        verifier={"name": verifier, "params": params},
+        speculation={"draft_length": 4, "num_drafts": num_drafts, "compile": True},
+        generation={"max_new_tokens": 24},
+    )
     return SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=_Registry())
 
 
-@pytest.mark.parametrize(("verifier", "num_drafts", "captured"), [
-    ("speculative", 1, True), ("mentored", 1, True), ("specinfer", 2, True),
-    ("is-truncated", 2, False),  # reads its LP on the host: the compiled fallback, no graph
-    ("uploads", 1, None),  # a graph, or the fallback where the capture refuses the upload
-    ("not-capturable", 1, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("verifier", "num_drafts", "captured"),
+    [
+        ("speculative", 1, True),
+        ("mentored", 1, True),
+        ("specinfer", 2, True),
+        ("is-truncated", 2, False),  # reads its LP on the host: the compiled fallback, no graph
+        ("uploads", 1, None),  # a graph, or the fallback where the capture refuses the upload
+        ("not-capturable", 1, False),
+    ],
+)
 def test_the_compiled_engine_on_cuda_decides_as_the_eager_one(tiny_models, verifier, num_drafts, captured):
     compiled = _cuda_decoder(tiny_models, verifier, num_drafts, **({"kl": 0.3} if verifier == "mentored" else {}))
     eager = compiled.with_config(compile=False)
@@ -179,8 +190,9 @@ def test_a_negative_control_block_differs_between_two_keys():
     block = _on_cuda(random_block(BLOCK_KINDS[0], 1, 8, VOCAB, 0, identical_drafts=False))
     verifier = load_verifier("speculative")
     with torch.inference_mode():
-        decisions = {tuple(verifier.verify_block(*block, _cuda_draws(Draws.create(key))).tokens.tolist())
-                     for key in range(8)}  # fmt: skip
+        decisions = {
+            tuple(verifier.verify_block(*block, _cuda_draws(Draws.create(key))).tokens.tolist()) for key in range(8)
+        }
     assert len(decisions) > 1
 
 

@@ -18,10 +18,21 @@ pytestmark = pytest.mark.skipif(
 
 def _generate(*flags: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "specdec_cli", "generate", "--json", "--max-new-tokens", "24", *flags,
-         "Write a haiku about the sea."],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "specdec_cli",
+            "generate",
+            "--json",
+            "--max-new-tokens",
+            "24",
+            *flags,
+            "Write a haiku about the sea.",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

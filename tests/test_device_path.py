@@ -54,10 +54,14 @@ class Case:
 
 
 CASES = [
-    Case("speculative", 1), Case("block", 1), Case("mentored", 1, 0.0), Case("mentored", 1, 0.3),
-    *(Case("specinfer", k) for k in (1, 2, 3, 4)), *(Case("spectr", k) for k in (2, 4)),
+    Case("speculative", 1),
+    Case("block", 1),
+    Case("mentored", 1, 0.0),
+    Case("mentored", 1, 0.3),
+    *(Case("specinfer", k) for k in (1, 2, 3, 4)),
+    *(Case("spectr", k) for k in (2, 4)),
     *(Case(name, k) for name in ("is-lp", "is-truncated") for k in (2, 4)),
-]  # fmt: skip
+]
 GRAPH_CASES = [case for case in CASES if case.num_drafts in (1, 4)]
 """Dynamo's trace takes seconds: each verifier's code is traced once with one draft and once with four
 (K = 2, 3 run the same code as four; one draft takes the single-draft path)."""
@@ -71,8 +75,15 @@ def _params(cases=CASES, lengths=LENGTHS):
             yield pytest.param(case, length, id=f"{case.id}-L{length}")
 
 
-def random_block(kind: str, num_drafts: int, draft_length: int, vocab: int, seed: int, identical_drafts: bool,
-                 support: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def random_block(
+    kind: str,
+    num_drafts: int,
+    draft_length: int,
+    vocab: int,
+    seed: int,
+    identical_drafts: bool,
+    support: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Target laws ``[K, L+1, V]``, draft laws ``[K, L, V]`` and the draft tokens drawn from them ``[K, L]``.
 
     Rows share position 0's target law (the committed prefix); later positions differ a little per
@@ -123,7 +134,7 @@ def block_counts(case: Case, draft_length: int) -> tuple[tuple[str, BlockCount],
         (f"V={vocab} {kind}", count_block(verifier, *block, draws))
         for vocab in VOCABULARIES
         for kind, block, draws in _blocks(case, draft_length, vocab)
-    )  # fmt: skip
+    )
 
 
 # ------------------------------------------------------------------ what each check finds wrong (or None)
@@ -250,8 +261,9 @@ def test_the_counter_sees_no_read_in_pure_tensor_code():
 
 def test_the_checks_see_a_data_dependent_loop():
     verifier = _DataDependentLoop()
-    counts = [(kind, count_block(verifier, *block, draws))
-              for kind, block, draws in _blocks(Case("speculative", 1), 4, 4096)]  # fmt: skip
+    counts = [
+        (kind, count_block(verifier, *block, draws)) for kind, block, draws in _blocks(Case("speculative", 1), 4, 4096)
+    ]
     assert varying_count(counts) is not None
     assert unexpected_reads(counts, 0) is not None
     assert over_budget([("one", BlockCount(201, 0, ()))], 1) is not None

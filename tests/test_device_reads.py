@@ -46,16 +46,26 @@ def conversions(monkeypatch):
 
 def _decoder(models, family: str, name: str, num_drafts: int, params=None, **generation) -> SpeculativeDecoder:
     recipe = tiny_recipe(
-        models, family, verifier={"name": name, "params": params or {}},
+        models,
+        family,
+        verifier={"name": name, "params": params or {}},
         speculation={"draft_length": 4, "num_drafts": num_drafts},
         generation={"max_new_tokens": 24, **generation},
-    )  # fmt: skip
+    )
     return SpeculativeDecoder.from_recipe(build_recipe(recipe))
 
 
-BUILT_INS = [("speculative", 1, None), ("mentored", 1, None), ("mentored", 1, {"kl": 0.3}), ("block", 1, None),
-             ("specinfer", 3, None), ("spectr", 3, None), ("is-lp", 2, None), ("is-truncated", 2, None),
-             ("is-truncated", 1, None)]  # fmt: skip
+BUILT_INS = [
+    ("speculative", 1, None),
+    ("mentored", 1, None),
+    ("mentored", 1, {"kl": 0.3}),
+    ("block", 1, None),
+    ("specinfer", 3, None),
+    ("spectr", 3, None),
+    ("is-lp", 2, None),
+    ("is-truncated", 2, None),
+    ("is-truncated", 1, None),
+]
 
 
 @pytest.mark.parametrize(("name", "num_drafts", "params"), BUILT_INS)

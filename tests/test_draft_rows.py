@@ -37,8 +37,13 @@ def _recipe(models, **sections):
 
 @pytest.mark.parametrize(
     ("temperatures", "num_drafts", "count", "identical"),
-    [((1.0,), 3, 3, True), ((1.0, 1.5), 1, 2, False), ((1.0, 1.5), 2, 4, False), ((1.0, 1.0), 2, 4, True),
-     ((None, 1.0), 1, 2, True)],  # a left-out temperature is the target's (1.0): the same law
+    [
+        ((1.0,), 3, 3, True),
+        ((1.0, 1.5), 1, 2, False),
+        ((1.0, 1.5), 2, 4, False),
+        ((1.0, 1.0), 2, 4, True),
+        ((None, 1.0), 1, 2, True),
+    ],  # a left-out temperature is the target's (1.0): the same law
 )
 def test_the_recipe_rule(tiny_models, temperatures, num_drafts, count, identical):
     recipe = _recipe(tiny_models, temperatures=temperatures, speculation={"num_drafts": num_drafts})
@@ -67,15 +72,23 @@ def test_engine_and_grid_agree_with_the_rule(tiny_models, temperatures, num_draf
     """The grid keeps exactly the cells whose decoder the engine builds."""
     registry = VerifierRegistry()
     recipe = _recipe(tiny_models, temperatures=temperatures)
-    grid = Grid(verifiers=("spectr", "specinfer", "speculative"), kl=(), num_drafts=(num_drafts,),
-                draft_lengths=(2,), temperatures=(1.0,))  # fmt: skip
+    grid = Grid(
+        verifiers=("spectr", "specinfer", "speculative"),
+        kl=(),
+        num_drafts=(num_drafts,),
+        draft_lengths=(2,),
+        temperatures=(1.0,),
+    )
     cells, _ = grid.cells(registry, recipe)
     kept = {c.verifier for c in cells[1:]}
     for name in grid.verifiers:
-        cell = GridCell(verifier=name, kl=None, num_drafts=num_drafts, draft_length=2, temperature=1.0,
-                        draft_temperatures=None)  # fmt: skip
+        cell = GridCell(
+            verifier=name, kl=None, num_drafts=num_drafts, draft_length=2, temperature=1.0, draft_temperatures=None
+        )
         if name in kept:
-            assert SpeculativeDecoder.from_recipe(cell.recipe(recipe, registry), registry=registry).verifier.name == name
+            assert (
+                SpeculativeDecoder.from_recipe(cell.recipe(recipe, registry), registry=registry).verifier.name == name
+            )
         else:
             with pytest.raises(UsageError):
                 SpeculativeDecoder.from_recipe(cell.recipe(recipe, registry), registry=registry)
@@ -88,8 +101,17 @@ def test_bench_skips_the_cells_the_engine_refuses_on_two_drafts(run, tiny_models
     identical drafts"; the cells are now skipped with a note and the others run."""
     recipe = _two_draft_recipe(tiny_models, generation={"max_new_tokens": 4})
     out = tmp_path / "out"
-    args = _bench_args(str(write_recipe(recipe)), data, out, "--verifier", "specinfer,spectr,speculative",
-                       "--num-drafts", "1,2", "--limit", "2")  # fmt: skip
+    args = _bench_args(
+        str(write_recipe(recipe)),
+        data,
+        out,
+        "--verifier",
+        "specinfer,spectr,speculative",
+        "--num-drafts",
+        "1,2",
+        "--limit",
+        "2",
+    )
     code, _, err = run(args)
     assert code == 0, err
     assert "skipped: verifier 'spectr' needs identical drafts" in err

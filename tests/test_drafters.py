@@ -22,7 +22,7 @@ from specdec_cli.plugins.drafter_registry import DrafterRegistry
 from specdec_cli.plugins.drafting import DraftSetup, SequenceProposal, SequenceRequest, block_length
 from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_plugins.prompt_lookup import PromptLookup
-from tests.conftest import tiny_recipe
+from tests.conftest import keyed_samples, tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401
 from tests.test_reliability_plugins import WithExtra
 
@@ -38,8 +38,10 @@ def _decoder(models, drafts: list[dict] | None = None, family: str = "llama", dr
     recipe = tiny_recipe(models, family, **sections)
     if drafts is not None:
         recipe.pop("draft")
-        recipe["drafts"] = [{**draft, "model": str(models[f"{family}-draft"])} if draft.get("model") == "draft" else draft
-                            for draft in drafts]  # fmt: skip
+        recipe["drafts"] = [
+            {**draft, "model": str(models[f"{family}-draft"])} if draft.get("model") == "draft" else draft
+            for draft in drafts
+        ]
     return SpeculativeDecoder.from_recipe(build_recipe(recipe), drafters=drafters)
 
 
@@ -62,27 +64,33 @@ def _proposed(drafter: PromptLookup, context: list[int], max_length: int = 3) ->
     return proposal.tokens[0].tolist()
 
 
-@pytest.mark.parametrize("context, expected", [
-    ([5, 6, 7, 8, 5, 6], [7, 8, 5]),  # the 2-gram (5, 6) occurred before; no 3-gram did
-    ([1, 2, 3, 1, 2, 4, 1, 2], [4, 1, 2]),  # the latest occurrence, not the first
-    ([1, 2, 3, 9, 2, 3], [9, 2, 3]),  # the longest n-gram first: (2, 3) before (3)
-    ([1, 2, 3], []),  # a miss proposes nothing
-    ([4], []),
-    ([7, 7], [7]),  # only what the context holds after the match
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "context, expected",
+    [
+        ([5, 6, 7, 8, 5, 6], [7, 8, 5]),  # the 2-gram (5, 6) occurred before; no 3-gram did
+        ([1, 2, 3, 1, 2, 4, 1, 2], [4, 1, 2]),  # the latest occurrence, not the first
+        ([1, 2, 3, 9, 2, 3], [9, 2, 3]),  # the longest n-gram first: (2, 3) before (3)
+        ([1, 2, 3], []),  # a miss proposes nothing
+        ([4], []),
+        ([7, 7], [7]),  # only what the context holds after the match
+    ],
+)
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence(context, expected):
     assert _proposed(_lookup(), context) == expected
 
 
-@pytest.mark.parametrize("prompt, context, expected", [
-    ([4, 8, 2], [0, 8], [2]),  # the encoder's prompt is searched
-    ([4, 8], [0, 8], []),  # a match at the prompt's end does not copy the decoder's first ids
-    ([4, 8], [0, 8, 0, 8], [0, 8]),  # within the decoder's ids as usual
-    ([4, 8], [0], []),  # no n-gram runs across the join: (8, 0) is not in the prompt
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "prompt, context, expected",
+    [
+        ([4, 8, 2], [0, 8], [2]),  # the encoder's prompt is searched
+        ([4, 8], [0, 8], []),  # a match at the prompt's end does not copy the decoder's first ids
+        ([4, 8], [0, 8, 0, 8], [0, 8]),  # within the decoder's ids as usual
+        ([4, 8], [0], []),  # no n-gram runs across the join: (8, 0) is not in the prompt
+    ],
+)
 def test_prompt_lookup_on_an_encoder_decoder_searches_the_prompt_without_crossing_into_the_decoder(
     prompt, context, expected
-):  # fmt: skip
+):
     assert _proposed(_lookup(prompt), context) == expected
 
 
@@ -109,12 +117,15 @@ def test_prompt_lookups_index_agrees_with_a_scan_of_the_whole_context(min_ngram,
             context += [generator.randrange(4) for _ in range(generator.randrange(1, 4))]
 
 
-@pytest.mark.parametrize("params, error, message", [
-    ({"min_ngram": 0}, ValueError, "min_ngram must be >= 1"),
-    ({"max_ngram": 2.5}, TypeError, "max_ngram must be a whole number, got 2.5"),  # the base class's type check
-    ({"num_tokens": True}, TypeError, "num_tokens must be a whole number or null, got True"),
-    ({"min_ngram": 3, "max_ngram": 2}, ValueError, "min_ngram (3) must not exceed max_ngram (2)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "params, error, message",
+    [
+        ({"min_ngram": 0}, ValueError, "min_ngram must be >= 1"),
+        ({"max_ngram": 2.5}, TypeError, "max_ngram must be a whole number, got 2.5"),  # the base class's type check
+        ({"num_tokens": True}, TypeError, "num_tokens must be a whole number or null, got True"),
+        ({"min_ngram": 3, "max_ngram": 2}, ValueError, "min_ngram (3) must not exceed max_ngram (2)"),
+    ],
+)
 def test_prompt_lookup_refuses_bad_parameters(params, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         PromptLookup(**params)
@@ -142,11 +153,12 @@ class LyingLookup(PromptLookup):
 
 
 def _first_tokens(decoder: SpeculativeDecoder, depth: int, samples: int) -> tuple[Counter, float, dict]:
-    """Samples decoded 16 at a time: a sample's tokens do not depend on its batch (test_batch_engine.py)."""
+    """Samples of keys 0 .. samples - 1 decoded 16 at a time: a sample's tokens do not depend on its batch
+    (test_batch_engine.py)."""
     prompt_ids = decoder.encode_prompt(PROMPT)
     counts: Counter = Counter()
     accepted = drafted = 0
-    for result in decoder.generate(PROMPT, num_samples=samples, batch_size=16):
+    for result in keyed_samples(decoder, PROMPT, samples):
         stats = result.stats
         counts[tuple(result.token_ids)] += 1
         accepted, drafted = accepted + stats.accepted_tokens, drafted + stats.drafted_tokens
@@ -164,8 +176,13 @@ def test_prompt_lookup_through_every_lossless_verifier_keeps_the_target_law(tiny
     The negative control (a misreported law failing this chi-square) is the kit's, below."""
     depth = 3
     num_drafts = 2 if VerifierRegistry().load_class(verifier).max_drafts is None else 1
-    decoder = _decoder(tiny_models, [LOOKUP], verifier={"name": verifier}, speculation={"num_drafts": num_drafts},
-                       generation={"max_new_tokens": depth})  # fmt: skip
+    decoder = _decoder(
+        tiny_models,
+        [LOOKUP],
+        verifier={"name": verifier},
+        speculation={"num_drafts": num_drafts},
+        generation={"max_new_tokens": depth},
+    )
     assert decoder.num_draft_rows == 1
     counts, acceptance, law = _first_tokens(decoder, depth, 1000)
     assert 0.05 < acceptance < 0.95, "lookups must be accepted sometimes and rejected sometimes"
@@ -208,8 +225,12 @@ def test_the_conformance_kit_catches_a_false_deterministic_flag():
 @pytest.mark.parametrize("verifier", ["specinfer", "is-truncated"])
 def test_model_and_prompt_lookup_rows_in_one_block_keep_the_target_law(tiny_models, verifier):
     depth = 3
-    decoder = _decoder(tiny_models, [{"model": "draft", "device": "cpu"}, LOOKUP], verifier={"name": verifier},
-                       generation={"max_new_tokens": depth})  # fmt: skip
+    decoder = _decoder(
+        tiny_models,
+        [{"model": "draft", "device": "cpu"}, LOOKUP],
+        verifier={"name": verifier},
+        generation={"max_new_tokens": depth},
+    )
     assert decoder.num_draft_rows == 2
     counts, acceptance, law = _first_tokens(decoder, depth, 1000)
     assert 0.05 < acceptance < 0.95
@@ -230,8 +251,13 @@ def test_greedy_with_prompt_lookup_equals_the_target_alone(tiny_models, family, 
 def test_a_missing_lookup_leaves_the_block_to_the_model_rows(tiny_models):
     """Rows that proposed nothing leave the block; with a model drafter beside them the block goes on with L
     tokens of its rows, and only as many draft forwards as tokens verified are paid."""
-    decoder = _decoder(tiny_models, [{"model": "draft", "device": "cpu"}, LOOKUP], verifier={"name": "specinfer"},
-                       speculation={"draft_length": 3}, generation={"max_new_tokens": 24})  # fmt: skip
+    decoder = _decoder(
+        tiny_models,
+        [{"model": "draft", "device": "cpu"}, LOOKUP],
+        verifier={"name": "specinfer"},
+        speculation={"draft_length": 3},
+        generation={"max_new_tokens": 24},
+    )
     prompt_ids = decoder.encode_prompt("a b c d e")  # no token repeats: the first lookup misses
     _, _, stats = decoder.generate_ids(prompt_ids, key=0)
     assert stats.drafted_per_position[0] == stats.blocks  # every block verified some tokens
@@ -251,21 +277,37 @@ class Broken(PromptLookup):
         return self.returns(super().propose_sequence(request)) if callable(self.returns) else self.returns
 
 
-@pytest.mark.parametrize("returns, message", [
-    (None, "returned NoneType instead of a SequenceProposal"),
-    (lambda p: SequenceProposal(p.tokens.float(), p.laws, p.finite), "returned tokens of shape"),
-    (lambda p: SequenceProposal(p.tokens, p.laws[..., :3], p.finite), "returned laws of shape"),
-    (lambda p: SequenceProposal(torch.zeros(1, 9, dtype=torch.long), torch.zeros(1, 9, 8), p.finite), "with n <= 3"),
-    (RuntimeError("index out of range\nmore"), "raised RuntimeError: index out of range in propose"),
-    # Read with the block's decision, not before the target scores them (clamped meanwhile: on a GPU an id
-    # outside the embedding is a device-side assert).
-    (lambda p: SequenceProposal(torch.full((1, 2), 8), torch.zeros(1, 2, 8), p.finite), "outside the vocabulary [0, 8)"),
-    (lambda p: SequenceProposal(torch.full((1, 2), -1), torch.zeros(1, 2, 8), p.finite), "outside the vocabulary [0, 8)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "returns, message",
+    [
+        (None, "returned NoneType instead of a SequenceProposal"),
+        (lambda p: SequenceProposal(p.tokens.float(), p.laws, p.finite), "returned tokens of shape"),
+        (lambda p: SequenceProposal(p.tokens, p.laws[..., :3], p.finite), "returned laws of shape"),
+        (
+            lambda p: SequenceProposal(torch.zeros(1, 9, dtype=torch.long), torch.zeros(1, 9, 8), p.finite),
+            "with n <= 3",
+        ),
+        (RuntimeError("index out of range\nmore"), "raised RuntimeError: index out of range in propose"),
+        # Read with the block's decision, not before the target scores them (clamped meanwhile: on a GPU an id
+        # outside the embedding is a device-side assert).
+        (
+            lambda p: SequenceProposal(torch.full((1, 2), 8), torch.zeros(1, 2, 8), p.finite),
+            "outside the vocabulary [0, 8)",
+        ),
+        (
+            lambda p: SequenceProposal(torch.full((1, 2), -1), torch.zeros(1, 2, 8), p.finite),
+            "outside the vocabulary [0, 8)",
+        ),
+    ],
+)
 def test_a_misbehaving_drafter_stops_with_one_line_naming_the_plugin(tiny_models, returns, message):
     broken = type("Broken", (Broken,), {"returns": staticmethod(returns) if callable(returns) else returns})
-    decoder = _decoder(tiny_models, [{"drafter": "broken"}], drafters=RegistryWith({"broken": broken}),
-                       generation={"max_new_tokens": 8})  # fmt: skip
+    decoder = _decoder(
+        tiny_models,
+        [{"drafter": "broken"}],
+        drafters=RegistryWith({"broken": broken}),
+        generation={"max_new_tokens": 8},
+    )
     with pytest.raises(SpecdecError, match="drafter 'broken' ") as caught:
         decoder.generate_ids(decoder.encode_prompt(PROMPT), key=0)
     assert message in str(caught.value) and "the plugin is at fault" in str(caught.value)
@@ -293,21 +335,29 @@ def test_generate_with_drafter_prompt_lookup(run, tiny_models, write_recipe):
     code, out, err = run(["generate", "-r", str(recipe), "--drafter", "prompt-lookup", "--json", PROMPT])
     assert code == 0, err
     sample = json.loads(out)["samples"][0]
-    assert sample["stats"]["draft_forwards"] == 0 and json.loads(out)["recipe"]["drafts"][0]["drafter"] == "prompt-lookup"
+    assert (
+        sample["stats"]["draft_forwards"] == 0 and json.loads(out)["recipe"]["drafts"][0]["drafter"] == "prompt-lookup"
+    )
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"drafts": [{"drafter": "prompt-lookup", "params": {"max_ngram": 0}}]},
-     "drafter 'prompt-lookup': max_ngram must be >= 1"),
-    ({"drafts": [{"drafter": "prompt-lookup", "params": {"max_ngram": "three"}}]},
-     "drafter 'prompt-lookup': max_ngram must be a whole number, got 'three'"),
-    ({"drafts": [{"drafter": "prompt-lookup", "model": "x"}]}, "drafts.0: drafter 'prompt-lookup' takes no model"),
-    ({"drafts": [{"drafter": "nope"}]}, "unknown drafter 'nope'; installed drafters: "),
-    ({"drafts": [{"drafter": "model"}]}, "drafts.0: the model drafter needs 'model'"),
-    ({"drafts": [{"drafter": "early-exit", "params": {"layers": 0}}]}, "layers must be a whole number >= 1"),
-    ({"drafts": [{"model": "D"}, {"drafter": "prompt-lookup"}], "verifier": {"name": "spectr"}},
-     "identical"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"drafts": [{"drafter": "prompt-lookup", "params": {"max_ngram": 0}}]},
+            "drafter 'prompt-lookup': max_ngram must be >= 1",
+        ),
+        (
+            {"drafts": [{"drafter": "prompt-lookup", "params": {"max_ngram": "three"}}]},
+            "drafter 'prompt-lookup': max_ngram must be a whole number, got 'three'",
+        ),
+        ({"drafts": [{"drafter": "prompt-lookup", "model": "x"}]}, "drafts.0: drafter 'prompt-lookup' takes no model"),
+        ({"drafts": [{"drafter": "nope"}]}, "unknown drafter 'nope'; installed drafters: "),
+        ({"drafts": [{"drafter": "model"}]}, "drafts.0: the model drafter needs 'model'"),
+        ({"drafts": [{"drafter": "early-exit", "params": {"layers": 0}}]}, "layers must be a whole number >= 1"),
+        ({"drafts": [{"model": "D"}, {"drafter": "prompt-lookup"}], "verifier": {"name": "spectr"}}, "identical"),
+    ],
+)
 def test_a_bad_draft_entry_is_one_line_before_any_model_loads(run, tiny_models, write_recipe, change, message):
     recipe = tiny_recipe(tiny_models)
     recipe.pop("draft")
@@ -338,7 +388,9 @@ def test_acceptance_with_a_drafter_without_a_model_runs(run, tiny_models, write_
 
 def test_a_model_drafter_error_is_a_usage_error():
     with pytest.raises(UsageError, match="drafts.0: the model drafter needs 'model'"):
-        DrafterRegistry().check_entries(build_recipe({"target": {"model": "t"}, "drafts": [{"drafter": "model"}]}).drafts)
+        DrafterRegistry().check_entries(
+            build_recipe({"target": {"model": "t"}, "drafts": [{"drafter": "model"}]}).drafts
+        )
 
 
 def test_a_recipe_without_drafters_writes_what_it_wrote_before():
@@ -350,24 +402,29 @@ def test_a_recipe_without_drafters_writes_what_it_wrote_before():
 
 def test_drafters_keep_the_recipes_order_when_entries_share_a_model(tiny_models):
     draft = {"model": "draft", "device": "cpu"}
-    decoder = _decoder(tiny_models, [draft, {"early_exit": 1}, {**draft, "temperature": 0.5}],
-                       verifier={"name": "specinfer"})  # fmt: skip
+    decoder = _decoder(
+        tiny_models, [draft, {"early_exit": 1}, {**draft, "temperature": 0.5}], verifier={"name": "specinfer"}
+    )
     assert [drafter.name for drafter in decoder.drafters] == ["model", "early-exit"]
     assert decoder.drafters[0].rows == 2  # the two entries of one model share its session
 
 
-@pytest.mark.parametrize("entry, expected", [
-    ({"drafter": "early-exit", "early_exit": 1}, ("early-exit", {"layers": 1})),
-    ({"drafter": "early-exit", "params": {"layers": 2}}, ("early-exit", {"layers": 2})),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "entry, expected",
+    [
+        ({"drafter": "early-exit", "early_exit": 1}, ("early-exit", {"layers": 1})),
+        ({"drafter": "early-exit", "params": {"layers": 2}}, ("early-exit", {"layers": 2})),
+    ],
+)
 def test_early_exit_takes_its_layers_from_either_key(entry, expected):
     recipe = build_recipe({"target": {"model": "t"}, "drafts": [entry]})
     assert DrafterRegistry().entry_drafter(recipe.drafts[0]) == expected
 
 
 def test_early_exit_refuses_two_different_layer_counts():
-    recipe = build_recipe({"target": {"model": "t"}, "drafts": [{"drafter": "early-exit", "early_exit": 1,
-                                                                  "params": {"layers": 2}}]})  # fmt: skip
+    recipe = build_recipe(
+        {"target": {"model": "t"}, "drafts": [{"drafter": "early-exit", "early_exit": 1, "params": {"layers": 2}}]}
+    )
     with pytest.raises(UsageError, match="sets early_exit: 1 and params.layers: 2; keep one"):
         DrafterRegistry().entry_drafter(recipe.drafts[0])
 
@@ -380,12 +437,15 @@ def test_acceptance_names_a_draft_entry_without_its_model(run, tiny_models, writ
     _one_error_line(err, "drafts.0: the model drafter needs 'model'")
 
 
-@pytest.mark.parametrize("drafts, identical", [
-    ([{"model": "draft", "device": "cpu"}, {"drafter": "model", "model": "draft", "device": "cpu"}], True),
-    ([LOOKUP, {"drafter": "Prompt-Lookup"}], True),
-    ([LOOKUP, {"drafter": "prompt-lookup", "params": {"max_ngram": 2}}], False),
-    ([{"model": "draft", "device": "cpu"}, {"model": "draft", "device": "cpu", "temperature": 0.5}], False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "drafts, identical",
+    [
+        ([{"model": "draft", "device": "cpu"}, {"drafter": "model", "model": "draft", "device": "cpu"}], True),
+        ([LOOKUP, {"drafter": "Prompt-Lookup"}], True),
+        ([LOOKUP, {"drafter": "prompt-lookup", "params": {"max_ngram": 2}}], False),
+        ([{"model": "draft", "device": "cpu"}, {"model": "draft", "device": "cpu", "temperature": 0.5}], False),
+    ],
+)
 def test_the_recipe_and_the_engine_agree_on_identical_laws(tiny_models, drafts, identical):
     """One rule decides which rows draw from one law, before the models load and after (bench keeps the cells
     that the engine then takes)."""
@@ -414,10 +474,13 @@ class FailsInSetup(PromptLookup):
         raise RuntimeError("no such vocabulary")
 
 
-@pytest.mark.parametrize("plugin, message", [
-    (FailsInEntryProblem, "drafter 'fails' raised KeyError: 'model' in entry_problem"),
-    (FailsInSetup, "drafter 'fails' raised RuntimeError: no such vocabulary in setup"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "plugin, message",
+    [
+        (FailsInEntryProblem, "drafter 'fails' raised KeyError: 'model' in entry_problem"),
+        (FailsInSetup, "drafter 'fails' raised RuntimeError: no such vocabulary in setup"),
+    ],
+)
 def test_a_drafter_raising_outside_propose_is_its_fault_in_one_line(tiny_models, plugin, message):
     with pytest.raises(SpecdecError, match=message):
         _decoder(tiny_models, [{"drafter": "fails"}], drafters=RegistryWith({"fails": plugin}))

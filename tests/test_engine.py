@@ -16,7 +16,7 @@ from specdec_cli import SpeculativeDecoder
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.base.sampling import SamplingParams, probs_from_logits
 from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law
-from tests.conftest import tiny_recipe
+from tests.conftest import keyed_samples, tiny_recipe
 
 PROMPT = "a b c d"
 
@@ -31,16 +31,16 @@ def test_first_tokens_follow_the_target_law(tiny_models, family, draft_length, b
     """One loop for every batch size: a sample alone, and samples decoded 16 at a time."""
     depth, samples = 3, 1500
     decoder = _decoder(
-        tiny_models, family,
-        speculation={"draft_length": draft_length}, generation={"max_new_tokens": depth, "temperature": 1.0},
-    )  # fmt: skip
-    prompt_ids = decoder.encode_prompt(PROMPT)
-    law = exact_sequence_law(
-        decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID}
+        tiny_models,
+        family,
+        speculation={"draft_length": draft_length},
+        generation={"max_new_tokens": depth, "temperature": 1.0},
     )
+    prompt_ids = decoder.encode_prompt(PROMPT)
+    law = exact_sequence_law(decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
     counts: Counter = Counter()
     accepted = drafted = 0
-    for result in decoder.generate(PROMPT, num_samples=samples, batch_size=batch_size):
+    for result in keyed_samples(decoder, PROMPT, samples, batch_size):
         counts[tuple(result.token_ids)] += 1
         accepted += result.stats.accepted_tokens
         drafted += result.stats.drafted_tokens
@@ -56,9 +56,12 @@ def test_first_tokens_follow_the_target_law(tiny_models, family, draft_length, b
 def _transformers_greedy(decoder: SpeculativeDecoder, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     model = decoder.target.model
     output = model.generate(
-        torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
-        eos_token_id=EOS_ID, pad_token_id=0,
-    )[0].tolist()  # fmt: skip
+        torch.tensor([prompt_ids]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+    )[0].tolist()
     generated = output[1:] if decoder.target.is_encoder_decoder else output[len(prompt_ids) :]
     return generated[: generated.index(EOS_ID) + 1] if EOS_ID in generated else generated
 
@@ -174,7 +177,10 @@ def test_early_exit_on_an_encoder_decoder_cuts_the_decoder(tiny_models):
     draft, target = decoder.drafters[0].session.model, decoder.target.model
     assert len(draft.decoder.block) == 1 < len(target.decoder.block)
     assert len(draft.encoder.block) == len(target.encoder.block)
-    assert draft.decoder.block[0].layer[0].SelfAttention.q.weight is target.decoder.block[0].layer[0].SelfAttention.q.weight
+    assert (
+        draft.decoder.block[0].layer[0].SelfAttention.q.weight
+        is target.decoder.block[0].layer[0].SelfAttention.q.weight
+    )
     tokens, _, _ = decoder.generate_ids(decoder.encode_prompt("a b c"), 0)
     assert tokens
 
@@ -207,14 +213,15 @@ def test_multi_draft_verifiers_keep_the_target_law(tiny_models, name, num_drafts
     assert decoder.num_draft_rows == num_drafts
     prompt_ids = decoder.encode_prompt(PROMPT)
     law = exact_sequence_law(decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
-    counts = Counter(tuple(r.token_ids) for r in decoder.generate(PROMPT, num_samples=samples, batch_size=16))
+    counts = Counter(tuple(r.token_ids) for r in keyed_samples(decoder, PROMPT, samples))
     assert chi_square_p_value(counts, law) > 1e-3
 
 
 @pytest.mark.parametrize("name", ["specinfer", "spectr", "is-lp", "is-truncated", "mentored", "block"])
 def test_multi_draft_greedy_equals_target_greedy(tiny_models, name):
-    recipe = _multi_draft_recipe(tiny_models, name, 1 if name in ("mentored", "block") else 3, False,
-                                 max_new_tokens=30, temperature=0.0)  # fmt: skip
+    recipe = _multi_draft_recipe(
+        tiny_models, name, 1 if name in ("mentored", "block") else 3, False, max_new_tokens=30, temperature=0.0
+    )
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
     prompt_ids = decoder.encode_prompt("d c b a e")
     tokens, _, _ = decoder.generate_ids(prompt_ids, key=0)
@@ -235,8 +242,7 @@ def test_engine_acceptance_matches_the_verifiers_closed_form(tiny_models, name, 
     p = torch.stack([probs_from_logits(draft, params) for params in decoder.drafters[0].row_params]).double()
     expected = float(decoder.verifier.acceptance_probability(q, p))
     samples = 3000
-    results = decoder.generate(PROMPT, num_samples=samples, batch_size=16)
-    accepted = sum(result.stats.accepted_per_position[:1] == [1] for result in results)
+    accepted = sum(r.stats.accepted_per_position[:1] == [1] for r in keyed_samples(decoder, PROMPT, samples))
     assert abs(accepted / samples - expected) < 4 * (expected * (1 - expected) / samples) ** 0.5
     single = float(decoder.verifier.acceptance_probability(q, p[:1]))
     assert expected > single  # three drafts do accept more often than one

@@ -33,9 +33,21 @@ def bench_args(tiny_models, write_recipe, tmp_path):
     (tmp_path / "reference.txt").write_text("".join(f"le chat {i}\n" for i in range(EXAMPLES)))
 
     def args(output: Path) -> list[str]:
-        return ["bench", "-r", str(recipe), "--source", str(tmp_path / "source.txt"), "--reference",
-                str(tmp_path / "reference.txt"), "--verifier", "speculative,mentored", "--kl", "0.1",
-                "--output", str(output)]  # fmt: skip
+        return [
+            "bench",
+            "-r",
+            str(recipe),
+            "--source",
+            str(tmp_path / "source.txt"),
+            "--reference",
+            str(tmp_path / "reference.txt"),
+            "--verifier",
+            "speculative,mentored",
+            "--kl",
+            "0.1",
+            "--output",
+            str(output),
+        ]
 
     return args
 
@@ -61,8 +73,13 @@ def reference(run, bench_args, tmp_path) -> dict:
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "specdec_cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "specdec_cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=interruptible,
+    )
 
 
 def _wait_for_samples(folder: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
@@ -87,7 +104,9 @@ def test_a_killed_bench_resumes_to_the_uninterrupted_records(run, bench_args, re
         process.send_signal(signum)
         _, err = process.communicate(timeout=120)
         finished_first = process.returncode == 0  # its last records were written before the signal landed
-        if running and signum != signal.SIGKILL and not finished_first:  # handled like Ctrl-C: the results so far are written
+        if (
+            running and signum != signal.SIGKILL and not finished_first
+        ):  # handled like Ctrl-C: the results so far are written
             assert process.returncode == 130, err
             assert "interrupted" in err and json.loads((output / "results.json").read_text())["interrupted"]
     code, _, err = run(bench_args(output))
@@ -158,8 +177,21 @@ def acceptance_args(tiny_models, write_recipe, tmp_path):
     (tmp_path / "prompts.txt").write_text("".join(f"the cat {i} sat\n" for i in range(EXAMPLES)))
 
     def args(output: Path) -> list[str]:
-        return ["acceptance", "-r", str(recipe), "--prompt-file", str(tmp_path / "prompts.txt"), "--num-drafts", "1,2",
-                "--verifier", "speculative,specinfer,mentored", "--kl", "0.1", "--output", str(output)]  # fmt: skip
+        return [
+            "acceptance",
+            "-r",
+            str(recipe),
+            "--prompt-file",
+            str(tmp_path / "prompts.txt"),
+            "--num-drafts",
+            "1,2",
+            "--verifier",
+            "speculative,specinfer,mentored",
+            "--kl",
+            "0.1",
+            "--output",
+            str(output),
+        ]
 
     return args
 

@@ -99,8 +99,13 @@ def _law_family(kind: str, num_drafts: int, seed: int, top_k: int = 0, rows: int
     temperature = torch.ones(num_drafts, 1, dtype=torch.float64)  # [K, 1]
     if kind == "different":  # the multi-draft paper's drafts: one model at several temperatures
         temperature = 0.7 + 0.3 * torch.arange(num_drafts, dtype=torch.float64)[:, None]
-    drafts = {"peaked": logits + noise[:, :1], "close": logits + 0.1 * noise[:, :1], "disjoint": -logits,
-              "flat_draft": 0.01 * noise[:, :1], "different": (logits + noise) / temperature}[kind]  # fmt: skip
+    drafts = {
+        "peaked": logits + noise[:, :1],
+        "close": logits + 0.1 * noise[:, :1],
+        "disjoint": -logits,
+        "flat_draft": 0.01 * noise[:, :1],
+        "different": (logits + noise) / temperature,
+    }[kind]
     drafts = drafts.expand(-1, num_drafts, -1)  # [rows, K, V]
     if top_k:
         drafts = drafts.masked_fill(drafts < drafts.topk(top_k, -1).values[..., -1:], -torch.inf)
@@ -166,9 +171,12 @@ def test_a_block_commits_at_least_what_specinfer_commits(num_drafts, draft_lengt
     cases = [_sequence_laws(seed, 3, draft_length) for seed in range(2 if draft_length == 1 else 1)]
     cases.append((lambda _: example, lambda _: torch.full((3,), 1 / 3, dtype=torch.float64)))
     for target_law, draft_law in cases:
-        tokens = {name: expected_committed_tokens(committed_block_law(
-                      load_verifier(name), target_law, [draft_law] * num_drafts, 3, draft_length))
-                  for name in ("specinfer", *IMPORTANCE)}  # fmt: skip
+        tokens = {
+            name: expected_committed_tokens(
+                committed_block_law(load_verifier(name), target_law, [draft_law] * num_drafts, 3, draft_length)
+            )
+            for name in ("specinfer", *IMPORTANCE)
+        }
         assert min(tokens[name] for name in IMPORTANCE) >= tokens["specinfer"] - 1e-12, tokens
     assert min(tokens[name] for name in IMPORTANCE) > tokens["specinfer"] + 0.05  # the example: strictly more
 
@@ -240,8 +248,10 @@ def test_keyed_blocks_follow_the_block_law():
     for key in range(300):
         decision = verifier.verify_block(*inputs, Draws.create(key=key, block_start=2))
         counts[tuple(decision.tokens[: int(decision.num_accepted) + 1].tolist())] += 1
-    laws = {rule: load_verifier(rule).block_law(inputs[0].double(), inputs[1].double(), inputs[2])
-            for rule in (name, "specinfer")}  # fmt: skip
+    laws = {
+        rule: load_verifier(rule).block_law(inputs[0].double(), inputs[1].double(), inputs[2])
+        for rule in (name, "specinfer")
+    }
     exact = {rule: decision_outcomes(law, inputs[2]) for rule, law in laws.items()}
     assert chi_square_p_value(counts, exact[name]) > 1e-3
     assert chi_square_p_value(counts, exact["specinfer"]) < 1e-4
@@ -258,7 +268,6 @@ def test_four_drafts_keep_the_target_law(name):
 
 
 # ------------------------------------------------------------------ the CPU path against the device path
-
 
 
 def _decisions_that_differ(verifier, blocks) -> list[str]:
@@ -297,8 +306,12 @@ def test_the_cpu_walk_makes_the_device_paths_decisions(name, params):
     share a prefix, one-token laws, corrections, bonus tokens) and at a vocabulary where the free tokens are
     found by blocks (:func:`_pair_selection.top_ids`)."""
     verifier = load_verifier(name, params)
-    blocks = [block for num_drafts in (2, 3, 4) for draft_length, vocab in ((3, 64), (2, 1024))
-              for block in _keyed_blocks(name, num_drafts, draft_length, vocab)]  # fmt: skip
+    blocks = [
+        block
+        for num_drafts in (2, 3, 4)
+        for draft_length, vocab in ((3, 64), (2, 1024))
+        for block in _keyed_blocks(name, num_drafts, draft_length, vocab)
+    ]
     assert _decisions_that_differ(verifier, blocks) == []
     lengths = Counter(int(verifier.verify_block(*block, draws).num_accepted) for _, block, draws in blocks)
     assert set(lengths) == {0, 1, 2, 3}, lengths  # the walk ended at every position of the longer blocks

@@ -21,8 +21,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # (layer, the modules in it: a name covers its submodules); highest first
     ("entry points and public re-exports", ("specdec_cli.<root module>",)),
     ("the CLI", ("specdec_cli.commands",)),
-    ("applications and the author's kit", ("specdec_cli.generation", "specdec_cli.bench", "specdec_cli.acceptance",
-                                           "specdec_cli.kit")),
+    (
+        "applications and the author's kit",
+        ("specdec_cli.generation", "specdec_cli.bench", "specdec_cli.acceptance", "specdec_cli.kit"),
+    ),
     ("built-in plugins", ("specdec_plugins",)),
     ("engine", ("specdec_cli.engine",)),
     ("plugin registry", ("specdec_cli.plugins.registry", "specdec_cli.plugins.drafter_registry")),
@@ -150,8 +152,10 @@ def problems(root: Path = ROOT) -> list[str]:
             upward = there < here
             sideways = there == here and room != other and LAYERS[here][0] in SIDE_BY_SIDE
             if upward or sideways:
-                out.append(f"{'upward' if upward else 'sideways'} import: {a} ({LAYERS[here][0]}) -> {b} "
-                           f"({LAYERS[there][0]})  ({found[a].relative_to(root)}:{line})")
+                out.append(
+                    f"{'upward' if upward else 'sideways'} import: {a} ({LAYERS[here][0]}) -> {b} "
+                    f"({LAYERS[there][0]})  ({found[a].relative_to(root)}:{line})"
+                )
     return out
 
 

@@ -55,8 +55,11 @@ def _decisions(bound: float, lazy: bool, vocab: int = 40, draft_length: int = 5)
     decided = []
     for seed, kind in enumerate(KINDS * 2):
         q, p, x = block(kind, draft_length, vocab, seed)
-        for randomness in (Draws.create(key=seed, block_start=0), Draws.create(key=seed, block_start=9),
-                           torch.Generator().manual_seed(seed)):  # fmt: skip
+        for randomness in (
+            Draws.create(key=seed, block_start=0),
+            Draws.create(key=seed, block_start=9),
+            torch.Generator().manual_seed(seed),
+        ):
             decision = mentored.verify(q, p, x, bound, randomness, lazy=lazy)
             decided.append(tuple(decision.tokens[: int(decision.num_accepted) + 1].tolist()))
     return decided
@@ -194,7 +197,9 @@ def _bound_misses(vocabularies=(2, 3, 50, 1000)) -> float:
                 solved = (on_cpu.rejected_mass > 1e-250).squeeze(-1)  # [6]: within float64's reach
                 kl_miss = ((on_device.kl - bound).abs() / bound).squeeze(-1)[solved]
                 rho_miss = ((on_device.rejected_mass - on_cpu.rejected_mass).abs() / on_cpu.rejected_mass).squeeze(-1)
-                worst = max([worst, *kl_miss.tolist(), *rho_miss[solved & (on_cpu.rejected_mass > 1e-12).squeeze(-1)].tolist()])
+                worst = max(
+                    [worst, *kl_miss.tolist(), *rho_miss[solved & (on_cpu.rejected_mass > 1e-12).squeeze(-1)].tolist()]
+                )
     return worst
 
 

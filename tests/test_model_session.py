@@ -86,7 +86,9 @@ def test_a_decoder_that_numbers_positions_from_the_cache_decodes_one_sequence_un
     drafts = torch.tensor([[5, 6, 7], [4, 4, 3]])  # [K, 3]
     logits = session.forward([context] * 2, drafts, 4)
     for row in range(2):
-        torch.testing.assert_close(logits[row], alone(model, prompt, context, drafts[row].tolist()), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            logits[row], alone(model, prompt, context, drafts[row].tolist()), atol=1e-4, rtol=1e-4
+        )
     context = context + [4, 4]  # row 1's first token and a correction
     session.keep([1], [len(context) - 1])
     logits = session.forward([context], torch.tensor([[6]]), 2)

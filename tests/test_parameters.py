@@ -21,23 +21,44 @@ from tests.test_cli import _one_error_line, run  # noqa: F401
 class Typed:
     name = "typed"
 
-    def __init__(self, *, rate: Annotated[float, "how fast"] = 1.0, count: Optional[int] = None,
-                 mode: Literal["a", "b"] = "a", flag: bool = False, free=3, items: list[int] | None = None,
-                 later: "NotDefinedAnywhere" = 0):  # noqa: F821 (an annotation only a type checker resolves)  # fmt: skip
+    def __init__(
+        self,
+        *,
+        rate: Annotated[float, "how fast"] = 1.0,
+        count: Optional[int] = None,
+        mode: Literal["a", "b"] = "a",
+        flag: bool = False,
+        free=3,
+        items: list[int] | None = None,
+        later: "NotDefinedAnywhere" = 0,
+    ):  # noqa: F821 (an annotation only a type checker resolves)
         pass
 
 
 class Resolvable:
-    def __init__(self, *, rate: Annotated[float, "how fast"] = 1.0, count: Optional[int] = None,
-                 mode: Literal["a", "b"] = "a", flag: bool = False, free=3, items: list[int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        rate: Annotated[float, "how fast"] = 1.0,
+        count: Optional[int] = None,
+        mode: Literal["a", "b"] = "a",
+        flag: bool = False,
+        free=3,
+        items: list[int] | None = None,
+    ):
         pass
 
 
 def test_types_and_descriptions_come_from_the_annotations():
     specs = parameter_specs(Resolvable)
     assert [(s.name, s.type_name, s.description) for s in specs.values()] == [
-        ("rate", "float", "how fast"), ("count", "int | None", None), ("mode", "'a' | 'b'", None),
-        ("flag", "bool", None), ("free", None, None), ("items", "list[int] | None", None)]  # fmt: skip
+        ("rate", "float", "how fast"),
+        ("count", "int | None", None),
+        ("mode", "'a' | 'b'", None),
+        ("flag", "bool", None),
+        ("free", None, None),
+        ("items", "list[int] | None", None),
+    ]
     assert specs["free"].choices is UNCHECKED and specs["items"].choices is UNCHECKED
 
 
@@ -82,17 +103,26 @@ def test_a_parameter_takes_its_own_default_and_a_missing_one_is_left_to_the_cons
         DrafterRegistry().create("early-exit", {})
 
 
-@pytest.mark.parametrize("params, problem", [
-    ({"rate": 2}, None), ({"rate": 0.5}, None), ({"count": None}, None), ({"count": 3}, None), ({"mode": "b"}, None),
-    ({"flag": True}, None), ({"free": object()}, None), ({"items": ["anything"]}, None),
-    ({"rate": "fast"}, "rate must be a number, got 'fast'"),
-    ({"rate": True}, "rate must be a number, got True"),
-    ({"count": 2.0}, "count must be a whole number or null, got 2.0"),
-    ({"count": False}, "count must be a whole number or null, got False"),
-    ({"mode": "c"}, "mode must be 'a' or 'b', got 'c'"),
-    ({"flag": 1}, "flag must be true or false, got 1"),
-    ({"speed": 1}, "unknown parameter(s) speed; valid parameters: rate, count, mode, flag, free, items"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "params, problem",
+    [
+        ({"rate": 2}, None),
+        ({"rate": 0.5}, None),
+        ({"count": None}, None),
+        ({"count": 3}, None),
+        ({"mode": "b"}, None),
+        ({"flag": True}, None),
+        ({"free": object()}, None),
+        ({"items": ["anything"]}, None),
+        ({"rate": "fast"}, "rate must be a number, got 'fast'"),
+        ({"rate": True}, "rate must be a number, got True"),
+        ({"count": 2.0}, "count must be a whole number or null, got 2.0"),
+        ({"count": False}, "count must be a whole number or null, got False"),
+        ({"mode": "c"}, "mode must be 'a' or 'b', got 'c'"),
+        ({"flag": 1}, "flag must be true or false, got 1"),
+        ({"speed": 1}, "unknown parameter(s) speed; valid parameters: rate, count, mode, flag, free, items"),
+    ],
+)
 def test_values_are_checked_against_their_types(params, problem):
     assert parameters_problem(Resolvable, (), params) == problem
 
@@ -106,8 +136,9 @@ def test_a_verifier_refuses_an_ill_typed_parameter_before_its_constructor_runs()
 
 def test_an_ill_typed_parameter_on_the_command_line_is_one_line(run, tiny_models, write_recipe):
     recipe = write_recipe(tiny_recipe(tiny_models))
-    code, _, err = run(["generate", "-r", str(recipe), "--verifier", "mentored", "--set", "verifier.params.kl=half",
-                        "a b"])  # fmt: skip
+    code, _, err = run(
+        ["generate", "-r", str(recipe), "--verifier", "mentored", "--set", "verifier.params.kl=half", "a b"]
+    )
     assert code == 2
     _one_error_line(err, "verifier 'mentored': kl must be a number, got 'half'")
 

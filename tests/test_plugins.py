@@ -18,10 +18,21 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def _installed(example: str, site: Path) -> Path:
     """The example plugin package ``examples/<example>`` installed with pip into folder ``site``."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(site), str(EXAMPLES / example)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(EXAMPLES / example),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return site
 
 
@@ -53,11 +64,27 @@ def test_installed_plugin_runs_in_generate(plugin_site, tiny_models, write_recip
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 20})))
     rates = []
     for leniency in ("1.0", "3.0"):
-        result = _specdec(["generate", "-r", recipe, "--verifier", "Lenient", "--json", "--num-samples", "8",
-                           "--set", f"verifier.params.leniency={leniency}", "a b c"], plugin_site)  # fmt: skip
+        result = _specdec(
+            [
+                "generate",
+                "-r",
+                recipe,
+                "--verifier",
+                "Lenient",
+                "--json",
+                "--num-samples",
+                "8",
+                "--set",
+                f"verifier.params.leniency={leniency}",
+                "a b c",
+            ],
+            plugin_site,
+        )
         assert result.returncode == 0, result.stderr
         samples = json.loads(result.stdout)["samples"]
-        rates.append(sum(s["stats"]["accepted_tokens"] for s in samples) / sum(s["stats"]["drafted_tokens"] for s in samples))
+        rates.append(
+            sum(s["stats"]["accepted_tokens"] for s in samples) / sum(s["stats"]["drafted_tokens"] for s in samples)
+        )
     assert rates[1] > rates[0]  # the plugin's parameter reached it
 
 
@@ -66,7 +93,9 @@ def test_installed_drafter_plugin_is_listed_and_drafts(drafter_site, tiny_models
     result = _specdec(["drafters", "--json"], drafter_site)
     assert result.returncode == 0, result.stderr
     listed = {d["name"]: d for d in json.loads(result.stdout)["drafters"]}
-    assert listed["bigram"]["package"] == "specdec-bigram 0.1.0" and listed["bigram"]["parameters"] == {"smoothing": 0.5}
+    assert listed["bigram"]["package"] == "specdec-bigram 0.1.0" and listed["bigram"]["parameters"] == {
+        "smoothing": 0.5
+    }
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12})))
     result = _specdec(["generate", "-r", recipe, "--drafter", "bigram", "--json", "a b c a b"], drafter_site)
     assert result.returncode == 0, result.stderr

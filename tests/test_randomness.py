@@ -170,9 +170,15 @@ def test_a_shared_stream_is_caught_end_to_end():
 
 
 def test_a_sample_does_not_depend_on_what_ran_beside_it(tiny_models):
-    recipe = build_recipe(tiny_recipe(tiny_models, "llama", verifier={"name": "specinfer"},
-                                      speculation={"draft_length": 3, "num_drafts": 2},
-                                      generation={"max_new_tokens": 12}))  # fmt: skip
+    recipe = build_recipe(
+        tiny_recipe(
+            tiny_models,
+            "llama",
+            verifier={"name": "specinfer"},
+            speculation={"draft_length": 3, "num_drafts": 2},
+            generation={"max_new_tokens": 12},
+        )
+    )
     decoder = SpeculativeDecoder.from_recipe(recipe)
     alone = decoder.generate(["c d"])[0].token_ids  # prompt 0, sample 0
     among = decoder.generate(["c d", "a b", "e"], num_samples=3)  # the same (prompt 0, sample 0) first

@@ -101,9 +101,15 @@ def test_overrides_parse_yaml_values_and_index_lists():
 def test_command_line_flags_override_the_recipe(write_recipe):
     path = write_recipe({**BASE, "verifier": {"name": "mentored", "params": {"kl": 0.5}}})
     options = RecipeOptions(
-        recipe=str(path), temperature=0.0, top_k=5, num_drafts=2, device="cpu", dtype="float32",
-        sets=["generation.top_p=0.9", "seed=7"], verifier="speculative",
-    )  # fmt: skip
+        recipe=str(path),
+        temperature=0.0,
+        top_k=5,
+        num_drafts=2,
+        device="cpu",
+        dtype="float32",
+        sets=["generation.top_p=0.9", "seed=7"],
+        verifier="speculative",
+    )
     recipe = options.resolve()
     assert recipe.generation.temperature == 0.0 and recipe.generation.top_k == 5 and recipe.generation.top_p == 0.9
     assert recipe.speculation.num_drafts == 2 and recipe.seed == 7

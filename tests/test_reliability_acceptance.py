@@ -21,14 +21,29 @@ def test_a_draft_count_that_cannot_fit_in_memory_is_one_line(run, inputs):  # no
     _one_error_line(err, "lower --num-drafts or --max-new-tokens")
 
 
-def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_table(run, inputs, monkeypatch, tmp_path):  # noqa: F811
+def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_table(
+    run, inputs, monkeypatch, tmp_path
+):  # noqa: F811
     import errno
 
     from specdec_cli.results import store as results_store
 
     out = tmp_path / "out"
-    args = ["acceptance", "-r", inputs["recipe"], "--prompt", "a b", "--num-drafts", "1", "--verifier", "speculative",
-            "--max-new-tokens", "3", "--output", str(out)]  # fmt: skip
+    args = [
+        "acceptance",
+        "-r",
+        inputs["recipe"],
+        "--prompt",
+        "a b",
+        "--num-drafts",
+        "1",
+        "--verifier",
+        "speculative",
+        "--max-new-tokens",
+        "3",
+        "--output",
+        str(out),
+    ]
     assert run(args)[0] == 0
     before = (out / "acceptance.json").read_text()
 
@@ -48,12 +63,29 @@ def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_
 def test_killed_drafter_sections_resume_to_the_same_records(run, tiny_models, write_recipe, tmp_path, signum):  # noqa: F811
     """--drafter model,prompt-lookup writes a record per (section, prompt): a run killed between or inside a prompt's
     records resumes to the records and summary of a run never stopped."""
-    recipe = write_recipe(_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 10}))
-    (tmp_path / "prompts.txt").write_text("".join(f"{prompt} {i % 3 * 'e '}\n" for i, prompt in enumerate(LOOKUP_PROMPTS * 2)))
+    recipe = write_recipe(
+        _with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 10})
+    )
+    (tmp_path / "prompts.txt").write_text(
+        "".join(f"{prompt} {i % 3 * 'e '}\n" for i, prompt in enumerate(LOOKUP_PROMPTS * 2))
+    )
 
     def args(output: Path) -> list[str]:
-        return ["acceptance", "-r", str(recipe), "--prompt-file", str(tmp_path / "prompts.txt"), "--drafter",
-                "model,prompt-lookup", "--verifier", "speculative,specinfer", "--num-drafts", "1,2", "--output", str(output)]
+        return [
+            "acceptance",
+            "-r",
+            str(recipe),
+            "--prompt-file",
+            str(tmp_path / "prompts.txt"),
+            "--drafter",
+            "model,prompt-lookup",
+            "--verifier",
+            "speculative,specinfer",
+            "--num-drafts",
+            "1,2",
+            "--output",
+            str(output),
+        ]
 
     code, _, err = run(args(tmp_path / "reference"))
     assert code == 0, err

@@ -45,8 +45,19 @@ def recipe_path(tiny_models, write_recipe) -> str:
 
 def _bench(recipe: str, data: dict, out: Path | None, *extra: str) -> list[str]:
     folder = ["--output", str(out)] if out is not None else []
-    return ["bench", "-r", recipe, "--source", data["source"], "--reference", data["reference"], "--template",
-            "{source}", *folder, *extra]  # fmt: skip
+    return [
+        "bench",
+        "-r",
+        recipe,
+        "--source",
+        data["source"],
+        "--reference",
+        data["reference"],
+        "--template",
+        "{source}",
+        *folder,
+        *extra,
+    ]
 
 
 def _samples(out: Path) -> list[dict]:
@@ -78,18 +89,33 @@ def _nan_draft(folder: Path, first_nan_position: int) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(("first_nan_position", "where", "kept"), [(20, "example 2 (seed 0)", {"0", "1"}),
-                                                                  (0, "its warm-up", set())])  # fmt: skip
-def test_a_cell_whose_generation_fails_is_reported_and_the_others_kept(run, tiny_models, write_recipe, tmp_path,
-                                                                       first_nan_position, where, kept):  # fmt: skip
+@pytest.mark.parametrize(
+    ("first_nan_position", "where", "kept"), [(20, "example 2 (seed 0)", {"0", "1"}), (0, "its warm-up", set())]
+)
+def test_a_cell_whose_generation_fails_is_reported_and_the_others_kept(
+    run, tiny_models, write_recipe, tmp_path, first_nan_position, where, kept
+):
     recipe = tiny_recipe(tiny_models, "gpt2", generation={"max_new_tokens": 6})
     recipe["draft"]["model"] = str(_nan_draft(tmp_path / "nan-draft", first_nan_position))
     source, reference = tmp_path / "src.txt", tmp_path / "ref.txt"
     source.write_text("a b\nc d\n" + " ".join(["a b c d e"] * 4) + "\ne a\n")  # example 2: 20 words
     reference.write_text("a\nb\nc\nd\n")
     out = tmp_path / "out"
-    code, stdout, err = run(["bench", "-r", str(write_recipe(recipe)), "--source", str(source), "--reference",
-                             str(reference), "--template", "{source}", "--output", str(out)])  # fmt: skip
+    code, stdout, err = run(
+        [
+            "bench",
+            "-r",
+            str(write_recipe(recipe)),
+            "--source",
+            str(source),
+            "--reference",
+            str(reference),
+            "--template",
+            "{source}",
+            "--output",
+            str(out),
+        ]
+    )
     assert code == 1, err
     _one_error_line(err, f"cell '{SPECULATIVE}' failed on {where}: ")
     assert "draft" in err and "its other samples and every other cell are kept" in err
@@ -120,8 +146,11 @@ def test_a_plugin_that_raises_at_run_time_fails_its_cell_only(run, recipe_path, 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # the description cache would keep the plugin
     names, load_class = VerifierRegistry.names, VerifierRegistry.load_class
     monkeypatch.setattr(VerifierRegistry, "names", lambda self: sorted([*names(self), FailsAfterTenBlocks.name]))
-    monkeypatch.setattr(VerifierRegistry, "load_class", lambda self, name: FailsAfterTenBlocks
-                        if name == FailsAfterTenBlocks.name else load_class(self, name))  # fmt: skip
+    monkeypatch.setattr(
+        VerifierRegistry,
+        "load_class",
+        lambda self, name: FailsAfterTenBlocks if name == FailsAfterTenBlocks.name else load_class(self, name),
+    )
     out = tmp_path / "out"
     code, _, err = run(_bench(recipe_path, data, out, "--verifier", "fails-later,speculative"))
     assert code == 1, err
@@ -152,8 +181,9 @@ def test_a_resume_under_other_threads_is_refused_or_flagged(run, recipe_path, da
     assert code == 2
     _one_error_line(err, "holds samples run with threads 1 but this run has 2")
     assert "--threads 1" in err and "--allow-mixed-conditions" in err and "new --output" in err
-    code, stdout, err = run(_bench(recipe_path, data, out, "--threads", "2", "--draft-length", "3,2",
-                                   "--allow-mixed-conditions"))  # fmt: skip
+    code, stdout, err = run(
+        _bench(recipe_path, data, out, "--threads", "2", "--draft-length", "3,2", "--allow-mixed-conditions")
+    )
     assert code == 0, err
     results = _results(out)
     assert results["mixed_conditions"] is True
@@ -166,8 +196,10 @@ def test_a_resume_under_other_threads_is_refused_or_flagged(run, recipe_path, da
     assert run(_bench(recipe_path, data, out, "--threads", "1", "--draft-length", "3,2"))[0] == 0
 
 
-@pytest.mark.parametrize(("condition", "stored"), [("device", "NVIDIA H100 80GB HBM3"), ("torch", "2.0.0"),
-                                                   ("transformers", "4.40.0"), ("specdec", "0.0.1")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("condition", "stored"),
+    [("device", "NVIDIA H100 80GB HBM3"), ("torch", "2.0.0"), ("transformers", "4.40.0"), ("specdec", "0.0.1")],
+)
 def test_each_stored_condition_that_differs_is_named(run, recipe_path, data, tmp_path, condition, stored):
     out = tmp_path / "out"
     assert run(_bench(recipe_path, data, out, "--limit", "2"))[0] == 0
@@ -177,19 +209,44 @@ def test_each_stored_condition_that_differs_is_named(run, recipe_path, data, tmp
     _one_error_line(err, f"holds samples run with {condition} {stored} but this run has ")
 
 
-BASELINE_CELL = {"verifier": "none", "kl": None, "num_drafts": 0, "draft_length": 0, "temperature": 1.0,
-                 "draft_temperatures": None}  # fmt: skip
+BASELINE_CELL = {
+    "verifier": "none",
+    "kl": None,
+    "num_drafts": 0,
+    "draft_length": 0,
+    "temperature": 1.0,
+    "draft_temperatures": None,
+}
 SPECULATIVE_CELL = {**BASELINE_CELL, "verifier": "speculative", "num_drafts": 1, "draft_length": 3}
 
 
 def _record(cell: str, seed: int, example: str, seconds: float) -> dict:
     """A sample record of 10 tokens in ``seconds``, run with 3 threads on a 'Test CPU'."""
-    stats = {name: 1 for name in ("target_forwards", "draft_forwards", "drafted_tokens", "verified_tokens",
-                                  "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s")}  # fmt: skip
+    stats = {
+        name: 1
+        for name in (
+            "target_forwards",
+            "draft_forwards",
+            "drafted_tokens",
+            "verified_tokens",
+            "accepted_tokens",
+            "draft_time_s",
+            "target_time_s",
+            "verify_time_s",
+        )
+    }
     stats |= {"new_tokens": 10, "wall_time_s": seconds, "drafted_per_position": [1], "accepted_per_position": [1]}
     conditions = {"threads": 3, "device": "cpu: Test CPU", "torch": "x", "transformers": "y", "specdec": "z"}
-    return {"cell": cell, "seed": seed, "example_id": example, "index": int(example), "text": "x", "reference": None,
-            "stats": stats, "conditions": conditions}  # fmt: skip
+    return {
+        "cell": cell,
+        "seed": seed,
+        "example_id": example,
+        "index": int(example),
+        "text": "x",
+        "reference": None,
+        "stats": stats,
+        "conditions": conditions,
+    }
 
 
 def test_the_per_example_speedups_spread_next_to_the_pooled_one():
@@ -198,8 +255,12 @@ def test_the_per_example_speedups_spread_next_to_the_pooled_one():
     config = {"cells": [BASELINE_CELL, SPECULATIVE_CELL], "task": {"metrics": [], "per_category": False}}
     # Per example and seed: speedups 2, 1, 0.5 (seed 0) and 4 (seed 1); the pooled rate hides them.
     records = [_record("baseline T=1", 0, e, 1.0) for e in "012"] + [_record("baseline T=1", 1, "0", 1.0)]
-    records += [_record(SPECULATIVE, 0, "0", 0.5), _record(SPECULATIVE, 0, "1", 1.0),
-                _record(SPECULATIVE, 0, "2", 2.0), _record(SPECULATIVE, 1, "0", 0.25)]  # fmt: skip
+    records += [
+        _record(SPECULATIVE, 0, "0", 0.5),
+        _record(SPECULATIVE, 0, "1", 1.0),
+        _record(SPECULATIVE, 0, "2", 2.0),
+        _record(SPECULATIVE, 1, "0", 0.25),
+    ]
     spread = summarize(config, records).cells[1].speedup_spread
     assert (spread.median, spread.min, spread.max, spread.n) == (1.5, 0.5, 4.0, 4)
     assert (spread.q1, spread.q3) == (pytest.approx(0.875), pytest.approx(2.5))
@@ -213,8 +274,23 @@ def test_threads_are_set_before_the_models_and_recorded(run, recipe_path, data, 
     code, _, err = run(_bench(recipe_path, data, out, "--limit", "1", "--threads", "1"))
     assert code == 0, err
     assert _results(out)["environment"]["threads"] == 1 and _samples(out)[0]["conditions"]["threads"] == 1
-    code, _, err = run(["acceptance", "-r", recipe_path, "--prompt", "a b", "--num-drafts", "1", "--verifier",
-                        "speculative", "--threads", "1", "--output", str(tmp_path / "acceptance")])  # fmt: skip
+    code, _, err = run(
+        [
+            "acceptance",
+            "-r",
+            recipe_path,
+            "--prompt",
+            "a b",
+            "--num-drafts",
+            "1",
+            "--verifier",
+            "speculative",
+            "--threads",
+            "1",
+            "--output",
+            str(tmp_path / "acceptance"),
+        ]
+    )
     assert code == 0, err
     assert json.loads((tmp_path / "acceptance" / "acceptance.json").read_text())["environment"]["threads"] == 1
 
@@ -256,19 +332,51 @@ def test_a_stopped_run_says_whether_it_can_resume(run, recipe_path, data, tmp_pa
 
 def test_data_without_references_is_noted_before_the_run(run, recipe_path, data, tmp_path):
     out = tmp_path / "wmt"
-    code, _, err = run(["bench", "-r", recipe_path, "--source", data["source"], "--template", "{source}", "--limit",
-                        "1", "--output", str(out)])  # fmt: skip
+    code, _, err = run(
+        [
+            "bench",
+            "-r",
+            recipe_path,
+            "--source",
+            data["source"],
+            "--template",
+            "{source}",
+            "--limit",
+            "1",
+            "--output",
+            str(out),
+        ]
+    )
     assert code == 0, err
     note = "no references: BLEU and chrF are not computed; give --reference FILE"
     assert err.count(note) == 1 and note in _results(out)["notes"]
     dataset = tmp_path / "articles.jsonl"
-    dataset.write_text("".join(json.dumps({"document": s, **({"summary": "a"} if i else {})}) + "\n"
-                               for i, s in enumerate(SOURCES[:2])))  # fmt: skip
-    code, _, err = run(["bench", "-r", recipe_path, "--task", "xsum", "--dataset", str(dataset), "--template",
-                        "{source}", "--limit", "1"])  # fmt: skip
-    assert code == 0 and "no references: ROUGE-L is not computed; name the reference field with --reference-field" in err
-    code, _, err = run(["bench", "-r", recipe_path, "--task", "xsum", "--dataset", str(dataset), "--template",
-                        "{source}"])  # fmt: skip
+    dataset.write_text(
+        "".join(
+            json.dumps({"document": s, **({"summary": "a"} if i else {})}) + "\n" for i, s in enumerate(SOURCES[:2])
+        )
+    )
+    code, _, err = run(
+        [
+            "bench",
+            "-r",
+            recipe_path,
+            "--task",
+            "xsum",
+            "--dataset",
+            str(dataset),
+            "--template",
+            "{source}",
+            "--limit",
+            "1",
+        ]
+    )
+    assert (
+        code == 0 and "no references: ROUGE-L is not computed; name the reference field with --reference-field" in err
+    )
+    code, _, err = run(
+        ["bench", "-r", recipe_path, "--task", "xsum", "--dataset", str(dataset), "--template", "{source}"]
+    )
     assert code == 0 and "1 of 2 examples have no reference; ROUGE-L is computed on the other 1" in err
 
 
@@ -291,12 +399,29 @@ def finished(tiny_models, tmp_path_factory) -> dict[str, Path]:
     recipe = root / "recipe.json"
     recipe.write_text(json.dumps(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 4})))
     dataset = root / "data.jsonl"
-    dataset.write_text("".join(json.dumps({"question_id": i, "document": s, "turns": [s], "summary": r,
-                                           "category": f"cat{i % 2}"}) + "\n"
-                               for i, (s, r) in enumerate(zip(SOURCES, REFERENCES))))  # fmt: skip
+    dataset.write_text(
+        "".join(
+            json.dumps({"question_id": i, "document": s, "turns": [s], "summary": r, "category": f"cat{i % 2}"}) + "\n"
+            for i, (s, r) in enumerate(zip(SOURCES, REFERENCES))
+        )
+    )
     for task in ("xsum", "spec-bench"):
-        _quietly(["bench", "-r", str(recipe), "--task", task, "--dataset", str(dataset), "--template", "{source}",
-                  "--output", str(root / task), "--json"])  # fmt: skip
+        _quietly(
+            [
+                "bench",
+                "-r",
+                str(recipe),
+                "--task",
+                task,
+                "--dataset",
+                str(dataset),
+                "--template",
+                "{source}",
+                "--output",
+                str(root / task),
+                "--json",
+            ]
+        )
     return {"xsum": root / "xsum", "spec-bench": root / "spec-bench"}
 
 
@@ -409,10 +534,19 @@ def _results_of(seeds: int, tiny_models):
     from specdec_cli.bench.results import summarize
 
     recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 17})).to_dict()
-    config = {"cells": [BASELINE_CELL, SPECULATIVE_CELL], "task": {"name": "wmt", "lang_pair": "en-fr", "metrics": [],
-              "per_category": False}, "data": {"examples": 2}, "seeds": list(range(seeds)), "recipe": recipe}  # fmt: skip
-    records = [_record(cell, seed, e, seconds + seed / 10) for seed in range(seeds) for e in "01"
-               for cell, seconds in (("baseline T=1", 1.0), (SPECULATIVE, 0.8))]  # fmt: skip
+    config = {
+        "cells": [BASELINE_CELL, SPECULATIVE_CELL],
+        "task": {"name": "wmt", "lang_pair": "en-fr", "metrics": [], "per_category": False},
+        "data": {"examples": 2},
+        "seeds": list(range(seeds)),
+        "recipe": recipe,
+    }
+    records = [
+        _record(cell, seed, e, seconds + seed / 10)
+        for seed in range(seeds)
+        for e in "01"
+        for cell, seconds in (("baseline T=1", 1.0), (SPECULATIVE, 0.8))
+    ]
     return summarize(config, records)
 
 
@@ -426,8 +560,16 @@ def test_the_bench_plot_says_what_ran_and_draws_spread_only_over_seeds(tiny_mode
     figure = report.figure(_results_of(seeds, tiny_models))
     try:
         title = figure._suptitle.get_text()
-        for expected in ("wmt en-fr", "2 examples", f"× {seeds} seed", "at most 17 new tokens", "target llama-target",
-                         "draft llama-draft", "cpu: Test CPU", "threads 3"):  # fmt: skip
+        for expected in (
+            "wmt en-fr",
+            "2 examples",
+            f"× {seeds} seed",
+            "at most 17 new tokens",
+            "target llama-target",
+            "draft llama-draft",
+            "cpu: Test CPU",
+            "threads 3",
+        ):
             assert expected in title, title
         axis = figure.axes[0]
         bars = next(c for c in axis.containers if isinstance(c, BarContainer))
@@ -443,16 +585,23 @@ def test_the_acceptance_plot_says_what_ran(tiny_models):
     from specdec_cli.acceptance import report
     from specdec_cli.acceptance.results import AcceptanceReport, AcceptanceRow, PromptAcceptance
 
-    prompt = PromptAcceptance(prompt="a b", prompt_index=0, positions=2,
-                              values={"optimum": {1: [0.5, 0.7]}, "speculative": {1: [0.5, 0.7]}})  # fmt: skip
-    results = AcceptanceReport(rows=[AcceptanceRow("optimum"), AcceptanceRow("speculative")], num_drafts=[1],
-                               prompts=[prompt])  # fmt: skip
+    prompt = PromptAcceptance(
+        prompt="a b", prompt_index=0, positions=2, values={"optimum": {1: [0.5, 0.7]}, "speculative": {1: [0.5, 0.7]}}
+    )
+    results = AcceptanceReport(
+        rows=[AcceptanceRow("optimum"), AcceptanceRow("speculative")], num_drafts=[1], prompts=[prompt]
+    )
     recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 9})).to_dict()
     figure = report.figure(results, {"recipe": recipe, "environment": {"device": "cpu: Test CPU", "threads": 4}})
     try:
         title = figure._suptitle.get_text()
-        for expected in ("1 prompt, 2 positions", "at most 9 new tokens", "target llama-target", "cpu: Test CPU",
-                         "threads 4"):  # fmt: skip
+        for expected in (
+            "1 prompt, 2 positions",
+            "at most 9 new tokens",
+            "target llama-target",
+            "cpu: Test CPU",
+            "threads 4",
+        ):
             assert expected in title, title
     finally:
         plt.close(figure)

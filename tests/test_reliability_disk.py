@@ -40,8 +40,14 @@ def _now(offset: timedelta = timedelta(0)) -> str:
 
 
 # A figure a quiet machine gives: a draft step well below the target's block forward.
-GOOD = {"target_token_s": 0.02, "target_block_s": 0.03, "draft_s": 0.008, "acceptance": 0.5, "machine": "x",
-        "measured_at": _now()}  # fmt: skip
+GOOD = {
+    "target_token_s": 0.02,
+    "target_block_s": 0.03,
+    "draft_s": 0.008,
+    "acceptance": 0.5,
+    "machine": "x",
+    "measured_at": _now(),
+}
 
 
 def _good_cost(**changes) -> calibration.DraftCost:
@@ -65,7 +71,9 @@ def _cache_entry(tmp_path: Path) -> Path:
 def test_calibration_takes_the_least_of_several_timed_runs_and_dates_it(decoder, tmp_path, monkeypatch):
     """A busy moment during one timed run (here: its draft time ×50) does not become the machine's figure."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    monkeypatch.setattr("specdec_cli.generation.calibration._plausible", lambda cost, decoder: True)  # a busy CI machine measures slow
+    monkeypatch.setattr(
+        "specdec_cli.generation.calibration._plausible", lambda cost, decoder: True
+    )  # a busy CI machine measures slow
     runs = []
     original = SpeculativeDecoder.generate_ids
 
@@ -230,16 +238,23 @@ def test_a_full_disk_while_a_rerun_adds_cells_keeps_config_json(run, inputs, ful
     assert len(json.loads((folder / "config.json").read_text())["cells"]) == 3
 
 
-BENCH_CONFIG = {"recipe": {}, "task": {"name": "wmt", "lang_pair": "en-fr", "metrics": [], "per_category": False,
-                                       "template": None},
-                "data": {"examples": 2, "fingerprint": "0"}, "cells": [], "seeds": [0]}  # fmt: skip
+BENCH_CONFIG = {
+    "recipe": {},
+    "task": {"name": "wmt", "lang_pair": "en-fr", "metrics": [], "per_category": False, "template": None},
+    "data": {"examples": 2, "fingerprint": "0"},
+    "cells": [],
+    "seeds": [0],
+}
 SAMPLE = {"cell": "baseline T=1", "seed": 0, "example_id": "0", "index": 0, "stats": {}, "text": "a", "reference": None}
 FOLDERS = {  # folder name -> {file name: content}; a None content makes a folder of that name
     "lock-dir": {".lock": None},
     "lock-dangling": {},  # its .lock is a link to a file in a folder that does not exist (made below)
-    "acceptance-folder": {"config.json": {"recipe": {}, "request": {}, "prompts": "0123"},
-                          "samples.jsonl": [{"prompt": "a", "prompt_index": 0, "positions": 1, "values": {}, "kl": {},
-                                             "unavailable": {}}]},  # fmt: skip
+    "acceptance-folder": {
+        "config.json": {"recipe": {}, "request": {}, "prompts": "0123"},
+        "samples.jsonl": [
+            {"prompt": "a", "prompt_index": 0, "positions": 1, "values": {}, "kl": {}, "unavailable": {}}
+        ],
+    },
     "bench-folder": {"config.json": BENCH_CONFIG},
     "config-list": {"config.json": [BENCH_CONFIG]},
     "config-cells-3": {"config.json": {"cells": 3}},
@@ -260,8 +275,10 @@ BENCH_OUT = "bench -r {recipe} %s --output {dir}/" % BENCH_DATA
 ACCEPTANCE_OUT = "acceptance -r {recipe} --prompt ab --output {dir}/"
 READ_ONLY = "/proc/specdec-test/out"  # /proc takes no new folders, not even from root
 DISK = [  # (command, the one error line must hold)
-    ("bench --report {dir}/acceptance-folder",
-     "'{dir}/acceptance-folder' holds acceptance results (written by specdec acceptance); bench --report reads"),
+    (
+        "bench --report {dir}/acceptance-folder",
+        "'{dir}/acceptance-folder' holds acceptance results (written by specdec acceptance); bench --report reads",
+    ),
     (BENCH_OUT + "acceptance-folder", "holds acceptance results (written by specdec acceptance); give specdec bench"),
     (ACCEPTANCE_OUT + "bench-folder", "holds bench results (written by specdec bench); give specdec acceptance"),
     (BENCH_OUT + "lock-dir", "cannot open the lock file '{dir}/lock-dir/.lock' (Is a directory); remove it"),
@@ -314,13 +331,16 @@ def test_a_folder_that_cannot_be_used_is_one_line(run, folders, command, message
     _one_error_line(err, message.format(**folders))
 
 
-@pytest.mark.parametrize(("error", "message"), [
-    (errno.ENOLCK, "its filesystem does not support file locks"),
-    (errno.EOPNOTSUPP, "give an --output folder on a local disk"),
-    (errno.ENOSYS, "does not support file locks, which keep two runs from mixing their results"),
-    (errno.EWOULDBLOCK, "is being written by another specdec run (pid unknown)"),
-    (errno.EAGAIN, "is being written by another specdec run"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (errno.ENOLCK, "its filesystem does not support file locks"),
+        (errno.EOPNOTSUPP, "give an --output folder on a local disk"),
+        (errno.ENOSYS, "does not support file locks, which keep two runs from mixing their results"),
+        (errno.EWOULDBLOCK, "is being written by another specdec run (pid unknown)"),
+        (errno.EAGAIN, "is being written by another specdec run"),
+    ],
+)
 def test_a_lock_refused_says_why(run, inputs, monkeypatch, error, message):  # noqa: F811
     def refuse(handle, operation):
         raise OSError(error, os.strerror(error))

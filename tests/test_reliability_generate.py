@@ -35,8 +35,12 @@ def prompt_file(tmp_path):
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "specdec_cli", "generate", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "specdec_cli", "generate", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _stop_at(process: subprocess.Popen, finished: re.Pattern, signum: int) -> tuple[str, str]:
@@ -62,8 +66,9 @@ def _interrupted_count(err: str, planned: int) -> int:
 def test_a_stopped_comparison_prints_the_rounds_that_finished(recipe_path, prompt_file):
     """Each round's texts are printed as it finishes; the first round's last text is the signal's cue.
     (SIGTERM is turned into Ctrl-C's KeyboardInterrupt; the in-process tests below raise that directly.)"""
-    process = _start(["-r", recipe_path, "--prompt-file", prompt_file, "--verifier", "speculative,none",
-                      "--max-new-tokens", "24"])  # fmt: skip
+    process = _start(
+        ["-r", recipe_path, "--prompt-file", prompt_file, "--verifier", "speculative,none", "--max-new-tokens", "24"]
+    )
     out, err = _stop_at(process, re.compile(r"prompt 1\.1 . none"), signal.SIGTERM)
     assert process.returncode == 130, err
     assert "Traceback" not in err
@@ -99,11 +104,14 @@ def _stop_before_sample(monkeypatch, number: int, error: BaseException) -> None:
     monkeypatch.setattr(SpeculativeDecoder, "sample", stopping)
 
 
-@pytest.mark.parametrize(("verifiers", "stop_at", "kept"), [
-    (["--verifier", "speculative,none"], 4, 1),  # in round 2, after speculative finished it: round 2 is not counted
-    (["--verifier", "speculative,none"], 1, 0),
-    ([], 3, 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("verifiers", "stop_at", "kept"),
+    [
+        (["--verifier", "speculative,none"], 4, 1),  # in round 2, after speculative finished it: round 2 is not counted
+        (["--verifier", "speculative,none"], 1, 0),
+        ([], 3, 2),
+    ],
+)
 def test_stopped_json_holds_the_complete_samples(run, recipe_path, monkeypatch, verifiers, stop_at, kept):
     args = ["generate", "-r", recipe_path, "--max-new-tokens", "5", "--json", *verifiers]
     code, whole, _ = run([*args, "--prompt-file", "-"], stdin="a b\nc d\ne a\n")
@@ -114,8 +122,11 @@ def test_stopped_json_holds_the_complete_samples(run, recipe_path, monkeypatch, 
     assert f"interrupted after {kept} of 3 samples" in err
     stopped, whole = json.loads(out), json.loads(whole)
     assert stopped["interrupted"] is True and whole["interrupted"] is False
-    groups = [(s["samples"], w["samples"]) for s, w in zip(stopped["configurations"], whole["configurations"])] if \
-        verifiers else [(stopped["samples"], whole["samples"])]
+    groups = (
+        [(s["samples"], w["samples"]) for s, w in zip(stopped["configurations"], whole["configurations"])]
+        if verifiers
+        else [(stopped["samples"], whole["samples"])]
+    )
     assert len(groups) == (2 if verifiers else 1)
     for samples, complete in groups:  # the same samples as the uninterrupted run's first ones, and no others
         assert [s["token_ids"] for s in samples] == [s["token_ids"] for s in complete[:kept]]
@@ -126,16 +137,20 @@ def test_a_runtime_error_in_a_later_sample_prints_no_partial_json(run, recipe_pa
     """Documented choice: JSON on stdout means the run ended by itself or by the user's stop; after a
     failure stdout stays empty, so a consumer never takes part of a run for all of it."""
     _stop_before_sample(monkeypatch, 2, NonFiniteLogitsError("the target produced NaN or infinite logits"))
-    code, out, err = run(["generate", "-r", recipe_path, "--max-new-tokens", "4", "--json", *verifiers,
-                          "--prompt-file", "-"], stdin="a b\nc d\n")  # fmt: skip
+    code, out, err = run(
+        ["generate", "-r", recipe_path, "--max-new-tokens", "4", "--json", *verifiers, "--prompt-file", "-"],
+        stdin="a b\nc d\n",
+    )
     assert code == 1 and out == ""
     notes = [line for line in err.splitlines() if line.startswith("note: ")]  # the draft-cost note may come first
     _one_error_line(err.replace("\n".join(notes), ""), "NaN or infinite logits")
 
 
 CONFLICTS = [
-    ("--verifier speculative,block,none --autoregressive ab",
-     "--autoregressive runs the target alone; it cannot be combined with --verifier speculative,block,none: drop one"),
+    (
+        "--verifier speculative,block,none --autoregressive ab",
+        "--autoregressive runs the target alone; it cannot be combined with --verifier speculative,block,none: drop one",
+    ),
     ("--verifier speculative --autoregressive ab", "it cannot be combined with --verifier speculative: drop one"),
     ("--autoregressive --kl 0.1 ab", "--kl sets a KL bound, which the target alone does not have"),
     ("--verifier none --kl 0.1 ab", "--kl sets a KL bound, which the target alone does not have"),
@@ -158,8 +173,20 @@ def test_conflicting_flags_are_one_line_and_exit_2(run, inputs, flags, message):
 
 
 def test_redundant_flags_that_agree_still_run(run, recipe_path):
-    code, out, err = run(["generate", "-r", recipe_path, "--autoregressive", "--verifier", "none", "--json",
-                          "--max-new-tokens", "3", "a b"])  # fmt: skip
+    code, out, err = run(
+        [
+            "generate",
+            "-r",
+            recipe_path,
+            "--autoregressive",
+            "--verifier",
+            "none",
+            "--json",
+            "--max-new-tokens",
+            "3",
+            "a b",
+        ]
+    )
     assert code == 0, err
     assert json.loads(out)["autoregressive"] is True
 
@@ -173,8 +200,9 @@ def restore_threads():
 
 @pytest.mark.parametrize("verifiers", [["--verifier", "speculative,none"], []])
 def test_threads_is_applied_and_recorded(run, recipe_path, restore_threads, verifiers):
-    code, out, err = run(["generate", "-r", recipe_path, "--threads", "2", "--json", "--max-new-tokens", "3",
-                          *verifiers, "a b"])  # fmt: skip
+    code, out, err = run(
+        ["generate", "-r", recipe_path, "--threads", "2", "--json", "--max-new-tokens", "3", *verifiers, "a b"]
+    )
     assert code == 0, err
     assert json.loads(out)["environment"]["threads"] == 2  # the session's default is 1 (conftest)
 
@@ -182,7 +210,9 @@ def test_threads_is_applied_and_recorded(run, recipe_path, restore_threads, veri
 @pytest.mark.parametrize("verifiers", [["--verifier", "speculative,none"], []])
 def test_recalibrate_measures_the_draft_cost_again(run, recipe_path, monkeypatch, tmp_path, verifiers):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("specdec_cli.generation.calibration._plausible", lambda cost, decoder: True)  # a busy CI machine measures slow
+    monkeypatch.setattr(
+        "specdec_cli.generation.calibration._plausible", lambda cost, decoder: True
+    )  # a busy CI machine measures slow
     args = ["generate", "-r", recipe_path, "--max-new-tokens", "3", *verifiers, "a b"]
     assert run(args)[0] == 0
     (cached,) = (tmp_path / "cache" / "calibration").glob("*.json")
@@ -192,10 +222,13 @@ def test_recalibrate_measures_the_draft_cost_again(run, recipe_path, monkeypatch
     assert cached.stat().st_mtime > 0  # written again: measured anew
 
 
-@pytest.mark.parametrize("flags", [
-    ["--prompt-file", "{prompts}"],  # streamed text: rich's rule between samples meets the closed pipe first
-    ["--prompt-file", "{prompts}", "--verifier", "speculative,none", "--json"],  # buffered: the last flush meets it
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--prompt-file", "{prompts}"],  # streamed text: rich's rule between samples meets the closed pipe first
+        ["--prompt-file", "{prompts}", "--verifier", "speculative,none", "--json"],  # buffered: the last flush meets it
+    ],
+)
 def test_a_reader_that_leaves_ends_the_run_quietly(recipe_path, prompt_file, flags):
     """`specdec generate … | head -1`: the pipe closes under the writer; no traceback, the shell's 141."""
     process = _start(["-r", recipe_path, "--max-new-tokens", "6", *[f.format(prompts=prompt_file) for f in flags]])

@@ -76,8 +76,10 @@ def files(inputs):  # noqa: F811
 
 NOT_AN_OBJECT = "not a JSON object; each line must be one object such as"
 PROMPT_FILES = [
-    ("generate -r {recipe} --prompt-file {dir}/number.jsonl",
-     '{dir}/number.jsonl line 1 is a number, %s {{"prompt": "..."}}' % NOT_AN_OBJECT),
+    (
+        "generate -r {recipe} --prompt-file {dir}/number.jsonl",
+        '{dir}/number.jsonl line 1 is a number, %s {{"prompt": "..."}}' % NOT_AN_OBJECT,
+    ),
     ("generate -r {recipe} --prompt-file {dir}/string.jsonl", "line 1 is a string, " + NOT_AN_OBJECT),
     ("generate -r {recipe} --prompt-file {dir}/list.jsonl", "line 1 is a list, " + NOT_AN_OBJECT),
     ("generate -r {recipe} --prompt-file {dir}/null-line.jsonl", "line 1 is null, " + NOT_AN_OBJECT),
@@ -85,36 +87,54 @@ PROMPT_FILES = [
     ("acceptance -r {recipe} --prompt-file {dir}/string.jsonl", "line 1 is a string, " + NOT_AN_OBJECT),
     ("generate -r {recipe} --prompt-file {dir}/NUMBER.JSONL", "NUMBER.JSONL line 1 is a number, " + NOT_AN_OBJECT),
     ("generate -r {recipe} --prompt-file {dir}/blank-lines.jsonl", "blank-lines.jsonl line 3 is a number"),
-    ("generate -r {recipe} --prompt-file {dir}/dict-field.jsonl",
-     "'prompt' must be text or a list of texts, got {{'text': 'a b'}}"),
-    ("generate -r {recipe} --prompt-file {dir}/utf16.txt",
-     "--prompt-file '{dir}/utf16.txt' holds NUL bytes (UTF-16 text or a binary file?); save it as UTF-8 text"),
+    (
+        "generate -r {recipe} --prompt-file {dir}/dict-field.jsonl",
+        "'prompt' must be text or a list of texts, got {{'text': 'a b'}}",
+    ),
+    (
+        "generate -r {recipe} --prompt-file {dir}/utf16.txt",
+        "--prompt-file '{dir}/utf16.txt' holds NUL bytes (UTF-16 text or a binary file?); save it as UTF-8 text",
+    ),
     ("generate -r {recipe} --prompt-file {dir}/prompts.json", "is a .json file; give JSON lines (.jsonl: one object"),
     ("generate -r {recipe} --prompt-file {dir}", "--prompt-file '{dir}' is a folder; give a text file"),
     ("generate -r {recipe} --prompt-file {dir}/bom-only.txt", "has no prompts"),
-    ("acceptance -r {recipe} --prompt-file {dir}/source.txt --field text",
-     "--field names the prompt field of a .jsonl --prompt-file; drop it, or give a .jsonl file"),
+    (
+        "acceptance -r {recipe} --prompt-file {dir}/source.txt --field text",
+        "--field names the prompt field of a .jsonl --prompt-file; drop it, or give a .jsonl file",
+    ),
     ("acceptance -r {recipe} --prompt ab --prompt-file - --field text", "--field names the prompt field"),
 ]
 DATASETS = [
-    ("bench -r {recipe} --dataset {dir}/number.jsonl --source-field text",
-     '{dir}/number.jsonl line 1 is a number, %s {{"text": "..."}}' % NOT_AN_OBJECT),
+    (
+        "bench -r {recipe} --dataset {dir}/number.jsonl --source-field text",
+        '{dir}/number.jsonl line 1 is a number, %s {{"text": "..."}}' % NOT_AN_OBJECT,
+    ),
     ("bench -r {recipe} --dataset {dir}/list.jsonl --source-field text", "line 1 is a list, " + NOT_AN_OBJECT),
-    ("bench -r {recipe} --dataset {dir}/reference-number.jsonl --source-field text",
-     "{dir}/reference-number.jsonl line 2: 'reference' must be a JSON string, got 5; write it in quotes (\"5\") on "
-     "every line"),
+    (
+        "bench -r {recipe} --dataset {dir}/reference-number.jsonl --source-field text",
+        "{dir}/reference-number.jsonl line 2: 'reference' must be a JSON string, got 5; write it in quotes (\"5\") on "
+        "every line",
+    ),
     ("bench -r {recipe} --dataset {dir}/DATA.JSONL --source-field text", "'reference' must be a JSON string, got 5"),
-    ("bench -r {recipe} --task spec-bench --dataset {dir}/categories.jsonl",
-     "{dir}/categories.jsonl line 2: 'category' must be a JSON string, got 3"),
-    ("bench -r {recipe} --dataset {dir}/dict-reference.jsonl --source-field text --reference-field ref",
-     "'ref' must be a JSON string, got {{'x': 1}}; give one string on every line"),
-    ("bench -r {recipe} --dataset {dir}/id-list.jsonl --source-field text",
-     "line 1: 'id' must be a string or an integer, got [1]"),
+    (
+        "bench -r {recipe} --task spec-bench --dataset {dir}/categories.jsonl",
+        "{dir}/categories.jsonl line 2: 'category' must be a JSON string, got 3",
+    ),
+    (
+        "bench -r {recipe} --dataset {dir}/dict-reference.jsonl --source-field text --reference-field ref",
+        "'ref' must be a JSON string, got {{'x': 1}}; give one string on every line",
+    ),
+    (
+        "bench -r {recipe} --dataset {dir}/id-list.jsonl --source-field text",
+        "line 1: 'id' must be a string or an integer, got [1]",
+    ),
     ("bench -r {recipe} --dataset {dir}/id-bool.jsonl --source-field text", "'id' must be a string or an integer"),
     ("bench -r {recipe} --task dolly --dataset {dir}/dolly-context.jsonl", "'context' must be a JSON string, got 5"),
     ("bench -r {recipe} --source {dir}/nul.txt", "--source file '{dir}/nul.txt' holds NUL bytes"),
-    ("bench -r {recipe} --dataset {dir}/empty-text.jsonl --source-field text",
-     "{dir}/empty-text.jsonl line 2: 'text' is empty; give some text or delete the line"),
+    (
+        "bench -r {recipe} --dataset {dir}/empty-text.jsonl --source-field text",
+        "{dir}/empty-text.jsonl line 2: 'text' is empty; give some text or delete the line",
+    ),
     ("bench -r {recipe} --task spec-bench --dataset {dir}/empty-turn.jsonl", "line 1: 'turns' is empty"),
     ("generate -r {recipe} --prompt-file {dir}/empty-turn.jsonl", "empty-turn.jsonl line 1: 'turns' is empty"),
     ("bench -r {recipe} --source {dir}/source.txt --reference {dir}", "--reference file '{dir}' is a folder"),
@@ -139,8 +159,9 @@ def test_bad_input_gives_one_line_and_exit_2(run, files, command, message):
 
 
 def _generated_prompts(run, recipe: str, *args: str, stdin: str | None = None) -> list[str]:
-    code, out, err = run(["generate", "-r", recipe, "--autoregressive", "--max-new-tokens", "1", "--json", *args],
-                         stdin=stdin)  # fmt: skip
+    code, out, err = run(
+        ["generate", "-r", recipe, "--autoregressive", "--max-new-tokens", "1", "--json", *args], stdin=stdin
+    )
     assert code == 0, err
     return [sample["prompt"] for sample in json.loads(out)["samples"]]
 
@@ -153,8 +174,9 @@ def _generated_prompts(run, recipe: str, *args: str, stdin: str | None = None) -
         ("upper.Jsonl", '{"turns": ["c d", "e"]}\n', ["c d"]),
     ],
 )
-def test_prompt_files_with_a_bom_or_an_upper_case_suffix_give_their_prompts(run, recipe_path, tmp_path, name,
-                                                                            content, prompts):  # fmt: skip
+def test_prompt_files_with_a_bom_or_an_upper_case_suffix_give_their_prompts(
+    run, recipe_path, tmp_path, name, content, prompts
+):
     path = tmp_path / name
     path.write_bytes(content.encode())
     assert _generated_prompts(run, recipe_path, "--prompt-file", str(path)) == prompts
@@ -186,8 +208,9 @@ def test_a_billion_laughs_recipe_is_refused_at_once(tmp_path):
     commands = [["generate", "-r", str(recipe), "ab"], ["generate", "--set", f"verifier.params.x={flow}", "ab"]]
     for command, source in zip(commands, [str(recipe), "--set verifier.params.x"]):
         started = time.monotonic()
-        result = subprocess.run([sys.executable, "-m", "specdec_cli", *command], capture_output=True, text=True,
-                                timeout=20)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-m", "specdec_cli", *command], capture_output=True, text=True, timeout=20
+        )
         assert result.returncode == 2 and time.monotonic() - started < 20, result.stderr
         _one_error_line(result.stderr, f"{source} expands to more than 10000 values through its YAML aliases")
 
@@ -303,10 +326,17 @@ def _write_tiny_gguf(path: Path) -> Path:
     writer.add_eos_token_id(EOS_ID)
     writer.add_pad_token_id(PAD_ID)
     top = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
-    blocks = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    blocks = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for name, tensor in model.state_dict().items():
         weight = tensor.float().numpy()  # [out, in] or [hidden]
@@ -352,8 +382,11 @@ def _stale_and_live_staging(cache: Path) -> tuple[list[Path], list[Path]]:
     that may still be written (this process's; another host's; an older version's, fresh)."""
     host = socket.gethostname()
     stale = [_staging(cache, f"{_dead_pid()}-{host}-ab12cd34"), _staging(cache, "x1y2z3w4", STALE_STAGING_AFTER_S + 60)]
-    live = [_staging(cache, f"{os.getpid()}-{host}-live0000"), _staging(cache, f"{_dead_pid()}-other-host-ab12cd34"),
-            _staging(cache, "fresh123")]  # fmt: skip
+    live = [
+        _staging(cache, f"{os.getpid()}-{host}-live0000"),
+        _staging(cache, f"{_dead_pid()}-other-host-ab12cd34"),
+        _staging(cache, "fresh123"),
+    ]
     return stale, live
 
 
@@ -364,17 +397,33 @@ def test_stale_staging_folders_are_removed_and_live_ones_kept(tmp_path):
 
 
 @pytest.mark.parametrize("named_by", ["model", "gguf_file"])
-def test_a_gguf_recipe_converts_once_and_removes_what_killed_runs_left(run, tiny_gguf, tiny_models, write_recipe,
-                                                                       tmp_path, monkeypatch, named_by):  # fmt: skip
+def test_a_gguf_recipe_converts_once_and_removes_what_killed_runs_left(
+    run, tiny_gguf, tiny_models, write_recipe, tmp_path, monkeypatch, named_by
+):
     """A conversion killed mid-save left ~540 MB behind that later runs never removed."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("SPECDEC_CACHE", str(cache))
     stale, live = _stale_and_live_staging(cache)
     recipe = tiny_recipe(tiny_models, "llama", draft=None)
-    recipe["target"] = ({"model": str(tiny_gguf), "device": "cpu"} if named_by == "model" else
-                        {"model": str(tiny_gguf.parent), "gguf_file": tiny_gguf.name, "device": "cpu"})  # fmt: skip
-    code, out, err = run(["generate", "-r", str(write_recipe(recipe)), "--autoregressive", "--temperature", "0",
-                          "--max-new-tokens", "4", "--json", "a b"])  # fmt: skip
+    recipe["target"] = (
+        {"model": str(tiny_gguf), "device": "cpu"}
+        if named_by == "model"
+        else {"model": str(tiny_gguf.parent), "gguf_file": tiny_gguf.name, "device": "cpu"}
+    )
+    code, out, err = run(
+        [
+            "generate",
+            "-r",
+            str(write_recipe(recipe)),
+            "--autoregressive",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            "a b",
+        ]
+    )
     assert code == 0, err
     converted = [p for p in (cache / "gguf").iterdir() if not p.name.startswith(".")]
     assert len(converted) == 1 and (converted[0] / "config.json").is_file()
@@ -386,8 +435,9 @@ def test_a_gguf_recipe_converts_once_and_removes_what_killed_runs_left(run, tiny
     ("fault", "expected"),
     [(KeyboardInterrupt(), KeyboardInterrupt), (OSError(28, "No space left on device"), SpecdecError)],
 )
-def test_an_interrupted_or_failed_conversion_leaves_no_staging_folder(tiny_gguf, tmp_path, monkeypatch, fault,
-                                                                      expected):  # fmt: skip
+def test_an_interrupted_or_failed_conversion_leaves_no_staging_folder(
+    tiny_gguf, tmp_path, monkeypatch, fault, expected
+):
     """Ctrl-C (or SIGTERM, which the CLI turns into it) while saving left the staging folder; a full disk was a
     traceback."""
     from transformers import PreTrainedModel
@@ -409,9 +459,11 @@ def test_an_interrupted_or_failed_conversion_leaves_no_staging_folder(tiny_gguf,
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        ({"model": "{folder}", "gguf_file": "missing.gguf"},
-         "gguf_file 'missing.gguf' not found in '{folder}' (the recipe's model: folder); check the file name and the "
-         "folder, or give the .gguf file's own path as model:"),
+        (
+            {"model": "{folder}", "gguf_file": "missing.gguf"},
+            "gguf_file 'missing.gguf' not found in '{folder}' (the recipe's model: folder); check the file name and the "
+            "folder, or give the .gguf file's own path as model:",
+        ),
         ({"model": "{folder}/no-such-folder", "gguf_file": "tiny.gguf"}, "not found in '{folder}/no-such-folder'"),
         ({"model": "nobody/no-such-repo", "gguf_file": "tiny.gguf"}, "model 'nobody/no-such-repo/tiny.gguf' not found"),
     ],

@@ -117,9 +117,16 @@ MISBEHAVIOURS = [  # (what the plugin does, what the one line says it returned)
     ("a tuple", lambda t, p, d: (d[0], 0, 0), "returned a tuple instead of a BlockDecision"),
     ("short tokens", lambda t, p, d: BlockDecision(d[0], _long(0), _long(0)), "tokens of shape [3]"),
     ("tokens [1, L+1]", _with_tokens(lambda x: x.view(1, -1)), "tokens of shape [1, 4]"),
-    ("num_accepted [1]", lambda t, p, d: BlockDecision(torch.cat([d[0], d[0, :1]]), torch.zeros(1, dtype=torch.long),
-                                                       _long(0)), "num_accepted of shape [1]"),  # fmt: skip
-    ("an int row", lambda t, p, d: BlockDecision(torch.cat([d[0], d[0, :1]]), _long(0), 0), "row as int, not as a tensor"),
+    (
+        "num_accepted [1]",
+        lambda t, p, d: BlockDecision(torch.cat([d[0], d[0, :1]]), torch.zeros(1, dtype=torch.long), _long(0)),
+        "num_accepted of shape [1]",
+    ),
+    (
+        "an int row",
+        lambda t, p, d: BlockDecision(torch.cat([d[0], d[0, :1]]), _long(0), 0),
+        "row as int, not as a tensor",
+    ),
     ("float tokens", _with_tokens(lambda x: x.float()), "tokens of dtype torch.float32"),
     ("NaN tokens", _with_tokens(lambda x: torch.full(x.shape, float("nan"))), "tokens of dtype torch.float32"),
     ("bool tokens", _with_tokens(lambda x: x > 0), "tokens of dtype torch.bool"),
@@ -129,19 +136,26 @@ MISBEHAVIOURS = [  # (what the plugin does, what the one line says it returned)
     ("num_accepted > L", _accepting(DRAFT_LENGTH + 2), "returned num_accepted 5 for a block of 3 draft tokens"),
     ("num_accepted < 0", _accepting(-1), "returned num_accepted -1 for a block of 3 draft tokens"),
     ("row out of range", _accepting(1, row=1), "returned row 1 for a block of 1 draft row"),
-    ("accepted tokens that are not the drafts", _accepting(DRAFT_LENGTH, shift=1), "which are not row 0's first 3 draft"),
+    (
+        "accepted tokens that are not the drafts",
+        _accepting(DRAFT_LENGTH, shift=1),
+        "which are not row 0's first 3 draft",
+    ),
     ("an exception", _raising(RuntimeError("shape mismatch\nsecond line")), "raised RuntimeError: shape mismatch"),
     ("a KeyError", _raising(KeyError("draft_probs")), "raised KeyError: 'draft_probs'"),
-]  # fmt: skip
+]
 
 
 def _decoder(tiny_models, registry: VerifierRegistry, verifier: str = "rogue", **recipe) -> SpeculativeDecoder:
-    data = tiny_recipe(tiny_models, "llama", verifier={"name": verifier},
-                       speculation={"draft_length": DRAFT_LENGTH}, **recipe)  # fmt: skip
+    data = tiny_recipe(
+        tiny_models, "llama", verifier={"name": verifier}, speculation={"draft_length": DRAFT_LENGTH}, **recipe
+    )
     return SpeculativeDecoder.from_recipe(build_recipe(data), registry=registry)
 
 
-@pytest.mark.parametrize(("decide", "returned"), [row[1:] for row in MISBEHAVIOURS], ids=[row[0] for row in MISBEHAVIOURS])
+@pytest.mark.parametrize(
+    ("decide", "returned"), [row[1:] for row in MISBEHAVIOURS], ids=[row[0] for row in MISBEHAVIOURS]
+)
 def test_a_misbehaving_verify_block_stops_with_one_line_naming_the_plugin(tiny_models, decide, returned):
     decoder = _decoder(tiny_models, RegistryWith({"rogue": rogue_deciding(decide)}))
     with pytest.raises(SpecdecError) as caught:
@@ -174,7 +188,9 @@ def test_a_misbehaving_plugin_in_generate_is_one_line_and_exit_1(run, tiny_model
     broken = rogue_deciding(_accepting(DRAFT_LENGTH + 2))
     monkeypatch.setattr(VerifierRegistry, "names", lambda self: ["rogue", "speculative"])
     original = VerifierRegistry.load_class
-    monkeypatch.setattr(VerifierRegistry, "load_class", lambda self, name: broken if name == "rogue" else original(self, name))
+    monkeypatch.setattr(
+        VerifierRegistry, "load_class", lambda self, name: broken if name == "rogue" else original(self, name)
+    )
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", speculation={"draft_length": DRAFT_LENGTH})))
     code, _, err = run(["generate", "-r", recipe, "--verifier", "rogue", "a b c"])
     assert code == 1
@@ -249,19 +265,37 @@ BROKEN_MODULES = [  # (module source, what the failure line says)
     ("assert False, 'checked on import'\n", "AssertionError: checked on import"),
     ("raise ImportError('needs cupy')\n", "ImportError: needs cupy"),
     ("def Plugin():\n    pass\n", "it names a function, not a BlockVerifier subclass"),
-    ("from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, lossless = 'x', True\n"
-     "    def verify_block(self, *args):\n        pass\n", "does not set max_drafts"),
-    ("from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, max_drafts = 'x', 1\n"
-     "    def verify_block(self, *args):\n        pass\n", "does not set lossless"),
-    ("from specdec_plugins.speculative import SpeculativeSampling\nclass Plugin(SpeculativeSampling):\n"
-     "    token_level = 1\n", "does not set token_level to True or False"),
-    ("from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, lossless, max_drafts = "
-     "'x', True, 0\n    def verify_block(self, *args):\n        pass\n", "max_drafts = 0"),
-    ("from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, lossless, max_drafts = "
-     "'x', True, 1\n", "leaves abstract methods unimplemented: verify_block"),
-    ("from specdec_plugins.speculative import SpeculativeSampling\nclass Plugin(SpeculativeSampling):\n"
-     "    kl_bound_parameter = 'budget'\n", "kl_bound_parameter 'budget' is not one of its parameters"),
-]  # fmt: skip
+    (
+        "from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, lossless = 'x', True\n"
+        "    def verify_block(self, *args):\n        pass\n",
+        "does not set max_drafts",
+    ),
+    (
+        "from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, max_drafts = 'x', 1\n"
+        "    def verify_block(self, *args):\n        pass\n",
+        "does not set lossless",
+    ),
+    (
+        "from specdec_plugins.speculative import SpeculativeSampling\nclass Plugin(SpeculativeSampling):\n"
+        "    token_level = 1\n",
+        "does not set token_level to True or False",
+    ),
+    (
+        "from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, lossless, max_drafts = "
+        "'x', True, 0\n    def verify_block(self, *args):\n        pass\n",
+        "max_drafts = 0",
+    ),
+    (
+        "from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, lossless, max_drafts = "
+        "'x', True, 1\n",
+        "leaves abstract methods unimplemented: verify_block",
+    ),
+    (
+        "from specdec_plugins.speculative import SpeculativeSampling\nclass Plugin(SpeculativeSampling):\n"
+        "    kl_bound_parameter = 'budget'\n",
+        "kl_bound_parameter 'budget' is not one of its parameters",
+    ),
+]
 
 
 @pytest.mark.parametrize(("source", "failure"), BROKEN_MODULES)
@@ -294,8 +328,9 @@ def test_plugins_are_imported_by_stevedore_which_reports_a_failure_to_the_regist
     assert isinstance(manager, ExtensionManager) and value == "broken_plugin:Plugin" and type(error) is error_type
 
 
-def test_a_plugin_exiting_on_import_is_listed_and_other_commands_work(run, plugin_modules, tiny_models, write_recipe,
-                                                                      monkeypatch, tmp_path):  # fmt: skip
+def test_a_plugin_exiting_on_import_is_listed_and_other_commands_work(
+    run, plugin_modules, tiny_models, write_recipe, monkeypatch, tmp_path
+):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     plugin_modules("exits_plugin", "import sys\nsys.exit(3)\n")
     entries = [PluginEntry("exits", "exits_plugin:Plugin", "exits-plugin", "0.1")]
@@ -318,7 +353,9 @@ def test_the_built_in_wins_a_name_and_the_other_is_listed_as_a_conflict(run, plu
     entries = [PluginEntry("speculative", "shadow_plugin:Plugin", "otherpkg", "1.0")]
     registry = RegistryWithEntries(entries)
     assert registry.load_class("speculative").__module__ == "specdec_plugins.speculative"
-    conflict = "'speculative' from otherpkg 1.0 conflicts with the built-in verifier of specdec-cli; rename its entry point"
+    conflict = (
+        "'speculative' from otherpkg 1.0 conflicts with the built-in verifier of specdec-cli; rename its entry point"
+    )
     assert registry.failures() == {"speculative (otherpkg 1.0)": conflict}
     assert registry.describe()["speculative"]["package"].startswith("specdec-cli ")
     original = VerifierRegistry.entry_points
@@ -337,8 +374,9 @@ def test_one_class_declared_twice_is_no_conflict():
 def test_two_third_party_plugins_with_one_name_are_an_error_naming_both(plugin_modules):
     plugin_modules("twin_a", PLUGIN_CLASS.format(name="twin"))
     plugin_modules("twin_b", PLUGIN_CLASS.format(name="twin"))
-    registry = RegistryWithEntries([PluginEntry("twin", "twin_a:Plugin", "twin-a", "1.0"),
-                                    PluginEntry("Twin", "twin_b:Plugin", "twin-b", "2.0")])  # fmt: skip
+    registry = RegistryWithEntries(
+        [PluginEntry("twin", "twin_a:Plugin", "twin-a", "1.0"), PluginEntry("Twin", "twin_b:Plugin", "twin-b", "2.0")]
+    )
     with pytest.raises(UsageError) as caught:
         registry.create("twin")
     assert "twin-a 1.0 (twin_a:Plugin) and twin-b 2.0 (twin_b:Plugin)" in str(caught.value), str(caught.value)
@@ -347,7 +385,7 @@ def test_two_third_party_plugins_with_one_name_are_an_error_naming_both(plugin_m
 
 def test_a_plugin_named_otherwise_than_its_entry_point_runs_under_the_entry_point_name(
     run, plugin_modules, tiny_models, monkeypatch, tmp_path
-):  # fmt: skip
+):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     plugin_modules("renamed_plugin", PLUGIN_CLASS.format(name="Something Else"))
     entries = [PluginEntry("Renamed", "renamed_plugin:Plugin", "renamed", "0.1")]
@@ -367,8 +405,17 @@ def test_a_plugin_named_otherwise_than_its_entry_point_runs_under_the_entry_poin
 # --------------------------------------------------------------------------- the description cache
 
 
-@pytest.mark.parametrize("content", ["[]", '{"speculative": "yes"}', '{"speculative": {"lossless": true}}',
-                                     '{"speculative": {"error": 3}}', '"text"', "{"])  # fmt: skip
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[]",
+        '{"speculative": "yes"}',
+        '{"speculative": {"lossless": true}}',
+        '{"speculative": {"error": 3}}',
+        '"text"',
+        "{",
+    ],
+)
 def test_a_description_cache_of_the_wrong_shape_is_rebuilt(monkeypatch, tmp_path, content):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     VerifierRegistry().describe()
@@ -430,17 +477,20 @@ def test_one_string_is_one_prompt(tiny_models):
     assert [(r.prompt, r.sample_index) for r in results] == [("ab", 0), ("ab", 1)]
 
 
-@pytest.mark.parametrize(("prompts", "num_samples", "message"), [
-    (5, 1, "prompts must be a string or a list of strings, not int"),
-    (None, 1, "prompts must be a string or a list of strings, not NoneType"),
-    ({"a": 1}, 1, "prompts must be a string or a list of strings, not dict"),
-    (b"ab", 1, "prompts must be a string or a list of strings, not bytes"),
-    (["a", 3], 1, "prompt 1 is int, not text"),
-    ([b"a"], 1, "prompt 0 is bytes, not text"),
-    (["a"], 0, "num_samples must be a whole number >= 1, got 0"),
-    (["a"], -2, "num_samples must be a whole number >= 1, got -2"),
-    (["a"], 1.5, "num_samples must be a whole number >= 1, got 1.5"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("prompts", "num_samples", "message"),
+    [
+        (5, 1, "prompts must be a string or a list of strings, not int"),
+        (None, 1, "prompts must be a string or a list of strings, not NoneType"),
+        ({"a": 1}, 1, "prompts must be a string or a list of strings, not dict"),
+        (b"ab", 1, "prompts must be a string or a list of strings, not bytes"),
+        (["a", 3], 1, "prompt 1 is int, not text"),
+        ([b"a"], 1, "prompt 0 is bytes, not text"),
+        (["a"], 0, "num_samples must be a whole number >= 1, got 0"),
+        (["a"], -2, "num_samples must be a whole number >= 1, got -2"),
+        (["a"], 1.5, "num_samples must be a whole number >= 1, got 1.5"),
+    ],
+)
 def test_what_generate_cannot_take_is_one_clear_error(tiny_models, prompts, num_samples, message):
     decoder = _decoder(tiny_models, VerifierRegistry(), "speculative")
     with pytest.raises(UsageError, match=message):
@@ -526,7 +576,9 @@ def test_a_draft_check_that_raises_is_one_line_in_the_engine_and_the_grid(tiny_m
     from specdec_cli.bench.grid import Grid
 
     registry = RegistryWith({"rogue": RefusesBadly})
-    with pytest.raises(SpecdecError, match=r"verifier 'rogue' raised AttributeError: no attribute 'limit' in reason_to_refuse"):
+    with pytest.raises(
+        SpecdecError, match=r"verifier 'rogue' raised AttributeError: no attribute 'limit' in reason_to_refuse"
+    ):
         _decoder(tiny_models, registry)
     recipe = build_recipe(tiny_recipe(tiny_models, "llama"))
     grid = Grid(verifiers=("rogue",), kl=(), num_drafts=(1,), draft_lengths=(2,), temperatures=(1.0,))
@@ -540,7 +592,8 @@ def test_an_acceptance_probability_that_raises_is_one_line_naming_the_plugin(tin
 
     registry = RegistryWith({"accepts-badly": AcceptsBadly})
     recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 3}))
-    analysis = AcceptanceAnalysis(recipe, AcceptanceRequest(verifiers=("accepts-badly",), num_drafts=(1,)),
-                                  registry=registry)  # fmt: skip
+    analysis = AcceptanceAnalysis(
+        recipe, AcceptanceRequest(verifiers=("accepts-badly",), num_drafts=(1,)), registry=registry
+    )
     with pytest.raises(SpecdecError, match=r"verifier 'accepts-badly' raised IndexError: index 7 is out of bounds"):
         analysis.run(["a b"])

@@ -103,7 +103,10 @@ def test_roots_at_one(count):
     """ρ = 1 exactly for K' = 1, q = p (one-token laws included) and disjoint supports (g ≡ 0)."""
     law = torch.tensor([0.5, 0.25, 0.25, 0.0], dtype=torch.float64)
     one_token = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
-    disjoint = torch.tensor([0.0, 0.0, 0.5, 0.5], dtype=torch.float64), torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)
+    disjoint = (
+        torch.tensor([0.0, 0.0, 0.5, 0.5], dtype=torch.float64),
+        torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64),
+    )
     for q, p in [(law, law), (one_token, one_token), disjoint, (law, one_token)][: 4 if count == 1 else 3]:
         rho, p_acc, beta = _solved(q, p, count)
         assert rho == 1.0, (q, p)
@@ -138,7 +141,10 @@ def test_the_cpu_solve_agrees_with_the_sort(kind):
 
 def _root_between(reference: _Reference, first: float, second: float):
     """The root of ``reference`` near two estimates of it, by mpmath bisection on a bracket around both."""
-    low, high = mpmath.mpf(min(first, second)) * (1 - mpmath.mpf(1e-9)), mpmath.mpf(max(first, second)) * (1 + mpmath.mpf(1e-9))
+    low, high = (
+        mpmath.mpf(min(first, second)) * (1 - mpmath.mpf(1e-9)),
+        mpmath.mpf(max(first, second)) * (1 + mpmath.mpf(1e-9)),
+    )
     assert reference.g(low) >= 0 >= reference.g(high)
     for _ in range(70):
         middle = (low + high) / 2
@@ -151,8 +157,10 @@ def _host_problems(vocab: int):
     ties (q = p on a share of the tokens, and equal ratios), p = 0 < q, and the adversarial pairs."""
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(6, vocab, generator=generator, dtype=torch.float64) * 3  # [6, V]
-    near = [(row.softmax(-1), (row + torch.randn(vocab, generator=generator, dtype=torch.float64) * s).softmax(-1))
-            for row, s in zip(logits, (0.1, 0.5, 1.0, 2.0, 0.0, 1.0))]  # fmt: skip
+    near = [
+        (row.softmax(-1), (row + torch.randn(vocab, generator=generator, dtype=torch.float64) * s).softmax(-1))
+        for row, s in zip(logits, (0.1, 0.5, 1.0, 2.0, 0.0, 1.0))
+    ]
     tied = near[3][0].clone()
     tied[: vocab // 3] = near[3][1][: vocab // 3]  # q = p on a third of the tokens
     doubled = near[2][1].clone()
@@ -193,7 +201,9 @@ def test_the_set_steps_agree_with_the_sort(vocab, monkeypatch):
 def test_the_comparison_with_the_sort_sees_a_coarse_root(monkeypatch):
     """Negative control: a solve that takes the float32 sums for exact ones (ρ off by about 1e-7) is caught."""
     masses = spectr._HostProblem._masses
-    monkeypatch.setattr(spectr._HostProblem, "_masses", lambda problem, threshold, coarse=False: masses(problem, threshold, True))
+    monkeypatch.setattr(
+        spectr._HostProblem, "_masses", lambda problem, threshold, coarse=False: masses(problem, threshold, True)
+    )
     with pytest.raises(AssertionError):
         test_the_set_steps_agree_with_the_sort(4000, monkeypatch)
 

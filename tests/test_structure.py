@@ -44,12 +44,15 @@ def test_a_pool_loads_each_model_once_across_decoders(tiny_models):
     assert len(first.drafters) == 1 and first.num_draft_rows == 2  # one batched forward for both configs
 
 
-@pytest.mark.parametrize("changes", [
-    {"verifier": "block", "draft_length": 2},
-    {"verifier": "specinfer", "num_drafts": 3, "temperature": 0.7},
-    {"verifier": "mentored", "verifier_params": {"kl": 0.3}, "top_k": 4},
-    {"verifier": "none"},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"verifier": "block", "draft_length": 2},
+        {"verifier": "specinfer", "num_drafts": 3, "temperature": 0.7},
+        {"verifier": "mentored", "verifier_params": {"kl": 0.3}, "top_k": 4},
+        {"verifier": "none"},
+    ],
+)
 def test_per_call_settings_equal_a_decoder_built_with_them(tiny_models, changes):
     """Changing settings per call reloads nothing and gives exactly what a recipe with them gives."""
     loader = CountingLoader()
@@ -128,21 +131,33 @@ def test_a_third_party_kl_bound_gets_the_sweep_and_the_kl_column(tiny_models):
     assert [row.label for row in report.rows] == ["optimum", "budgeted D=0", "budgeted D=0.5", "speculative"]
     assert report.kl(AcceptanceRow("budgeted", kl_bound=0.5)).mean == pytest.approx(math.exp(0.5) - 1)
     assert report.kl("speculative") is None
-    assert report.cell(AcceptanceRow("budgeted", kl_bound=0.0), 1).mean == pytest.approx(report.cell("speculative", 1).mean)
+    assert report.cell(AcceptanceRow("budgeted", kl_bound=0.0), 1).mean == pytest.approx(
+        report.cell("speculative", 1).mean
+    )
     assert "takes at most 1 draft" in report.unavailable[("budgeted D=0.5", 2)]
-    grid = Grid(verifiers=("budgeted", "speculative"), kl=(0.1, 0.2), num_drafts=(1,), draft_lengths=(3,),
-                temperatures=(1.0,))  # fmt: skip
+    grid = Grid(
+        verifiers=("budgeted", "speculative"), kl=(0.1, 0.2), num_drafts=(1,), draft_lengths=(3,), temperatures=(1.0,)
+    )
     cells, _ = grid.cells(registry, recipe)
-    assert [c.key for c in cells] == ["baseline T=1", "budgeted D=0.1 K=1 L=3 T=1", "budgeted D=0.2 K=1 L=3 T=1",
-                                      "speculative K=1 L=3 T=1"]  # fmt: skip
+    assert [c.key for c in cells] == [
+        "baseline T=1",
+        "budgeted D=0.1 K=1 L=3 T=1",
+        "budgeted D=0.2 K=1 L=3 T=1",
+        "speculative K=1 L=3 T=1",
+    ]
     assert cells[1].recipe(recipe, registry).verifier.params == {"budget": 0.1}
 
 
 def test_the_draft_cost_note_says_when_speculation_cannot_pay():
     from specdec_cli.generation.calibration import DraftCost, draft_cost_note
 
-    slow = DraftCost(target_token_s=0.060, target_block_s=0.105, draft_s=0.074, acceptance=0.95,
-                     machine="AMD EPYC (no native bfloat16), 2 threads")  # fmt: skip
+    slow = DraftCost(
+        target_token_s=0.060,
+        target_block_s=0.105,
+        draft_s=0.074,
+        acceptance=0.95,
+        machine="AMD EPYC (no native bfloat16), 2 threads",
+    )
     assert slow.speedup(1.0, 4) == pytest.approx(5 * 0.060 / (4 * 0.074 + 0.105))
     note = draft_cost_note(slow, 4, bfloat16_draft=True)
     assert "even if every draft token is accepted (at most 0.75×)" in note and "(avx512_bf16 or AMX)" in note
@@ -158,11 +173,15 @@ def test_the_draft_cost_is_measured_once_and_cached(tiny_models, tmp_path, monke
     from specdec_cli.generation.calibration import draft_cost
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    monkeypatch.setattr("specdec_cli.generation.calibration._plausible", lambda cost, decoder: True)  # a busy CI machine measures slow
+    monkeypatch.setattr(
+        "specdec_cli.generation.calibration._plausible", lambda cost, decoder: True
+    )  # a busy CI machine measures slow
     decoder = SpeculativeDecoder.from_recipe(build_recipe(tiny_recipe(tiny_models, "llama")))
     calls = []
     original = SpeculativeDecoder.generate_ids
-    monkeypatch.setattr(SpeculativeDecoder, "generate_ids", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    monkeypatch.setattr(
+        SpeculativeDecoder, "generate_ids", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
     first = draft_cost(decoder, [3, 4, 5])
     assert len(calls) == 8 and first.target_token_s > 0 and first.draft_s > 0 and first.target_block_s > 0
     assert draft_cost(decoder, [3, 4, 5]) == first and len(calls) == 8
@@ -173,7 +192,10 @@ def test_a_verifier_keeps_its_colour_whatever_else_is_installed():
     """A colour comes from the name alone (installing a plugin recolours nothing); the shipped ones differ."""
     from specdec_cli.results.plotting import verifier_colour
 
-    shipped = [name for name, info in VerifierRegistry().describe().items()
-               if info.get("package", "").startswith("specdec-cli ")]
+    shipped = [
+        name
+        for name, info in VerifierRegistry().describe().items()
+        if info.get("package", "").startswith("specdec-cli ")
+    ]
     assert len(shipped) == 7 and len({verifier_colour(name) for name in shipped}) == len(shipped)
     assert verifier_colour("optimum") == "#000000"

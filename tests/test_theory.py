@@ -36,8 +36,15 @@ def _coupling_optimum(target: torch.Tensor, drafts: torch.Tensor) -> float:
     marginal = np.zeros((vocab, size))  # the output follows q: P(Z = z) ≤ q(z) for all z forces equality
     for z in range(vocab):
         marginal[z, np.arange(len(tuples)) * vocab + z] = weight
-    result = linprog(-gain, A_ub=marginal, b_ub=q + 1e-12, A_eq=np.array(rows_eq), b_eq=np.array(rhs),
-                     bounds=(0, None), method="highs")  # fmt: skip
+    result = linprog(
+        -gain,
+        A_ub=marginal,
+        b_ub=q + 1e-12,
+        A_eq=np.array(rows_eq),
+        b_eq=np.array(rhs),
+        bounds=(0, None),
+        method="highs",
+    )
     assert result.status == 0, result.message
     return -result.fun
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -208,12 +207,15 @@ def test_is_truncated_with_a_full_alphabet_accepts_at_least_the_fixed_one():
     target, draft = random_distributions(generator, (2, 400), sparsity=0.0)
     target = (target.log() * 0.5).softmax(-1)  # flat: the top 40 tokens hold well under all of q
     drafts = draft.expand(2, -1)
-    fixed = float(load_verifier("is-truncated", {"alphabet": 40, "alphabet_mass": 1.0}).acceptance_probability(target, drafts))
+    fixed = float(
+        load_verifier("is-truncated", {"alphabet": 40, "alphabet_mass": 1.0}).acceptance_probability(target, drafts)
+    )
     adaptive = float(load_verifier("is-truncated").acceptance_probability(target, drafts))
     optimum = float(optimal_acceptance(target, draft, 2))
     top40 = float(target.sort(descending=True).values[:40].sum())
     plan = load_verifier("is-truncated", {"alphabet": 40, "alphabet_mass": 1.0}).plan(
-        Problems.independent(target[None], drafts[None], torch.zeros(1, 2, dtype=torch.long)))
+        Problems.independent(target[None], drafts[None], torch.zeros(1, 2, dtype=torch.long))
+    )
     assert float(plan.inside_mass.squeeze() * plan.scheme.acceptance) <= top40 + 1e-9 < adaptive
     assert fixed <= adaptive + 1e-9
     assert adaptive <= optimum + 1e-9
@@ -244,9 +246,13 @@ def _mentored_optimum(target, draft, bound) -> float:
     ]
     start = np.concatenate([np.minimum(1, q / p), np.maximum(q - p, 0)])
     result = minimize(
-        lambda z: -(p * z[:vocab]).sum(), start, method="SLSQP", constraints=constraints,
-        bounds=[(0, 1)] * vocab + [(0, 1)] * vocab, options={"ftol": 1e-12, "maxiter": 500},
-    )  # fmt: skip
+        lambda z: -(p * z[:vocab]).sum(),
+        start,
+        method="SLSQP",
+        constraints=constraints,
+        bounds=[(0, 1)] * vocab + [(0, 1)] * vocab,
+        options={"ftol": 1e-12, "maxiter": 500},
+    )
     return -result.fun
 
 
@@ -286,8 +292,11 @@ def test_mentored_solves_kl_equals_d_to_rounding_at_any_vocabulary(vocab):
             verifier.kl = bound
             solution = verifier.solve(target, draft.unsqueeze(0))
             ratio = target / draft
-            output = torch.where(ratio <= solution.alpha, target / solution.alpha,
-                                 torch.where(ratio >= solution.beta, target / solution.beta, draft))  # fmt: skip
+            output = torch.where(
+                ratio <= solution.alpha,
+                target / solution.alpha,
+                torch.where(ratio >= solution.beta, target / solution.beta, draft),
+            )
             assert float(output.sum()) == pytest.approx(1.0, abs=1e-12)
             assert _kl(target, output) == pytest.approx(bound, rel=1e-9)
             # Negative control: the old bisection's band (D ± 0.1 %) would fail this check.
@@ -329,10 +338,13 @@ def test_mentored_is_exact_on_sparse_laws_and_from_the_sorted_table(monkeypatch,
         for bound in (1e-6, 1e-3, 0.1, 1.0):
             verifier = load_verifier("mentored", {"kl": bound})
             solution = verifier.solve(target, draft.unsqueeze(-2))
-            full = torch.tensor([_kl(t, d) if (d[t > 0] > 0).all() else math.inf for t, d in zip(target, draft)],
-                                dtype=torch.float64)  # fmt: skip
+            full = torch.tensor(
+                [_kl(t, d) if (d[t > 0] > 0).all() else math.inf for t, d in zip(target, draft)], dtype=torch.float64
+            )
             exact = (full > bound) & (solution.rejected_mass.squeeze(-1) > 1e-290)  # [8]
-            assert torch.allclose(solution.kl.squeeze(-1)[exact], torch.full_like(full[exact], bound), rtol=1e-9, atol=0)
+            assert torch.allclose(
+                solution.kl.squeeze(-1)[exact], torch.full_like(full[exact], bound), rtol=1e-9, atol=0
+            )
             assert (solution.rejected_mass.squeeze(-1)[full <= bound] == 0).all()
             checked += int(exact.sum())
     assert checked >= 40
@@ -342,8 +354,10 @@ def test_mentored_acceptance_grows_with_the_bound_and_zero_is_speculative():
     generator = torch.Generator().manual_seed(5)
     target, draft = random_distributions(generator, (2, 6))
     drafts = draft.unsqueeze(0)
-    values = [float(load_verifier("mentored", {"kl": d}).acceptance_probability(target, drafts))
-              for d in (0.0, 0.01, 0.05, 0.1, 0.5, 5.0)]  # fmt: skip
+    values = [
+        float(load_verifier("mentored", {"kl": d}).acceptance_probability(target, drafts))
+        for d in (0.0, 0.01, 0.05, 0.1, 0.5, 5.0)
+    ]
     assert values == sorted(values)
     assert values[0] == pytest.approx(float(torch.minimum(target, draft).sum()), abs=1e-12)
     assert values[-1] == pytest.approx(1.0) or math.isinf(_kl(target, draft))
@@ -360,7 +374,13 @@ def test_mentored_rejects_bad_parameters(kl):
 # --------------------------------------------------------------------------- capability flags
 
 FLAGS = (
-    "lossless", "identical_drafts", "token_level", "keyed_randomness", "capturable", "reading_cpu_path", "batches_by_vmap"
+    "lossless",
+    "identical_drafts",
+    "token_level",
+    "keyed_randomness",
+    "capturable",
+    "reading_cpu_path",
+    "batches_by_vmap",
 )
 FAST = {"keyed_randomness", "capturable", "batches_by_vmap"}
 BUILT_IN_FLAGS = {  # name: (the flags that are True, max_drafts, kl_bound_parameter), as each built-in once spelt them
@@ -477,8 +497,6 @@ def test_cpu_and_cuda_agree(name):
     torch.testing.assert_close(on_cpu, on_gpu)
 
 
-
-
 @pytest.mark.parametrize("name", ["is-lp", "is-truncated"])
 def test_importance_sampling_keeps_the_laws_on_the_device(name, monkeypatch):
     """A block reads only the free LPs' few numbers, once per block, from the device, never a law over V."""
@@ -489,10 +507,14 @@ def test_importance_sampling_keeps_the_laws_on_the_device(name, monkeypatch):
         logits = logits.masked_fill(logits < logits.topk(20, -1).values[..., -1:], float("-inf"))
     target = logits.softmax(-1)  # [K, L+1, V]
     drafts = (logits[:, :draft_length] + torch.randn(num_drafts, draft_length, vocab, generator=generator)).softmax(-1)
-    tokens = torch.zeros(num_drafts, draft_length, dtype=torch.long)  # every row alive together: every problem has K candidates
+    tokens = torch.zeros(
+        num_drafts, draft_length, dtype=torch.long
+    )  # every row alive together: every problem has K candidates
     read_sizes = []
     original = torch.Tensor.numpy
-    monkeypatch.setattr(torch.Tensor, "numpy", lambda self, *a, **k: read_sizes.append(self.numel()) or original(self, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor, "numpy", lambda self, *a, **k: read_sizes.append(self.numel()) or original(self, *a, **k)
+    )
     with device_path():  # the GPU's path: the CPU path reads as it walks (free there)
         decision = load_verifier(name).verify_block(target, drafts, tokens, torch.Generator().manual_seed(0))
     assert len(read_sizes) == 1  # one read per block: every position's free LPs

@@ -24,17 +24,25 @@ from tests.test_device_path import random_block
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CASES = [
-    ("speculative", 1, {}), ("block", 1, {}), ("mentored", 1, {"kl": 0.3}), ("mentored", 1, {"kl": 0.0}),
-    *(("specinfer", k, {}) for k in (1, 2, 3)), *(("spectr", k, {}) for k in (2, 3)),
+    ("speculative", 1, {}),
+    ("block", 1, {}),
+    ("mentored", 1, {"kl": 0.3}),
+    ("mentored", 1, {"kl": 0.0}),
+    *(("specinfer", k, {}) for k in (1, 2, 3)),
+    *(("spectr", k, {}) for k in (2, 3)),
     *((name, k, {}) for name in ("is-lp", "is-truncated") for k in (1, 2, 3)),
-]  # fmt: skip
+]
 KINDS = ("peaked", "near_one_token", "equal", "disjoint", "flat_draft")
 
 
 def random_batch(batch: int, num_drafts: int, draft_length: int, identical: bool, vocab: int = 16):
     """B blocks of different kinds stacked: ``[B, K, L+1, V]``, ``[B, K, L, V]``, ``[B, K, L]``."""
-    blocks = [random_block(KINDS[b % len(KINDS)], num_drafts, draft_length, vocab, seed=b, identical_drafts=identical,
-                           support=8) for b in range(batch)]  # fmt: skip
+    blocks = [
+        random_block(
+            KINDS[b % len(KINDS)], num_drafts, draft_length, vocab, seed=b, identical_drafts=identical, support=8
+        )
+        for b in range(batch)
+    ]
     return tuple(torch.stack(parts) for parts in zip(*blocks))
 
 
@@ -45,8 +53,9 @@ def batch_draws(batch: int) -> Draws:
 
 
 def decided_alone(verifier: BlockVerifier, target, draft, tokens, draws: Draws) -> BatchDecision:
-    return BatchDecision.stack([verifier.verify_block(target[b], draft[b], tokens[b], draws.row(b))
-                                for b in range(tokens.shape[0])])  # fmt: skip
+    return BatchDecision.stack(
+        [verifier.verify_block(target[b], draft[b], tokens[b], draws.row(b)) for b in range(tokens.shape[0])]
+    )
 
 
 def assert_same(batch: BatchDecision, alone: BatchDecision) -> None:
@@ -132,8 +141,9 @@ def test_a_plugin_without_verify_batch_is_looped_block_by_block(keyed):
         alone = decided_alone(verifier, target, draft, tokens, randomness)
     else:
         randomness = [block_generator(b, 0, "cpu") for b in range(5)]
-        alone = BatchDecision.stack([verifier.verify_block(target[b], draft[b], tokens[b], block_generator(b, 0, "cpu"))
-                                     for b in range(5)])  # fmt: skip
+        alone = BatchDecision.stack(
+            [verifier.verify_block(target[b], draft[b], tokens[b], block_generator(b, 0, "cpu")) for b in range(5)]
+        )
     assert_same(verifier.verify_batch(target, draft, tokens, randomness), alone)
 
 

@@ -31,7 +31,9 @@ class ContextBigram(SequenceDrafter):
         setup = self.draft_setup
         context = torch.tensor(request.context, dtype=torch.long)  # [n]
         counts = torch.full((setup.vocab_size, setup.vocab_size), self.smoothing, dtype=torch.float64)  # [V, V]
-        counts.index_put_((context[:-1], context[1:]), torch.ones(len(context) - 1, dtype=torch.float64), accumulate=True)
+        counts.index_put_(
+            (context[:-1], context[1:]), torch.ones(len(context) - 1, dtype=torch.float64), accumulate=True
+        )
         bigram_laws = (counts / counts.sum(-1, keepdim=True)).float()  # [V, V]: row t is the law after token t
         tokens = torch.empty(self.rows, request.max_length, dtype=torch.long)  # [rows, L]
         laws = torch.empty(self.rows, request.max_length, setup.vocab_size)  # [rows, L, V]

@@ -1,8 +1,8 @@
 """The plugin's own tests, with specdec's conformance kit."""
 
 import pytest
-
 from specdec_bigram import ContextBigram
+
 from specdec_cli.testing import check_drafter
 
 

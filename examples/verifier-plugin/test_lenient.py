@@ -2,16 +2,25 @@
 
 import pytest
 import torch
-
-from specdec_cli.testing import adversarial_distribution_pairs, candidate_acceptance, check_verifier, enumerate_output_law
 from specdec_lenient import LenientSpeculative
+
+from specdec_cli.testing import (
+    adversarial_distribution_pairs,
+    candidate_acceptance,
+    check_verifier,
+    enumerate_output_law,
+)
 
 
 @pytest.mark.parametrize("leniency", [1.0, 2.0])
 def test_the_plugin_passes_specdecs_conformance_kit(leniency):
     # The kit also checks that these are refused in one line, and that a value of the wrong type ("2") is.
-    check_verifier(LenientSpeculative, {"leniency": leniency}, samples=1000,
-                   bad_params=[{"leniency": 0.5}, {"leniency": float("nan")}])
+    check_verifier(
+        LenientSpeculative,
+        {"leniency": leniency},
+        samples=1000,
+        bad_params=[{"leniency": 0.5}, {"leniency": float("nan")}],
+    )
 
 
 def test_leniency_one_is_lossless():
@@ -34,7 +43,10 @@ def test_acceptance_probability_equals_enumeration(leniency):
 def test_the_enumeration_catches_a_wrong_acceptance():
     """Negative control: below 1 the formula min(p, λq) is wrong (0.5 where enumeration gives 0.65),
     which is why such values are refused."""
-    target, draft = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), torch.tensor([[0.4, 0.4, 0.2]], dtype=torch.float64)
+    target, draft = (
+        torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64),
+        torch.tensor([[0.4, 0.4, 0.2]], dtype=torch.float64),
+    )
     unchecked = LenientSpeculative.__new__(LenientSpeculative)
     unchecked.leniency = 0.5
     assert float(unchecked.acceptance_probability(target, draft)) == pytest.approx(0.5)

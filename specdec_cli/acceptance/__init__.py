@@ -11,8 +11,18 @@ from typing import Any
 
 _WHERE = {
     "AcceptanceAnalysis": "analysis",
-    **{name: "results" for name in ("OPTIMUM", "AcceptanceReport", "AcceptanceRequest", "AcceptanceRow", "DrafterSection", "Estimate",
-                                    "PromptAcceptance")},  # fmt: skip
+    **{
+        name: "results"
+        for name in (
+            "OPTIMUM",
+            "AcceptanceReport",
+            "AcceptanceRequest",
+            "AcceptanceRow",
+            "DrafterSection",
+            "Estimate",
+            "PromptAcceptance",
+        )
+    },
 }
 
 __all__ = sorted(_WHERE)

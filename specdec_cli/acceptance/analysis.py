@@ -74,8 +74,15 @@ class _LoadedSection:
 class AcceptanceAnalysis:
     """Generates with the target alone and evaluates every verifier on the positions it visits, per drafter section."""
 
-    def __init__(self, recipe: Recipe, request: AcceptanceRequest, *, sections: Sequence[DrafterSection] | None = None,
-                 registry: VerifierRegistry | None = None, pool: ModelPool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        recipe: Recipe,
+        request: AcceptanceRequest,
+        *,
+        sections: Sequence[DrafterSection] | None = None,
+        registry: VerifierRegistry | None = None,
+        pool: ModelPool | None = None,
+    ):
         sections = DrafterSection.of_recipe(recipe, []) if sections is None else sections
         if any(not section.drafts for section in sections):
             raise UsageError("the recipe has no draft: acceptance compares a target with its draft(s)")
@@ -92,17 +99,22 @@ class AcceptanceAnalysis:
         pool = pool if pool is not None else ModelPool()
         self.decoder = SpeculativeDecoder.from_recipe(recipe, autoregressive=True, pool=pool, registry=self.registry)
         self.sections = [self._load(section, pool) for section in sections]
-        _check_memory(recipe.generation.max_new_tokens, max(request.num_drafts), self.decoder.vocab_size,
-                      self.decoder.device)  # fmt: skip
+        _check_memory(
+            recipe.generation.max_new_tokens, max(request.num_drafts), self.decoder.vocab_size, self.decoder.device
+        )
 
     def _load(self, section: DrafterSection, pool: ModelPool) -> _LoadedSection:
         """The section's entries loaded; each entry without a model gets a decoder of its own, in which the engine
         sets its drafter up as for blocks of one row (the default single-draft verifier takes any one row)."""
         drafts = load_drafts(pool, section.drafts, self.decoder.target, self.decoder.drafter_registry)
         config = self.decoder.config.replace(verifier=VerifierConfig().name, num_drafts=1)
-        proposers = {index: SpeculativeDecoder(self.decoder.target, [draft], config, self.registry,
-                                               self.decoder.drafter_registry)
-                     for index, draft in enumerate(drafts) if draft.model is None}  # fmt: skip
+        proposers = {
+            index: SpeculativeDecoder(
+                self.decoder.target, [draft], config, self.registry, self.decoder.drafter_registry
+            )
+            for index, draft in enumerate(drafts)
+            if draft.model is None
+        }
         return _LoadedSection(section.drafter, drafts, [draft.law(self.decoder.config) for draft in drafts], proposers)
 
     def _verifiers(self, bounds: Sequence[float]) -> dict[AcceptanceRow, BlockVerifier]:
@@ -124,8 +136,13 @@ class AcceptanceAnalysis:
     def rows(self) -> list[AcceptanceRow]:
         return [AcceptanceRow(OPTIMUM), *self.verifiers]
 
-    def run(self, prompts: Sequence[str], on_prompt: Callable[[list[PromptAcceptance]], None] | None = None,
-            done: Sequence[PromptAcceptance] = (), on_tokens: Callable[[int], None] | None = None) -> AcceptanceReport:  # fmt: skip
+    def run(
+        self,
+        prompts: Sequence[str],
+        on_prompt: Callable[[list[PromptAcceptance]], None] | None = None,
+        done: Sequence[PromptAcceptance] = (),
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> AcceptanceReport:
         """:meth:`run_sections` of an analysis of one section (no ``sections``, or one) → its report."""
         (report,) = self.run_sections(prompts, on_prompt, done, on_tokens)
         return report
@@ -143,9 +160,15 @@ class AcceptanceAnalysis:
         if self.request.kl_values is None and self._has_kl_bound():
             self.derive_kl_values(prompts[0])
         counts = sorted(set(self.request.num_drafts))
-        reports = [AcceptanceReport(rows=self.rows(), num_drafts=counts, drafter=section.drafter,
-                                    identical_drafts=all(section.rows(k).identical_laws for k in counts))
-                   for section in self.sections]  # fmt: skip
+        reports = [
+            AcceptanceReport(
+                rows=self.rows(),
+                num_drafts=counts,
+                drafter=section.drafter,
+                identical_drafts=all(section.rows(k).identical_laws for k in counts),
+            )
+            for section in self.sections
+        ]
         finished = {(result.drafter, result.prompt_index): result for result in done}
         encoded = [self.decoder.encode_prompt(p) for p in prompts]
         try:
@@ -174,8 +197,15 @@ class AcceptanceAnalysis:
         flat on a close pair and coarse on a distant one. The first prompt's continuation is the
         one its evaluation generates (same seed), so a resumed run derives the same bounds.
         """
-        scored = next(((section, index) for section in self.sections for index, draft in enumerate(section.drafts)
-                       if draft.model is not None), None)  # fmt: skip
+        scored = next(
+            (
+                (section, index)
+                for section in self.sections
+                for index, draft in enumerate(section.drafts)
+                if draft.model is not None
+            ),
+            None,
+        )
         self.kl_reference = None if scored is None else self._mean_kl(prompt, *scored)
         if not self.kl_reference or self.kl_reference <= 0:
             values = FALLBACK_KL_VALUES
@@ -201,15 +231,18 @@ class AcceptanceAnalysis:
     def target_law(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
         """q ``[T, V]`` (float64) at the T generated positions."""
         generated = torch.tensor([tokens], dtype=torch.long)  # [1, T]
-        logits = next_token_logits(self.decoder.target, prompt_ids, generated, self.decoder.vocab_size)[0, :-1]  # [T, V]
+        logits = next_token_logits(self.decoder.target, prompt_ids, generated, self.decoder.vocab_size)[
+            0, :-1
+        ]  # [T, V]
         # float64 laws that sum to 1 to double precision (float32 softmax rows miss by ~1e-7), so
         # every verifier and the optimum are evaluated at the precision the theory is checked to.
         target = probs_from_logits(logits, self.decoder.target_params, "target").double()  # [T, V]
         return target / target.sum(-1, keepdim=True)
 
     @torch.inference_mode()
-    def draft_laws(self, section: _LoadedSection, prompt_ids: list[int], tokens: list[int],
-                   key: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def draft_laws(
+        self, section: _LoadedSection, prompt_ids: list[int], tokens: list[int], key: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every entry's p ``[T, C, V]`` (float64; zero where it proposed nothing) at the T generated positions,
         and where it proposed ``[T, C]`` (an entry with a model always does). ``key``: the sample's randomness."""
         generated = torch.tensor([tokens], dtype=torch.long)  # [1, T]
@@ -229,8 +262,14 @@ class AcceptanceAnalysis:
         sums = drafts.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)  # [T, C, 1]
         return drafts / sums, torch.stack(proposed, dim=1)
 
-    def evaluate_prompt(self, prompt: str, index: int, prompt_ids: list[int], sections: Sequence[_LoadedSection],
-                        on_tokens: Callable[[int], None] | None = None) -> list[PromptAcceptance]:  # fmt: skip
+    def evaluate_prompt(
+        self,
+        prompt: str,
+        index: int,
+        prompt_ids: list[int],
+        sections: Sequence[_LoadedSection],
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> list[PromptAcceptance]:
         """Every row's acceptance at each position of the target's own continuation of the prompt, for each of
         ``sections``; ``on_tokens(count)`` follows the generation."""
         progress = None if on_tokens is None else (lambda tokens, _mask: on_tokens(len(tokens)))
@@ -241,15 +280,23 @@ class AcceptanceAnalysis:
         for section in sections:
             configs, proposed = self.draft_laws(section, prompt_ids, tokens, key)  # [T, C, V], [T, C]
             covered = int(proposed.any(-1).sum()) if section.proposers else None
-            result = PromptAcceptance(prompt=prompt, prompt_index=index, positions=len(tokens),
-                                      drafter=section.drafter, covered=covered)  # fmt: skip
+            result = PromptAcceptance(
+                prompt=prompt, prompt_index=index, positions=len(tokens), drafter=section.drafter, covered=covered
+            )
             for num_drafts in self.request.num_drafts:
                 self._evaluate_drafts(result, section, target, configs, proposed, num_drafts)
             results.append(result)
         return results
 
-    def _evaluate_drafts(self, result: PromptAcceptance, section: _LoadedSection, target: torch.Tensor,
-                         configs: torch.Tensor, proposed: torch.Tensor, num_drafts: int) -> None:  # fmt: skip
+    def _evaluate_drafts(
+        self,
+        result: PromptAcceptance,
+        section: _LoadedSection,
+        target: torch.Tensor,
+        configs: torch.Tensor,
+        proposed: torch.Tensor,
+        num_drafts: int,
+    ) -> None:
         """Every row's acceptance with K = ``num_drafts`` rows, for target ``[T, V]``, the entries' laws
         ``[T, C, V]`` and where each entry proposed ``[T, C]``."""
         choice = section.choice(num_drafts)
@@ -258,13 +305,21 @@ class AcceptanceAnalysis:
         groups = _ProposingRows.of(proposed[:, choice])
         # The optimum over the rows that proposed: identical where their laws are.
         optimum, reason = groups.values(
-            lambda q, p, kept: _optimum(q, p, len({laws[row] for row in kept}) <= 1), target, drafts)  # fmt: skip
+            lambda q, p, kept: _optimum(q, p, len({laws[row] for row in kept}) <= 1), target, drafts
+        )
         result.record(AcceptanceRow(OPTIMUM), num_drafts, optimum, reason)
         for row, verifier in self.verifiers.items():
             self._evaluate_row(result, row, verifier, target, drafts, (rows, groups))
 
-    def _evaluate_row(self, result: PromptAcceptance, row: AcceptanceRow, verifier: BlockVerifier, target: torch.Tensor,
-                      drafts: torch.Tensor, proposing: tuple[DraftRows, _ProposingRows]) -> None:  # fmt: skip
+    def _evaluate_row(
+        self,
+        result: PromptAcceptance,
+        row: AcceptanceRow,
+        verifier: BlockVerifier,
+        target: torch.Tensor,
+        drafts: torch.Tensor,
+        proposing: tuple[DraftRows, _ProposingRows],
+    ) -> None:
         """One row's acceptance (and KL) for target ``[T, V]`` and drafts ``[T, K, V]``: refused as the engine
         refuses the K rows, evaluated over the rows that proposed (``proposing``); a plugin's own exception
         becomes one line naming it."""
@@ -295,11 +350,16 @@ class _ProposingRows:
     def of(cls, proposed: torch.Tensor) -> _ProposingRows:
         """From where each row proposed ``[T, K]``."""
         patterns, inverse = torch.unique(proposed, dim=0, return_inverse=True)  # [P, K], [T]
-        groups = [((inverse == number).nonzero().squeeze(-1), pattern.nonzero().squeeze(-1))
-                  for number, pattern in enumerate(patterns) if bool(pattern.any())]  # fmt: skip
+        groups = [
+            ((inverse == number).nonzero().squeeze(-1), pattern.nonzero().squeeze(-1))
+            for number, pattern in enumerate(patterns)
+            if bool(pattern.any())
+        ]
         return cls(proposed.shape[0], groups)
 
-    def values(self, value: PositionValues, target: torch.Tensor, drafts: torch.Tensor) -> tuple[list[float] | None, str]:
+    def values(
+        self, value: PositionValues, target: torch.Tensor, drafts: torch.Tensor
+    ) -> tuple[list[float] | None, str]:
         """``value`` over the rows that proposed at each position, for target ``[T, V]`` and drafts ``[T, K, V]``;
         0 where no row proposed (the block is the target's own token: nothing is accepted). None and why where
         ``value`` gives none for some group."""
@@ -312,8 +372,9 @@ class _ProposingRows:
         return result.tolist(), ""
 
 
-def _proposed_laws(decoder: SpeculativeDecoder, prompt_ids: list[int], tokens: list[int],
-                   key: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _proposed_laws(
+    decoder: SpeculativeDecoder, prompt_ids: list[int], tokens: list[int], key: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``decoder``'s one drafter (no model) proposes after each prefix of the target's continuation ``tokens``,
     asked as the engine asks it: started on the prompt, then at each position a block of one token with the
     sample's keyed uniforms, of whose row nothing is committed. → the law of its first token ``[T, V]`` (zeros
@@ -339,12 +400,16 @@ def _proposed_laws(decoder: SpeculativeDecoder, prompt_ids: list[int], tokens: l
     return laws, proposed
 
 
-def _acceptance(verifier: BlockVerifier, target: torch.Tensor, drafts: torch.Tensor, refusal: str | None,
-                groups: _ProposingRows) -> tuple[list[float] | None, str]:  # fmt: skip
+def _acceptance(
+    verifier: BlockVerifier, target: torch.Tensor, drafts: torch.Tensor, refusal: str | None, groups: _ProposingRows
+) -> tuple[list[float] | None, str]:
     """(acceptance at each position, or None and why) for target ``[T, V]`` and drafts ``[T, K, V]``, over the
     rows that proposed at each position (``groups``)."""
     if not verifier.token_level:
-        return None, f"{verifier.name} decides whole blocks: a per-token acceptance is not defined (compare it with bench)"
+        return (
+            None,
+            f"{verifier.name} decides whole blocks: a per-token acceptance is not defined (compare it with bench)",
+        )
     if refusal is not None:
         return None, refusal
     try:

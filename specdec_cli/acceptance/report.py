@@ -24,15 +24,20 @@ FORMAT_VERSION = 3
 section's ``drafter`` and ``coverage``, and with ``--drafter`` the ``sections`` list."""
 
 
-def payload(recipe: Recipe, request: AcceptanceRequest, reports: list[AcceptanceReport], device: "torch.device") -> dict:
+def payload(
+    recipe: Recipe, request: AcceptanceRequest, reports: list[AcceptanceReport], device: "torch.device"
+) -> dict:
     """acceptance.json's content (also what ``--json`` prints): the one section of a run without ``--drafter`` at
     the top level, as before drafters; with ``--drafter``, ``drafters`` and a ``sections`` list, one per drafter."""
     from ..results.provenance import provenance  # torch: this runs after the models did
 
     named = [report.drafter for report in reports if report.drafter is not None]
     if named:
-        results = {"drafters": named, "sections": [report.to_dict() for report in reports],
-                   "interrupted": reports[0].interrupted}  # fmt: skip
+        results = {
+            "drafters": named,
+            "sections": [report.to_dict() for report in reports],
+            "interrupted": reports[0].interrupted,
+        }
     else:
         results = reports[0].to_dict()
     return {
@@ -40,17 +45,25 @@ def payload(recipe: Recipe, request: AcceptanceRequest, reports: list[Acceptance
         "environment": provenance(device),
         "seed": recipe.seed,
         "recipe": recipe.to_dict(),
-        "request": {"verifiers": list(request.verifiers), "num_drafts": list(request.num_drafts),
-                    "kl": list(request.kl_values or ())},  # fmt: skip
+        "request": {
+            "verifiers": list(request.verifiers),
+            "num_drafts": list(request.num_drafts),
+            "kl": list(request.kl_values or ()),
+        },
         **results,
     }
 
 
 def table(report: AcceptanceReport) -> Table:
     title = "token-level acceptance probability" + ("" if report.drafter is None else f" · drafter {report.drafter}")
-    coverage = "" if report.coverage is None else (
-        f"coverage {report.coverage:.1%}: positions where at least one draft row proposed (elsewhere none is "
-        "accepted)\n")  # fmt: skip
+    coverage = (
+        ""
+        if report.coverage is None
+        else (
+            f"coverage {report.coverage:.1%}: positions where at least one draft row proposed (elsewhere none is "
+            "accepted)\n"
+        )
+    )
     result = Table(
         title=title,
         min_width=len(title) + 4,  # a narrow table would fold its own title
@@ -101,8 +114,18 @@ def write(folder: Path, content: dict, reports: list[AcceptanceReport]) -> None:
             for k in report.num_drafts:
                 cell = report.cell(row, k)
                 if cell is not None:
-                    writer.writerow([report.drafter or "", report.coverage, row.label, k, cell.mean, cell.stderr,
-                                     cell.count, divergence.mean if divergence else ""])  # fmt: skip
+                    writer.writerow(
+                        [
+                            report.drafter or "",
+                            report.coverage,
+                            row.label,
+                            k,
+                            cell.mean,
+                            cell.stderr,
+                            cell.count,
+                            divergence.mean if divergence else "",
+                        ]
+                    )
     write_atomically(folder / "acceptance.csv", buffer.getvalue())
 
 
@@ -138,8 +161,11 @@ def figure(report: AcceptanceReport, content: dict | None = None):
 def _plot_by_k(axis, report: AcceptanceReport) -> None:
     """One series per row, each nudged sideways a little so rows that agree (as every lossless
     single-draft rule does at K = 1) stay visible side by side instead of hiding one another."""
-    series = [(row, [(k, c) for k in report.num_drafts if (c := report.cell(row, k)) is not None])
-              for row in report.rows if row.kl_bound is None]  # fmt: skip
+    series = [
+        (row, [(k, c) for k in report.num_drafts if (c := report.cell(row, k)) is not None])
+        for row in report.rows
+        if row.kl_bound is None
+    ]
     series = [(row, points) for row, points in series if points]
     width = 0.3 if len(report.num_drafts) > 1 else 0.6
     for number, (row, points) in enumerate(series):
@@ -147,8 +173,17 @@ def _plot_by_k(axis, report: AcceptanceReport) -> None:
         xs = [report.num_drafts.index(k) + shift for k, _ in points]
         means = [c.mean for _, c in points]
         errors = [0.0 if math.isnan(c.stderr) else c.stderr for _, c in points]
-        axis.errorbar(xs, means, yerr=errors, marker="o", markersize=5, capsize=2, label=row.label,
-                      color=verifier_colour(row.verifier), linestyle="--" if row.verifier == OPTIMUM else "-")  # fmt: skip
+        axis.errorbar(
+            xs,
+            means,
+            yerr=errors,
+            marker="o",
+            markersize=5,
+            capsize=2,
+            label=row.label,
+            color=verifier_colour(row.verifier),
+            linestyle="--" if row.verifier == OPTIMUM else "-",
+        )
     axis.set_xticks(range(len(report.num_drafts)), [str(k) for k in report.num_drafts])
     axis.set(xlabel="number of drafts K", ylabel="acceptance probability (± s.e.)", title="acceptance vs K")
     axis.legend(fontsize=8, loc="lower right")
@@ -163,11 +198,19 @@ def _plot_kl_tradeoff(axis, report: AcceptanceReport, bounded: list[AcceptanceRo
         cells = [report.cell(row, 1) for row in rows]
         errors = [0.0 if math.isnan(c.stderr) else c.stderr for c in cells]
         colour = verifier_colour(verifier)
-        axis.errorbar(divergences, [c.mean for c in cells], yerr=errors, marker="o", capsize=2, color=colour,
-                      label=verifier)  # fmt: skip
+        axis.errorbar(
+            divergences, [c.mean for c in cells], yerr=errors, marker="o", capsize=2, color=colour, label=verifier
+        )
         for number, (row, x, cell) in enumerate(zip(rows, divergences, cells)):
-            axis.annotate(f"D={row.kl_bound:g}", (x, cell.mean), fontsize=7, color=colour, textcoords="offset points",
-                          xytext=(5, -12 if number % 2 else 6), annotation_clip=True)  # fmt: skip
+            axis.annotate(
+                f"D={row.kl_bound:g}",
+                (x, cell.mean),
+                fontsize=7,
+                color=colour,
+                textcoords="offset points",
+                xytext=(5, -12 if number % 2 else 6),
+                annotation_clip=True,
+            )
     if (optimum := report.cell(OPTIMUM, 1)) is not None:
         axis.scatter([0.0], [optimum.mean], color=verifier_colour(OPTIMUM), zorder=3, label="lossless optimum (KL 0)")
     axis.margins(x=0.15, y=0.1)  # room for the labels inside the axes

@@ -122,17 +122,25 @@ class PromptAcceptance:
         for key, why in record["unavailable"].items():
             label, _, k = key.rpartition("|")
             unavailable[(label, int(k))] = why
-        return cls(prompt=record["prompt"], prompt_index=record["prompt_index"], positions=record["positions"],
-                   values=values, kl=record["kl"], unavailable=unavailable,
-                   **{name: record.get(name) for name in _OPTIONAL_FIELDS})  # fmt: skip
+        return cls(
+            prompt=record["prompt"],
+            prompt_index=record["prompt_index"],
+            positions=record["positions"],
+            values=values,
+            kl=record["kl"],
+            unavailable=unavailable,
+            **{name: record.get(name) for name in _OPTIONAL_FIELDS},
+        )
 
 
 _OPTIONAL_FIELDS = {"drafter": str, "covered": int}
 """PromptAcceptance's fields that a record holds only when they are not None."""
 
-PROMPT_RECORDS = RecordKind(lambda record: (record.get("drafter"), record["prompt_index"]),
-                            frozenset({"prompt", "prompt_index", "positions", "values", "kl", "unavailable"}),
-                            optional=_OPTIONAL_FIELDS)  # fmt: skip
+PROMPT_RECORDS = RecordKind(
+    lambda record: (record.get("drafter"), record["prompt_index"]),
+    frozenset({"prompt", "prompt_index", "positions", "values", "kl", "unavailable"}),
+    optional=_OPTIONAL_FIELDS,
+)
 
 
 @dataclass(kw_only=True)
@@ -175,8 +183,9 @@ class AcceptanceReport:
     def to_dict(self) -> dict:
         table = {}
         for row in self.rows:
-            table[row.label] = {str(k): dataclasses.asdict(c) if (c := self.cell(row, k)) else None
-                                for k in self.num_drafts}  # fmt: skip
+            table[row.label] = {
+                str(k): dataclasses.asdict(c) if (c := self.cell(row, k)) else None for k in self.num_drafts
+            }
             if (divergence := self.kl(row)) is not None:
                 table[row.label]["kl"] = dataclasses.asdict(divergence)
         return {

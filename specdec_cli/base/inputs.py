@@ -55,8 +55,14 @@ def has_suffix(path: Path | str, suffix: str) -> bool:
     return Path(path).suffix.lower() == suffix
 
 
-_JSON_KINDS = {str: "a string", int: "a number", float: "a number", bool: "true or false", list: "a list",
-               type(None): "null"}  # fmt: skip
+_JSON_KINDS = {
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "true or false",
+    list: "a list",
+    type(None): "null",
+}
 
 
 def json_object_lines(text: str, path: Path, example_field: str) -> Iterator[tuple[int, dict[str, Any]]]:

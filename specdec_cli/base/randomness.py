@@ -124,8 +124,10 @@ class Draws:
         """The draws of the sample ``key`` (any integer: it is mixed first, so neighbouring keys such as a
         test's 0, 1, 2 are as unrelated as any two)."""
         mixed = int(mix64(torch.tensor(_signed(key))))
-        return cls(torch.tensor(mixed, dtype=torch.long, device=device),
-                   torch.tensor(block_start, dtype=torch.long, device=device))  # fmt: skip
+        return cls(
+            torch.tensor(mixed, dtype=torch.long, device=device),
+            torch.tensor(block_start, dtype=torch.long, device=device),
+        )
 
     @classmethod
     def batch(cls, keys: list[int], device: torch.device | str = "cpu") -> "Draws":

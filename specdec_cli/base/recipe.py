@@ -118,8 +118,9 @@ class Recipe:
 
     def decoding_config(self) -> "DecodingConfig":
         """The recipe's settings apart from its models."""
-        return DecodingConfig(verifier=self.verifier, speculation=self.speculation, generation=self.generation,
-                              seed=self.seed)  # fmt: skip
+        return DecodingConfig(
+            verifier=self.verifier, speculation=self.speculation, generation=self.generation, seed=self.seed
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,14 +153,21 @@ class DecodingConfig:
         for name, value in changes.items():
             owner = next((s for s in sections if name in _field_names(getattr(self, s))), None)
             if owner is None and name != "seed":
-                valid = ["verifier", "verifier_params", "seed", *_field_names(self.speculation),
-                         *_field_names(self.generation)]  # fmt: skip
+                valid = [
+                    "verifier",
+                    "verifier_params",
+                    "seed",
+                    *_field_names(self.speculation),
+                    *_field_names(self.generation),
+                ]
                 raise TypeError(f"unknown decoding setting '{name}'; valid: {', '.join(valid)}")
             (sections[owner] if owner else top)[name] = value
         return DecodingConfig(
-            verifier=verifier, speculation=dataclasses.replace(self.speculation, **sections["speculation"]),
-            generation=dataclasses.replace(self.generation, **sections["generation"]), seed=top.get("seed", self.seed),
-        )  # fmt: skip
+            verifier=verifier,
+            speculation=dataclasses.replace(self.speculation, **sections["speculation"]),
+            generation=dataclasses.replace(self.generation, **sections["generation"]),
+            seed=top.get("seed", self.seed),
+        )
 
     def problems(self) -> list[tuple[str, str]]:
         """(recipe path, what is wrong) for every value out of range; empty when the config is valid."""
@@ -178,8 +186,9 @@ def _field_names(section: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(section)]
 
 
-def sampling_problems(owner: str, temperature: float | None, top_k: int | None, top_p: float | None
-                      ) -> list[tuple[str, str]]:  # fmt: skip
+def sampling_problems(
+    owner: str, temperature: float | None, top_k: int | None, top_p: float | None
+) -> list[tuple[str, str]]:
     """(path, what is wrong) for ``owner``'s sampling settings out of range (None: not set, fine)."""
     checks = [
         (temperature is None or 0 <= temperature < math.inf, "temperature", "must be >= 0 and finite (0 = greedy)"),
@@ -245,7 +254,9 @@ def read_recipe_file(recipe: str | Path | None) -> dict[str, Any]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError(f"{source} must be a YAML mapping of keys (target:, draft:, ...), not a {type(data).__name__}")
+        raise RecipeError(
+            f"{source} must be a YAML mapping of keys (target:, draft:, ...), not a {type(data).__name__}"
+        )
     return data
 
 
@@ -326,7 +337,9 @@ def set_path(data: dict[str, Any], path: str, value: Any) -> None:
         node[last] = value
     else:
         parent = ".".join(keys[:-1])
-        raise RecipeError(f"cannot set '{path}': '{parent}' is a {type(node).__name__}, not a mapping; set '{parent}=…'")
+        raise RecipeError(
+            f"cannot set '{path}': '{parent}' is a {type(node).__name__}, not a mapping; set '{parent}=…'"
+        )
 
 
 def _child(node: Any, key: str, path: str, create: bool) -> Any:
@@ -440,7 +453,9 @@ def validate(recipe: Recipe) -> None:
     for owner, spec in models:
         checks.append((spec.dtype in DTYPES, f"{owner}.dtype", f"must be one of {', '.join(DTYPES)}"))
         checks.append((_valid_device(spec.device), f"{owner}.device", "must be auto, cpu, cuda or cuda:N"))
-    checks.append((recipe.target.model is not None, "target.model", "is required (hub id, local directory or .gguf file)"))
+    checks.append(
+        (recipe.target.model is not None, "target.model", "is required (hub id, local directory or .gguf file)")
+    )
     for i, draft in enumerate(recipe.drafts):
         if draft.early_exit is not None:
             checks.append((draft.early_exit >= 1, f"drafts.{i}.early_exit", "must be >= 1 (number of target layers)"))

@@ -33,8 +33,15 @@ class GridCell:
 
     @classmethod
     def baseline(cls, temperature: float, batch_size: int = 1) -> "GridCell":
-        return cls(verifier=BASELINE, kl=None, num_drafts=0, draft_length=0, temperature=temperature,
-                   draft_temperatures=None, batch_size=batch_size)  # fmt: skip
+        return cls(
+            verifier=BASELINE,
+            kl=None,
+            num_drafts=0,
+            draft_length=0,
+            temperature=temperature,
+            draft_temperatures=None,
+            batch_size=batch_size,
+        )
 
     @classmethod
     def from_config(cls, spec: dict) -> "GridCell":
@@ -75,7 +82,9 @@ class GridCell:
             base,
             drafts=drafts,
             verifier=dataclasses.replace(base.verifier, name=self.verifier, params=params),
-            speculation=dataclasses.replace(base.speculation, num_drafts=self.num_drafts, draft_length=self.draft_length),
+            speculation=dataclasses.replace(
+                base.speculation, num_drafts=self.num_drafts, draft_length=self.draft_length
+            ),
             generation=generation,
         )
 
@@ -102,11 +111,24 @@ class Grid:
             verifier_class = registry.load_class(name)
             bounds: tuple[float | None, ...] = self.kl if verifier_class.kl_bound_parameter and self.kl else (None,)
             for kl, k, length, temperature, draft_temps, drafter, batch in itertools.product(
-                bounds, self.num_drafts, self.draft_lengths, self.temperatures, self.draft_temperatures, drafters,
+                bounds,
+                self.num_drafts,
+                self.draft_lengths,
+                self.temperatures,
+                self.draft_temperatures,
+                drafters,
                 self.batch_sizes,
-            ):  # fmt: skip
-                cell = GridCell(verifier=name, kl=kl, num_drafts=k, draft_length=length, temperature=temperature,
-                                draft_temperatures=draft_temps, drafter=drafter, batch_size=batch)  # fmt: skip
+            ):
+                cell = GridCell(
+                    verifier=name,
+                    kl=kl,
+                    num_drafts=k,
+                    draft_length=length,
+                    temperature=temperature,
+                    draft_temperatures=draft_temps,
+                    drafter=drafter,
+                    batch_size=batch,
+                )
                 rows = recipe_draft_rows(cell.recipe(base, registry))
                 reason = registry.refusal(name, rows)
                 if reason is not None:

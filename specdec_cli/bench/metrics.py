@@ -42,8 +42,18 @@ def expected_speedup(alpha: float, draft_length: int, cost_ratio: float) -> floa
     return (1 - alpha ** (draft_length + 1)) / ((1 - alpha) * (draft_length * cost_ratio + 1))
 
 
-STAT_TOTALS = ("new_tokens", "target_forwards", "draft_forwards", "drafted_tokens", "verified_tokens",
-               "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s", "wall_time_s")  # fmt: skip
+STAT_TOTALS = (
+    "new_tokens",
+    "target_forwards",
+    "draft_forwards",
+    "drafted_tokens",
+    "verified_tokens",
+    "accepted_tokens",
+    "draft_time_s",
+    "target_time_s",
+    "verify_time_s",
+    "wall_time_s",
+)
 """The counts and times of a sample's ``stats`` that a cell's speed metrics add up."""
 
 
@@ -83,8 +93,11 @@ def mean_and_std(values: list[float]) -> dict:
     finite = [v for v in values if v is not None and not math.isnan(v)]
     if not finite:
         return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(finite), "std": statistics.stdev(finite) if len(finite) > 1 else 0.0,
-            "n": len(finite)}  # fmt: skip
+    return {
+        "mean": statistics.fmean(finite),
+        "std": statistics.stdev(finite) if len(finite) > 1 else 0.0,
+        "n": len(finite),
+    }
 
 
 def spread(values: list[float]) -> dict | None:

@@ -31,8 +31,9 @@ SPEED = [
 
 
 def _columns(results: BenchResults) -> list[tuple[str, str, str]]:
-    quality = [(name, label, "{:.2f}") for name, label in QUALITY.items()
-               if any(name in c.summary for c in results.cells)]  # fmt: skip
+    quality = [
+        (name, label, "{:.2f}") for name, label in QUALITY.items() if any(name in c.summary for c in results.cells)
+    ]
     return SPEED + quality
 
 
@@ -68,16 +69,20 @@ def caption(results: BenchResults) -> str:
     """What the figures are: mean (± std over seeds), speedup, and the per-example spread."""
     seeds = max((len(c.per_seed) for c in results.cells), default=0)
     spread = f"mean ± std over {seeds} seeds" if seeds > 1 else "one seed (no spread over seeds)"
-    return (f"{spread}; speedup: token rate over the target-alone baseline of the same run, prompts and seed; "
-            "per example: median [quartiles] of each example's own speedup")  # fmt: skip
+    return (
+        f"{spread}; speedup: token rate over the target-alone baseline of the same run, prompts and seed; "
+        "per example: median [quartiles] of each example's own speedup"
+    )
 
 
 def notes(results: BenchResults) -> list[str]:
     """Lines under the table: failed cells, and the conditions when samples of the run differ in them."""
     lines = [f"{cell.key}: failed {cell.failure}" for cell in results.cells if cell.failure]
     if results.mixed_conditions:
-        lines.append(f"* mixed conditions: {describe_parts(results.conditions)}; the speeds of the configurations "
-                     "marked * pool samples run under different ones and do not compare")  # fmt: skip
+        lines.append(
+            f"* mixed conditions: {describe_parts(results.conditions)}; the speeds of the configurations "
+            "marked * pool samples run under different ones and do not compare"
+        )
     return lines
 
 
@@ -86,8 +91,10 @@ def describe_parts(parts: Sequence[ConditionsPart]) -> str:
     known = [part for part in parts if part.conditions is not None]
     names = sorted({name for part in known for name in part.conditions})
     differing = [name for name in names if len({json.dumps(p.conditions.get(name)) for p in known}) > 1]
-    return "; ".join(", ".join(f"{name} {part.conditions.get(name)}" for name in differing)
-                     + f" ({part.samples} samples)" for part in known)  # fmt: skip
+    return "; ".join(
+        ", ".join(f"{name} {part.conditions.get(name)}" for name in differing) + f" ({part.samples} samples)"
+        for part in known
+    )
 
 
 def reference_note(metrics: Sequence[str], references: Sequence[str | None], hint: str) -> str | None:
@@ -118,14 +125,20 @@ def category_rows(results: BenchResults) -> tuple[list[str], list[list[str]]] | 
     """Per-category token rate and speedup (mean over seeds): a row per category, a column per configuration.
     None when the task has no categories."""
     per_cell = [[m for m in cell.per_seed.values()] for cell in results.cells]
-    categories = sorted({name for seeds in per_cell for m in seeds for name in m.get("tokens_per_second_by_category", {})})
+    categories = sorted(
+        {name for seeds in per_cell for m in seeds for name in m.get("tokens_per_second_by_category", {})}
+    )
     if not categories:
         return None
     body = []
     for name in categories:
         line = [name]
         for seeds in per_cell:
-            rates = [m["tokens_per_second_by_category"][name] for m in seeds if name in m.get("tokens_per_second_by_category", {})]
+            rates = [
+                m["tokens_per_second_by_category"][name]
+                for m in seeds
+                if name in m.get("tokens_per_second_by_category", {})
+            ]
             speedups = [m["speedup_by_category"][name] for m in seeds if name in m.get("speedup_by_category", {})]
             text = f"{sum(rates) / len(rates):.1f}" if rates else "—"
             line.append(text + (f" ({sum(speedups) / len(speedups):.2f}×)" if speedups else ""))
@@ -150,14 +163,24 @@ def markdown(results: BenchResults) -> str:
     header, body = rows(results)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(line) + " |" for line in body]
-    signatures = {(QUALITY[m], metrics[f"{m}_signature"]) for c in results.cells for metrics in c.per_seed.values()
-                  for m in ("bleu", "chrf") if f"{m}_signature" in metrics}  # fmt: skip
+    signatures = {
+        (QUALITY[m], metrics[f"{m}_signature"])
+        for c in results.cells
+        for metrics in c.per_seed.values()
+        for m in ("bleu", "chrf")
+        if f"{m}_signature" in metrics
+    }
     lines += ["", caption(results) + "."] + [f"\n{line}" for line in notes(results)]
     signature_lines = [f"\n{label} signature (sacrebleu): `{signature}`" for label, signature in sorted(signatures)]
     if (categories := category_rows(results)) is not None:
         header, body = categories
-        lines += ["", "Tokens/s per category (speedup over the baseline):", "", "| " + " | ".join(header) + " |",
-                  "|" + "---|" * len(header)] + ["| " + " | ".join(line) + " |" for line in body]  # fmt: skip
+        lines += [
+            "",
+            "Tokens/s per category (speedup over the baseline):",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+        ] + ["| " + " | ".join(line) + " |" for line in body]
     return "\n".join(lines + signature_lines) + "\n"
 
 
@@ -166,10 +189,21 @@ def csv_text(results: BenchResults) -> str:
     writer = csv.writer(buffer)
     names = [name for name, _, _ in _columns(results) if name != SPREAD]
     spread_fields = ("median", "q1", "q3", "min", "max")
-    writer.writerow(["configuration", "verifier", "kl", "num_drafts", "draft_length", "temperature",
-                     "draft_temperatures", "drafter"] + [f"{n}_{s}" for n in names for s in ("mean", "std")]
-                    + [f"speedup_per_example_{field}" for field in spread_fields]
-                    + ["mixed_conditions", "failed"])  # fmt: skip
+    writer.writerow(
+        [
+            "configuration",
+            "verifier",
+            "kl",
+            "num_drafts",
+            "draft_length",
+            "temperature",
+            "draft_temperatures",
+            "drafter",
+        ]
+        + [f"{n}_{s}" for n in names for s in ("mean", "std")]
+        + [f"speedup_per_example_{field}" for field in spread_fields]
+        + ["mixed_conditions", "failed"]
+    )
     for result in results.cells:
         values = []
         for name in names:
@@ -179,8 +213,20 @@ def csv_text(results: BenchResults) -> str:
         values += [getattr(spread, field) if spread else None for field in spread_fields]
         cell = result.cell
         temps = ",".join(map(str, cell.draft_temperatures)) if cell.draft_temperatures else ""
-        writer.writerow([cell.key, cell.verifier, cell.kl, cell.num_drafts, cell.draft_length, cell.temperature,
-                         temps, cell.drafter or ""] + values + [result.mixed_conditions, result.failure or ""])  # fmt: skip
+        writer.writerow(
+            [
+                cell.key,
+                cell.verifier,
+                cell.kl,
+                cell.num_drafts,
+                cell.draft_length,
+                cell.temperature,
+                temps,
+                cell.drafter or "",
+            ]
+            + values
+            + [result.mixed_conditions, result.failure or ""]
+        )
     return buffer.getvalue()
 
 
@@ -205,8 +251,9 @@ def figure(results: BenchResults):
     if not cells:
         raise ValueError("no configuration has samples to draw")
     seeds = max(len(c.per_seed) for c in cells)
-    drawn, axes = plt.subplots(1, 2 if quality else 1, figsize=(13 if quality else 8, 0.45 * len(cells) + 3),
-                               squeeze=False)  # fmt: skip
+    drawn, axes = plt.subplots(
+        1, 2 if quality else 1, figsize=(13 if quality else 8, 0.45 * len(cells) + 3), squeeze=False
+    )
     drawn.suptitle(_title(results), fontsize=9)
     _plot_speed(axes[0][0], cells, speed, seeds)
     if quality:
@@ -218,7 +265,9 @@ def figure(results: BenchResults):
 def _title(results: BenchResults) -> str:
     """What was run: task, examples and seeds, the token limit, the models, and each part's device and threads."""
     config = results.config
-    task = config["task"]["name"] + (f" {config['task'].get('lang_pair', '')}" if config["task"]["name"] == "wmt" else "")
+    task = config["task"]["name"] + (
+        f" {config['task'].get('lang_pair', '')}" if config["task"]["name"] == "wmt" else ""
+    )
     seeds = len(config.get("seeds", [])) or 1
     what = f"{task}: {config['data']['examples']} examples × {seeds} seed{'s' if seeds > 1 else ''}"
     known = [part.conditions for part in results.conditions if part.conditions is not None]
@@ -242,8 +291,13 @@ def _plot_speed(axis, cells: list[CellResult], speed: str, seeds: int) -> None:
     only over several seeds (one seed has no spread to draw)."""
     positions = list(range(len(cells)))[::-1]
     values = [_value(cell, speed) for cell in cells]
-    axis.barh(positions, [m for m, _ in values], xerr=[s for _, s in values] if seeds > 1 else None, capsize=3,
-              color=[verifier_colour(cell.cell.verifier) for cell in cells])  # fmt: skip
+    axis.barh(
+        positions,
+        [m for m, _ in values],
+        xerr=[s for _, s in values] if seeds > 1 else None,
+        capsize=3,
+        color=[verifier_colour(cell.cell.verifier) for cell in cells],
+    )
     axis.set_yticks(positions, [_label(cell) for cell in cells], fontsize=8)
     if speed == "speedup":
         axis.axvline(1.0, color="black", linewidth=1, linestyle="--")
@@ -266,11 +320,15 @@ def _plot_speed_against_quality(axis, cells: list[CellResult], speed: str, quali
         marker = "s" if verifier == BASELINE else _MARKERS[seen[verifier] % len(_MARKERS)]
         (y, y_error), (x, x_error) = _value(cell, speed), _value(cell, quality)
         errors = {"xerr": [x_error], "yerr": [y_error], "capsize": 2} if seeds > 1 else {}
-        axis.errorbar([x], [y], marker=marker, markersize=7, color=verifier_colour(verifier), label=_label(cell),
-                      **errors)  # fmt: skip
+        axis.errorbar(
+            [x], [y], marker=marker, markersize=7, color=verifier_colour(verifier), label=_label(cell), **errors
+        )
     if speed == "speedup":
         axis.axhline(1.0, color="black", linewidth=1, linestyle="--")
     axis.margins(0.15)
-    axis.set(xlabel=f"{QUALITY[quality]} ({_spread_label(seeds)})", ylabel=speed.replace("_", " "),
-             title="speed against quality")  # fmt: skip
+    axis.set(
+        xlabel=f"{QUALITY[quality]} ({_spread_label(seeds)})",
+        ylabel=speed.replace("_", " "),
+        title="speed against quality",
+    )
     axis.legend(fontsize=7, loc="best")

@@ -22,10 +22,21 @@ from .metrics import (
     share_time,
     speed_summary,
     spread,
-)  # fmt: skip
+)
 
-SUMMARIZED = ("block_efficiency", "acceptance_rate", "token_acceptance", "tokens_per_second", "speedup",
-              "expected_speedup", "efficiency_vs_expected", "engine_overhead", "bleu", "chrf", "rougeL")  # fmt: skip
+SUMMARIZED = (
+    "block_efficiency",
+    "acceptance_rate",
+    "token_acceptance",
+    "tokens_per_second",
+    "speedup",
+    "expected_speedup",
+    "efficiency_vs_expected",
+    "engine_overhead",
+    "bleu",
+    "chrf",
+    "rougeL",
+)
 """Metrics given as mean ± std over seeds (in this order)."""
 
 
@@ -82,9 +93,15 @@ class CellResult:
     def to_dict(self) -> dict:
         summary = {name: dataclasses.asdict(value) for name, value in self.summary.items()}
         spread_ = dataclasses.asdict(self.speedup_spread) if self.speedup_spread else None
-        return {**dataclasses.asdict(self.cell), "key": self.key, "per_seed": self.per_seed, "summary": summary,
-                "speedup_spread": spread_, "mixed_conditions": self.mixed_conditions,
-                "failed": self.failure}  # fmt: skip
+        return {
+            **dataclasses.asdict(self.cell),
+            "key": self.key,
+            "per_seed": self.per_seed,
+            "summary": summary,
+            "speedup_spread": spread_,
+            "mixed_conditions": self.mixed_conditions,
+            "failed": self.failure,
+        }
 
 
 @dataclass(kw_only=True)
@@ -105,16 +122,20 @@ class BenchResults:
         return len([part for part in self.conditions if part.conditions is not None]) > 1
 
     def to_dict(self) -> dict:
-        content = {"cells": [cell.to_dict() for cell in self.cells], "config": self.config,
-                   "conditions": [dataclasses.asdict(part) for part in self.conditions],
-                   "mixed_conditions": self.mixed_conditions}  # fmt: skip
+        content = {
+            "cells": [cell.to_dict() for cell in self.cells],
+            "config": self.config,
+            "conditions": [dataclasses.asdict(part) for part in self.conditions],
+            "mixed_conditions": self.mixed_conditions,
+        }
         if self.environment is not None:
             content |= {"environment": self.environment, "interrupted": self.interrupted, "notes": self.notes}
         return content
 
 
-def summarize(config: dict, records: list[dict], failures: dict[str, str] | None = None,
-              **provenance: Any) -> BenchResults:  # fmt: skip
+def summarize(
+    config: dict, records: list[dict], failures: dict[str, str] | None = None, **provenance: Any
+) -> BenchResults:
     """Per-cell metrics from the samples: speed pooled per seed, quality per seed, mean ± std over seeds.
 
     ``failures``: cell key → why it stopped, in the run that just ran; ``provenance``: that run's
@@ -131,18 +152,27 @@ def summarize(config: dict, records: list[dict], failures: dict[str, str] | None
         per_token = cell.verifier == BASELINE or described.get(cell.verifier, {}).get("token_level", True)
         mine = by_cell.get(cell.key, {})
         baseline = by_cell.get(cell.baseline_key, {}) if cell.verifier != BASELINE else {}
-        per_seed = {str(seed): _seed_metrics(cell, samples, baseline.get(seed, []), config, per_token)
-                    for seed, samples in sorted(mine.items())}  # fmt: skip
-        speedups = [value for seed, samples in mine.items()
-                    for value in _example_speedups(samples, baseline.get(seed, []))]  # fmt: skip
+        per_seed = {
+            str(seed): _seed_metrics(cell, samples, baseline.get(seed, []), config, per_token)
+            for seed, samples in sorted(mine.items())
+        }
+        speedups = [
+            value for seed, samples in mine.items() for value in _example_speedups(samples, baseline.get(seed, []))
+        ]
         measured = [record for group in (*mine.values(), *baseline.values()) for record in group]
-        cells.append(CellResult(
-            cell=cell, per_seed=per_seed, summary=_summary(cell, per_seed),
-            speedup_spread=Spread(**found) if (found := spread(speedups)) else None,
-            mixed_conditions=len(_conditions_parts(measured)) > 1, failure=(failures or {}).get(cell.key),
-        ))  # fmt: skip
-    return BenchResults(cells=cells, config=config, conditions=_conditions_parts(records, keep_unknown=True),
-                        **provenance)  # fmt: skip
+        cells.append(
+            CellResult(
+                cell=cell,
+                per_seed=per_seed,
+                summary=_summary(cell, per_seed),
+                speedup_spread=Spread(**found) if (found := spread(speedups)) else None,
+                mixed_conditions=len(_conditions_parts(measured)) > 1,
+                failure=(failures or {}).get(cell.key),
+            )
+        )
+    return BenchResults(
+        cells=cells, config=config, conditions=_conditions_parts(records, keep_unknown=True), **provenance
+    )
 
 
 def _summary(cell: GridCell, per_seed: dict[str, dict[str, Any]]) -> dict[str, MeanStd]:
@@ -185,14 +215,16 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _seed_metrics(cell: GridCell, samples: list[dict], baseline: list[dict], config: dict,
-                  per_token: bool) -> dict[str, Any]:  # fmt: skip
+def _seed_metrics(
+    cell: GridCell, samples: list[dict], baseline: list[dict], config: dict, per_token: bool
+) -> dict[str, Any]:
     """One seed's metrics for ``cell`` from its samples, with speedups over the same seed's baseline.
     ``per_token``: the verifier decides position by position (else per-token acceptance is undefined)."""
     samples = sorted(samples, key=lambda r: r["index"])
     metrics = speed_summary([r["stats"] for r in samples])
-    metrics.update(corpus_quality(config["task"]["metrics"], [r["text"] for r in samples],
-                                  [r["reference"] for r in samples]))  # fmt: skip
+    metrics.update(
+        corpus_quality(config["task"]["metrics"], [r["text"] for r in samples], [r["reference"] for r in samples])
+    )
     if cell.verifier != BASELINE and baseline:
         _add_speedup(metrics, cell, samples, baseline, per_token)
     if not per_token:
@@ -247,4 +279,3 @@ def _by_category(samples: list[dict]) -> dict[str, float]:
     for record in samples:
         categories.setdefault(record.get("category") or "all", []).append(record["stats"])
     return {name: speed_summary(stats)["tokens_per_second"] for name, stats in sorted(categories.items())}
-

@@ -44,11 +44,22 @@ class BenchRunner:
     """Runs every (cell, seed, example) not yet in the store; each model is loaded once for all cells."""
 
     def __init__(
-        self, *, recipe: Recipe, task: Task, examples: list[Example], cells: list[GridCell], seeds: list[int],
-        store: ResultsStore, conditions: dict, rank: int = 0, world_size: int = 1,
-        registry: VerifierRegistry | None = None, template: str | None = None, lang_pair: tuple[str, str] = ("en", "fr"),
+        self,
+        *,
+        recipe: Recipe,
+        task: Task,
+        examples: list[Example],
+        cells: list[GridCell],
+        seeds: list[int],
+        store: ResultsStore,
+        conditions: dict,
+        rank: int = 0,
+        world_size: int = 1,
+        registry: VerifierRegistry | None = None,
+        template: str | None = None,
+        lang_pair: tuple[str, str] = ("en", "fr"),
         pool: ModelPool | None = None,
-    ):  # fmt: skip
+    ):
         self.recipe = recipe
         self.examples = examples
         self.cells = cells
@@ -67,8 +78,9 @@ class BenchRunner:
         self._on_failure: Callable[[CellFailure], None] | None = None
 
     def decoder(self, cell: GridCell) -> SpeculativeDecoder:
-        return SpeculativeDecoder.from_recipe(cell.recipe(self.recipe, self.registry), pool=self.pool,
-                                              registry=self.registry)  # fmt: skip
+        return SpeculativeDecoder.from_recipe(
+            cell.recipe(self.recipe, self.registry), pool=self.pool, registry=self.registry
+        )
 
     def prompt(self, example: Example) -> str:
         return self.template.replace("{source}", example.source)
@@ -79,8 +91,11 @@ class BenchRunner:
     def pending(self) -> int:
         return pending_samples(self.store, self.cells, self.seeds, self.my_examples())
 
-    def run(self, on_tokens: Callable[[str, int], None] | None = None,
-            on_failure: Callable[[CellFailure], None] | None = None) -> None:  # fmt: skip
+    def run(
+        self,
+        on_tokens: Callable[[str, int], None] | None = None,
+        on_failure: Callable[[CellFailure], None] | None = None,
+    ) -> None:
         """Every pending (seed, example), each run by every cell in turn: the baseline and the cells
         see the same state of the machine, so slow drift (thermal, other load) cancels in speedups.
         ``on_tokens(cell key, count)`` follows generation, block by block. A cell whose generation
@@ -108,8 +123,12 @@ class BenchRunner:
         against the model's context) and one warm-up run on the first, before any sample is timed."""
         prepared = {}
         for cell in self.cells:
-            pending = {example.id: example for seed in self.seeds for _, example in mine
-                       if not self.store.done((cell.key, seed, example.id))}  # fmt: skip
+            pending = {
+                example.id: example
+                for seed in self.seeds
+                for _, example in mine
+                if not self.store.done((cell.key, seed, example.id))
+            }
             if pending:
                 decoder = self.decoder(cell)
                 prompt_ids = {key: decoder.encode_prompt(self.prompt(example)) for key, example in pending.items()}
@@ -123,8 +142,14 @@ class BenchRunner:
                 prepared[cell] = _CellRun(decoder, prompt_ids)
         return prepared
 
-    def _batch(self, cell: GridCell, run: _CellRun, seed: int, mine: list[tuple[int, Example]],
-               on_tokens: Callable[[str, int], None] | None) -> None:  # fmt: skip
+    def _batch(
+        self,
+        cell: GridCell,
+        run: _CellRun,
+        seed: int,
+        mine: list[tuple[int, Example]],
+        on_tokens: Callable[[str, int], None] | None,
+    ) -> None:
         """The batched cell's pending examples of ``seed``, decoded ``cell.batch_size`` at a time."""
         pending = [(index, example) for index, example in mine if not self.store.done((cell.key, seed, example.id))]
         if cell.key in self.failures:
@@ -133,16 +158,30 @@ class BenchRunner:
             return
         self._decode(cell, run, seed, pending, on_tokens)
 
-    def _decode(self, cell: GridCell, run: _CellRun, seed: int, pending: list[tuple[int, Example]],
-                on_tokens: Callable[[str, int], None] | None) -> None:  # fmt: skip
+    def _decode(
+        self,
+        cell: GridCell,
+        run: _CellRun,
+        seed: int,
+        pending: list[tuple[int, Example]],
+        on_tokens: Callable[[str, int], None] | None,
+    ) -> None:
         """The (index, example) pairs ``pending`` of ``seed``, decoded ``cell.batch_size`` at a time; each sample is
         kept as it finishes, with the key it has alone (a resumed run's batches differ, its samples do not)."""
         by_index = dict(pending)
         decoder = run.decoder
         progress = None if on_tokens is None else (lambda _p, _s, new, _mask: on_tokens(cell.key, len(new)))
-        jobs = [SequenceJob(self.prompt(example), index, 0, run.prompt_ids[example.id],
-                            None if progress is None else functools.partial(progress, index, 0),
-                            sample_key(seed, index, 0)) for index, example in pending]  # fmt: skip
+        jobs = [
+            SequenceJob(
+                self.prompt(example),
+                index,
+                0,
+                run.prompt_ids[example.id],
+                None if progress is None else functools.partial(progress, index, 0),
+                sample_key(seed, index, 0),
+            )
+            for index, example in pending
+        ]
         results = DecodingRun(decoder, cell.batch_size).run(jobs)
         while True:
             try:  # only the generation: a failing write (a full disk) in _keep stops the run
@@ -153,21 +192,49 @@ class BenchRunner:
                 return
             if result is None:
                 return
-            self._keep(cell, decoder, seed, result.prompt_index, by_index[result.prompt_index], result.token_ids,
-                       result.accepted_mask, result.stats.to_dict(), on_tokens)
+            self._keep(
+                cell,
+                decoder,
+                seed,
+                result.prompt_index,
+                by_index[result.prompt_index],
+                result.token_ids,
+                result.accepted_mask,
+                result.stats.to_dict(),
+                on_tokens,
+            )
 
     def _keep(
-        self, cell: GridCell, decoder: SpeculativeDecoder, seed: int, index: int, example: Example, tokens: list[int],
-        mask: list[bool], stats: dict, on_tokens: Callable[[str, int], None] | None,
-    ) -> None:  # fmt: skip
+        self,
+        cell: GridCell,
+        decoder: SpeculativeDecoder,
+        seed: int,
+        index: int,
+        example: Example,
+        tokens: list[int],
+        mask: list[bool],
+        stats: dict,
+        on_tokens: Callable[[str, int], None] | None,
+    ) -> None:
         """Append one sample to the store (it is on disk before the next one starts)."""
         if on_tokens is not None:
             on_tokens(cell.key, decoder.config.generation.max_new_tokens - len(tokens))  # an early EOS's unused budget
-        self.store.append(BenchSample(
-            cell=cell.key, seed=seed, example_id=example.id, index=index, category=example.category,
-            prompt=self.prompt(example), text=decoder.target.tokenizer.decode(tokens, skip_special_tokens=True),
-            reference=example.reference, token_ids=tokens, accepted_mask=mask, stats=stats, conditions=self.conditions,
-        ).to_record())  # fmt: skip
+        self.store.append(
+            BenchSample(
+                cell=cell.key,
+                seed=seed,
+                example_id=example.id,
+                index=index,
+                category=example.category,
+                prompt=self.prompt(example),
+                text=decoder.target.tokenizer.decode(tokens, skip_special_tokens=True),
+                reference=example.reference,
+                token_ids=tokens,
+                accepted_mask=mask,
+                stats=stats,
+                conditions=self.conditions,
+            ).to_record()
+        )
 
     def _fail(self, failure: CellFailure) -> None:
         self.failures[failure.cell] = failure
@@ -202,8 +269,9 @@ def shard(examples: list[Example], rank: int, world_size: int) -> list[tuple[int
     return [(i, e) for i, e in enumerate(examples) if i % world_size == rank]
 
 
-def pending_samples(store: ResultsStore, cells: list[GridCell], seeds: list[int],
-                    mine: list[tuple[int, Example]]) -> int:  # fmt: skip
+def pending_samples(
+    store: ResultsStore, cells: list[GridCell], seeds: list[int], mine: list[tuple[int, Example]]
+) -> int:
     """How many (cell, seed, example) of this process the store does not hold yet."""
     return sum(not store.done((cell.key, seed, example.id)) for cell in cells for seed in seeds for _, example in mine)
 
@@ -231,9 +299,13 @@ def check_cells(cells: list[GridCell], skipped: list[str], base: Recipe, registr
             SpeculativeDecoder.check_recipe(recipe, registry)
         except UsageError as error:
             raise type(error)(f"grid cell '{cell.key}': {error}") from None
-    taken = {key for c in cells if c.verifier != BASELINE for key in registry.params_for(c.verifier, base.verifier.params)}
-    return [f"verifier.params.{key} is taken by no verifier of the grid; ignored"
-            for key in sorted(set(base.verifier.params) - taken)]
+    taken = {
+        key for c in cells if c.verifier != BASELINE for key in registry.params_for(c.verifier, base.verifier.params)
+    }
+    return [
+        f"verifier.params.{key} is taken by no verifier of the grid; ignored"
+        for key in sorted(set(base.verifier.params) - taken)
+    ]
 
 
 def check_conditions(records: list[dict], current: dict, folder: object) -> None:

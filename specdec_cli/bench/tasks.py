@@ -43,8 +43,10 @@ def turns_note(examples: list[Example]) -> str | None:
     multi = [e for e in examples if e.turns > 1]
     if not multi:
         return None
-    return (f"{len(multi)} of {len(examples)} questions have {max(e.turns for e in multi)} turns; only the first "
-            "turn of each is generated (a later turn's prompt needs the model's own earlier answer)")  # fmt: skip
+    return (
+        f"{len(multi)} of {len(examples)} questions have {max(e.turns for e in multi)} turns; only the first "
+        "turn of each is generated (a later turn's prompt needs the model's own earlier answer)"
+    )
 
 
 @dataclass(frozen=True)
@@ -68,22 +70,33 @@ class Task:
 
 TASKS = {
     "wmt": Task(
-        "wmt", ("bleu", "chrf"),
+        "wmt",
+        ("bleu", "chrf"),
         "translate {src_lang} to {tgt_lang}: {source}",
         "Translate the following {src_lang} text into {tgt_lang}. Reply with the translation only.\n\n{source}",
-        "source", "reference",
+        "source",
+        "reference",
     ),
     "xsum": Task(
-        "xsum", ("rougeL",), "summarize: {source}",
+        "xsum",
+        ("rougeL",),
+        "summarize: {source}",
         "Summarize the following article in one sentence.\n\n{source}",
-        "document", "summary", hub=("EdinburghNLP/xsum", None, "test"),
+        "document",
+        "summary",
+        hub=("EdinburghNLP/xsum", None, "test"),
     ),
     "dolly": Task(
-        "dolly", ("rougeL",), "{source}", "{source}", "instruction", "response",
+        "dolly",
+        ("rougeL",),
+        "{source}",
+        "{source}",
+        "instruction",
+        "response",
         hub=("databricks/databricks-dolly-15k", None, "train"),
     ),
     "spec-bench": Task("spec-bench", (), "{source}", "{source}", "turns", None, per_category=True),
-}  # fmt: skip
+}
 
 
 @dataclass(kw_only=True)
@@ -191,8 +204,9 @@ def _dataset_example(record: dict, number: int, where: str, task: Task, fields: 
         source = f"{source}\n\n{context}"
     reference = optional_string(record, reference_field, where) if reference_field else None
     turns = len(record[source_field]) if isinstance(record[source_field], list) else 1
-    return Example(_example_id(record, number, where), source, reference, optional_string(record, "category", where),
-                   turns)  # fmt: skip
+    return Example(
+        _example_id(record, number, where), source, reference, optional_string(record, "category", where), turns
+    )
 
 
 def _example_id(record: dict, number: int, where: str) -> str:
@@ -207,9 +221,7 @@ def _example_id(record: dict, number: int, where: str) -> str:
 
 
 def _online(task: Task, spec: DataSource) -> list[Example]:
-    local = (
-        "--source FILE --reference FILE (aligned plain text)" if task.name == "wmt" else "--dataset FILE.jsonl"
-    )
+    local = "--source FILE --reference FILE (aligned plain text)" if task.name == "wmt" else "--dataset FILE.jsonl"
     try:
         if task.name == "wmt":
             return _sacrebleu_wmt(spec.lang_pair)

@@ -30,27 +30,70 @@ if TYPE_CHECKING:
 
 
 def acceptance(
-    prompt_args: Annotated[Optional[list[str]], typer.Argument(
-        metavar="PROMPT", help="Prompts to continue (any number); or --prompt-file, or piped stdin.", show_default=False)] = None,
+    prompt_args: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            metavar="PROMPT",
+            help="Prompts to continue (any number); or --prompt-file, or piped stdin.",
+            show_default=False,
+        ),
+    ] = None,
     prompts: Annotated[Optional[list[str]], typer.Option("--prompt", hidden=True)] = None,
     prompt_file: common.PromptFileOption = None,
     field: common.FieldOption = None,
-    limit: Annotated[Optional[int], typer.Option(metavar="N", help="Use only the first N prompts (after --shuffle).")] = None,
-    shuffle: Annotated[bool, typer.Option("--shuffle", metavar="", help="Shuffle the prompts (--shuffle-seed) before --limit.")] = False,
-    shuffle_seed: Annotated[int, typer.Option(metavar="N", help="Seed of --shuffle (the data order, not sampling).")] = 0,
+    limit: Annotated[
+        Optional[int], typer.Option(metavar="N", help="Use only the first N prompts (after --shuffle).")
+    ] = None,
+    shuffle: Annotated[
+        bool, typer.Option("--shuffle", metavar="", help="Shuffle the prompts (--shuffle-seed) before --limit.")
+    ] = False,
+    shuffle_seed: Annotated[
+        int, typer.Option(metavar="N", help="Seed of --shuffle (the data order, not sampling).")
+    ] = 0,
     recipe: common.RecipeOption = None,
-    drafters: Annotated[Optional[str], typer.Option("--drafter", metavar="NAME[,NAME…]", help=(
-        "Comma list of drafters (see `specdec drafters`), each evaluated on its own: the recipe's entries of it, or "
-        "one with its defaults. [dim]\\[default: the recipe's drafts, together][/dim]"))] = None,
-    verifiers: Annotated[Optional[str], typer.Option("--verifier", metavar="NAME[,NAME…]", help=(
-        "Comma list of verifiers (rows). [dim]\\[default: every installed verifier that has a per-token acceptance "
-        "for these drafts][/dim]"))] = None,
-    num_drafts: Annotated[str, typer.Option("--num-drafts", metavar="K[,K…]", help="Comma list of draft counts (columns).")] = "1,2,4",
-    kl: Annotated[Optional[str], typer.Option("--kl", metavar="NATS[,NATS…]", help=(
-        "Comma list of KL bounds D in nats: a row each for every verifier with a KL bound. [dim]\\[default: "
-        "fractions of the pair's measured KL(q‖p) on the first prompt][/dim]"))] = None,
-    draft_temperatures: Annotated[Optional[str], typer.Option(metavar="T[,T…]", help=(
-        "Drafts that differ only in temperature: copies of the recipe's first draft at these temperatures."))] = None,
+    drafters: Annotated[
+        Optional[str],
+        typer.Option(
+            "--drafter",
+            metavar="NAME[,NAME…]",
+            help=(
+                "Comma list of drafters (see `specdec drafters`), each evaluated on its own: the recipe's entries of it, or "
+                "one with its defaults. [dim]\\[default: the recipe's drafts, together][/dim]"
+            ),
+        ),
+    ] = None,
+    verifiers: Annotated[
+        Optional[str],
+        typer.Option(
+            "--verifier",
+            metavar="NAME[,NAME…]",
+            help=(
+                "Comma list of verifiers (rows). [dim]\\[default: every installed verifier that has a per-token acceptance "
+                "for these drafts][/dim]"
+            ),
+        ),
+    ] = None,
+    num_drafts: Annotated[
+        str, typer.Option("--num-drafts", metavar="K[,K…]", help="Comma list of draft counts (columns).")
+    ] = "1,2,4",
+    kl: Annotated[
+        Optional[str],
+        typer.Option(
+            "--kl",
+            metavar="NATS[,NATS…]",
+            help=(
+                "Comma list of KL bounds D in nats: a row each for every verifier with a KL bound. [dim]\\[default: "
+                "fractions of the pair's measured KL(q‖p) on the first prompt][/dim]"
+            ),
+        ),
+    ] = None,
+    draft_temperatures: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="T[,T…]",
+            help=("Drafts that differ only in temperature: copies of the recipe's first draft at these temperatures."),
+        ),
+    ] = None,
     max_new_tokens: common.MaxNewTokensOption = None,
     temperature: common.TemperatureOption = None,
     top_k: common.TopKOption = None,
@@ -62,17 +105,31 @@ def acceptance(
     chat: common.ChatOption = None,
     as_json: common.JsonOption = False,
     output: common.OutputOption = None,
-    plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help=(
-        "Draw acceptance against K, and acceptance against KL for verifiers with a KL bound, to this PNG."))] = None,
+    plot: Annotated[
+        Optional[Path],
+        typer.Option(
+            metavar="FILE.png",
+            help=("Draw acceptance against K, and acceptance against KL for verifiers with a KL bound, to this PNG."),
+        ),
+    ] = None,
     threads: common.ThreadsOption = None,
 ) -> None:
     """Acceptance probability of each verifier per number of drafts, on positions the target generates."""
     common.apply_threads(threads)
     temperatures = common.parse_list(draft_temperatures, float, "--draft-temperatures")
     options = common.RecipeOptions(
-        recipe=recipe, sets=sets or [], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat, draft_temperatures=temperatures or None,
-    )  # fmt: skip
+        recipe=recipe,
+        sets=sets or [],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        chat=chat,
+        draft_temperatures=temperatures or None,
+    )
     resolved = options.resolve()
     # Each drafter's entries, checked (an unknown drafter, one that needs an entry): one line before models load.
     sections = DrafterSection.of_recipe(resolved, common.grid_values(drafters, str, "--drafter"))
@@ -87,8 +144,15 @@ def acceptance(
     _run(resolved, (request, sections), texts, left_out, output, as_json, plot)
 
 
-def _run(recipe: Recipe, what: tuple[AcceptanceRequest, list[DrafterSection]], texts: list[str], left_out: list[str],
-         output: Path | None, as_json: bool, plot: Path | None) -> None:  # fmt: skip
+def _run(
+    recipe: Recipe,
+    what: tuple[AcceptanceRequest, list[DrafterSection]],
+    texts: list[str],
+    left_out: list[str],
+    output: Path | None,
+    as_json: bool,
+    plot: Path | None,
+) -> None:
     """Evaluate what the results folder does not hold yet, then write and show the report (also when stopped).
     ``what``: the request and the drafter sections it is evaluated for."""
     from ..acceptance.analysis import AcceptanceAnalysis  # torch and transformers: only now
@@ -104,8 +168,12 @@ def _run(recipe: Recipe, what: tuple[AcceptanceRequest, list[DrafterSection]], t
         err.print("left out: " + "; ".join(left_out), highlight=False, soft_wrap=True)
     if analysis.kl_reference:  # derived from a pair's positive mean KL (otherwise the fixed fallback bounds)
         bounds_text = ", ".join(f"{b:g}" for b in analysis.request.kl_values)
-        err.print(f"KL bounds {bounds_text}: 0.1, 0.3 and 1 × the pair's mean KL(q‖p) = {analysis.kl_reference:.3g} nats "
-                  "on the first prompt (--kl sets others)", highlight=False, soft_wrap=True)  # fmt: skip
+        err.print(
+            f"KL bounds {bounds_text}: 0.1, 0.3 and 1 × the pair's mean KL(q‖p) = {analysis.kl_reference:.3g} nats "
+            "on the first prompt (--kl sets others)",
+            highlight=False,
+            soft_wrap=True,
+        )
     if first.interrupted:
         err.print(f"interrupted: results over {len(first.prompts)} of {len(texts)} prompts")
     content = report.payload(recipe, analysis.request, results, analysis.decoder.device)
@@ -134,21 +202,27 @@ def _write_summary(output: Path, content: dict, results: list[AcceptanceReport])
     try:
         report.write(output, content, results)  # each file replaced whole: a failed write leaves the previous one
     except OSError as error:
-        raise SpecdecError(f"could not write the summary in '{output}' ({error.strerror}); every prompt's values are "
-                           "kept in samples.jsonl: free some space and run the same command again") from None
+        raise SpecdecError(
+            f"could not write the summary in '{output}' ({error.strerror}); every prompt's values are "
+            "kept in samples.jsonl: free some space and run the same command again"
+        ) from None
 
 
-def _evaluate(analysis: "AcceptanceAnalysis", texts: list[str], store: ResultsStore,
-              err: Console) -> list[AcceptanceReport]:  # fmt: skip
+def _evaluate(
+    analysis: "AcceptanceAnalysis", texts: list[str], store: ResultsStore, err: Console
+) -> list[AcceptanceReport]:
     """Every (drafter section, prompt) the store does not hold yet, written to it prompt by prompt, under a
     progress bar."""
     done = [PromptAcceptance.from_record(record) for record in store.records.values()]
     if store.dropped_cut_line:
-        err.print("note: the last prompt line was cut short (a killed run or a full disk); it was dropped and runs again")
+        err.print(
+            "note: the last prompt line was cut short (a killed run or a full disk); it was dropped and runs again"
+        )
     budget = analysis.recipe.generation.max_new_tokens
     sections_done = Counter(result.prompt_index for result in done)
     finished = sum(count == len(analysis.sections) for count in sections_done.values())  # prompts wholly done
     with common.token_progress(len(texts) * budget, completed=finished * budget, label="prompts") as progress:
+
         def written(results: list[PromptAcceptance]) -> None:
             for result in results:
                 store.append(result.to_record())
@@ -159,21 +233,26 @@ def _evaluate(analysis: "AcceptanceAnalysis", texts: list[str], store: ResultsSt
     return reports
 
 
-def _open_store(output: Path | None, recipe: Recipe, what: tuple[AcceptanceRequest, list[DrafterSection]],
-                texts: list[str]) -> ResultsStore:  # fmt: skip
+def _open_store(
+    output: Path | None, recipe: Recipe, what: tuple[AcceptanceRequest, list[DrafterSection]], texts: list[str]
+) -> ResultsStore:
     """The prompts' results, written to ``output`` as they come (resumed from it): checked, locked
     and compared with the folder's configuration before any model loads. ``what``: the request and its drafter
     sections; the sections are written only when named (``--drafter``), so older folders resume."""
     request, sections = what
     named = [section.drafter for section in sections if section.drafter is not None]
-    config = {"recipe": recipe.to_dict(), "request": dataclasses.asdict(request),
-              "prompts": hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16],
-              **({"drafters": named} if named else {})}  # fmt: skip
+    config = {
+        "recipe": recipe.to_dict(),
+        "request": dataclasses.asdict(request),
+        "prompts": hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16],
+        **({"drafters": named} if named else {}),
+    }
     return ResultsStore(output, config, kind=PROMPT_RECORDS)
 
 
-def _applicable(names: list[str], num_drafts: tuple[int, ...],
-                section_laws: list[list[Hashable]]) -> tuple[list[str], list[str]]:  # fmt: skip
+def _applicable(
+    names: list[str], num_drafts: tuple[int, ...], section_laws: list[list[Hashable]]
+) -> tuple[list[str], list[str]]:
     """The verifiers (default: every installed one) that have a per-token acceptance for some K of
     ``num_drafts`` in some drafter section (K rows taken in turn from its draft configs, whose laws are keyed by
     ``section_laws``), and why each other one is left out. Checked before any model loads."""

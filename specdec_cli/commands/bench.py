@@ -27,49 +27,143 @@ from . import common
 if TYPE_CHECKING:
     from ..bench.runner import BenchRunner
 
-_ReportOption = Annotated[Optional[Path], typer.Option("--report", metavar="FOLDER", help=(
-    "Show the results of a results folder again, without running models."))]
-_PlotOption = Annotated[Optional[Path], typer.Option(metavar="FILE.png", help=(
-    "Draw speedup (or token rate) against quality to this PNG."))]
-_AllowMixedOption = Annotated[bool, typer.Option("--allow-mixed-conditions", metavar="", help=(
-    "Resume an --output folder whose samples ran with other threads, device or versions (the results flag the mix)."))]
+_ReportOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--report", metavar="FOLDER", help=("Show the results of a results folder again, without running models.")
+    ),
+]
+_PlotOption = Annotated[
+    Optional[Path], typer.Option(metavar="FILE.png", help=("Draw speedup (or token rate) against quality to this PNG."))
+]
+_AllowMixedOption = Annotated[
+    bool,
+    typer.Option(
+        "--allow-mixed-conditions",
+        metavar="",
+        help=(
+            "Resume an --output folder whose samples ran with other threads, device or versions (the results flag the mix)."
+        ),
+    ),
+]
 
 
 def bench(
     task: Annotated[str, typer.Option(metavar="TASK", help="wmt, xsum, dolly or spec-bench.")] = "wmt",
     lang_pair: Annotated[str, typer.Option(metavar="SRC-TGT", help="WMT language pair.")] = "en-fr",
     source: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Plain-text inputs, one per line.")] = None,
-    reference: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Plain-text references aligned with --source.")] = None,
-    dataset: Annotated[Optional[Path], typer.Option(metavar="FILE", help="A .jsonl file of examples (Spec-Bench's format too).")] = None,
-    source_field: Annotated[Optional[str], typer.Option(metavar="NAME", help="Input field of --dataset records.")] = None,
-    reference_field: Annotated[Optional[str], typer.Option(metavar="NAME", help="Reference field of --dataset records.")] = None,
-    template: Annotated[Optional[str], typer.Option(metavar="TEXT", help=(
-        "Prompt template with {source}. [dim]\\[default: the task's, for the target's kind][/dim]"))] = None,
-    limit: Annotated[Optional[int], typer.Option(metavar="N", help="Use only the first N examples (after --shuffle).")] = None,
-    shuffle: Annotated[bool, typer.Option("--shuffle", metavar="", help="Shuffle the examples (--shuffle-seed) before --limit.")] = False,
-    shuffle_seed: Annotated[int, typer.Option(metavar="N", help="Seed of --shuffle (the data order, not sampling).")] = 0,
+    reference: Annotated[
+        Optional[Path], typer.Option(metavar="FILE", help="Plain-text references aligned with --source.")
+    ] = None,
+    dataset: Annotated[
+        Optional[Path], typer.Option(metavar="FILE", help="A .jsonl file of examples (Spec-Bench's format too).")
+    ] = None,
+    source_field: Annotated[
+        Optional[str], typer.Option(metavar="NAME", help="Input field of --dataset records.")
+    ] = None,
+    reference_field: Annotated[
+        Optional[str], typer.Option(metavar="NAME", help="Reference field of --dataset records.")
+    ] = None,
+    template: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="TEXT",
+            help=("Prompt template with {source}. [dim]\\[default: the task's, for the target's kind][/dim]"),
+        ),
+    ] = None,
+    limit: Annotated[
+        Optional[int], typer.Option(metavar="N", help="Use only the first N examples (after --shuffle).")
+    ] = None,
+    shuffle: Annotated[
+        bool, typer.Option("--shuffle", metavar="", help="Shuffle the examples (--shuffle-seed) before --limit.")
+    ] = False,
+    shuffle_seed: Annotated[
+        int, typer.Option(metavar="N", help="Seed of --shuffle (the data order, not sampling).")
+    ] = 0,
     seed: common.SeedOption = None,
-    seeds: Annotated[Optional[str], typer.Option(metavar="N[,N…]", help=(
-        "Comma list of sampling seeds: every cell runs with each (mean ± std over seeds). [dim]\\[default: --seed][/dim]"))] = None,
+    seeds: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="N[,N…]",
+            help=(
+                "Comma list of sampling seeds: every cell runs with each (mean ± std over seeds). [dim]\\[default: --seed][/dim]"
+            ),
+        ),
+    ] = None,
     recipe: common.RecipeOption = None,
-    verifiers: Annotated[Optional[str], typer.Option("--verifier", metavar="NAME[,NAME…]", help=(
-        f"Comma list of verifiers (grid). {common.from_recipe(common.DEFAULT_RECIPE.verifier.name)}"))] = None,
-    drafters: Annotated[Optional[str], typer.Option("--drafter", metavar="NAME[,NAME…]", help=(
-        "Comma list of drafters (grid; see `specdec drafters`): each cell drafts with the recipe's entries of it, or "
-        "one with its defaults. [dim]\\[default: the recipe's drafts][/dim]"))] = None,
-    kl: Annotated[Optional[str], typer.Option("--kl", metavar="NATS[,NATS…]", help=(
-        "Comma list of KL bounds D in nats, for verifiers with one (grid)."))] = None,
-    num_drafts: Annotated[Optional[str], typer.Option("--num-drafts", metavar="K[,K…]", help=(
-        f"Comma list of draft counts (grid). {common.from_recipe(common.DEFAULT_RECIPE.speculation.num_drafts)}"))] = None,
-    draft_length: Annotated[Optional[str], typer.Option("--draft-length", metavar="L[,L…]", help=(
-        f"Comma list of draft lengths in tokens (grid). {common.from_recipe(common.DEFAULT_RECIPE.speculation.draft_length)}"))] = None,
-    temperature: Annotated[Optional[str], typer.Option("--temperature", metavar="T[,T…]", help=(
-        f"Comma list of temperatures (grid). {common.from_recipe(common.DEFAULT_RECIPE.generation.temperature)}"))] = None,
-    draft_temperatures: Annotated[Optional[str], typer.Option(metavar="T,T[;T,T]", help=(
-        "Draft temperature sets: '1.0,1.2' is one set of two drafts; ';' separates sets (grid)."))] = None,
-    batch_sizes: Annotated[Optional[str], typer.Option("--batch-size", metavar="B[,B…]", help=(
-        "Comma list of batch sizes (grid): each cell decodes B samples at a time, and its speedup is over the target "
-        "alone at the same B (batch 1: latency; larger: throughput). [dim]\\[default: 1][/dim]"))] = None,
+    verifiers: Annotated[
+        Optional[str],
+        typer.Option(
+            "--verifier",
+            metavar="NAME[,NAME…]",
+            help=(f"Comma list of verifiers (grid). {common.from_recipe(common.DEFAULT_RECIPE.verifier.name)}"),
+        ),
+    ] = None,
+    drafters: Annotated[
+        Optional[str],
+        typer.Option(
+            "--drafter",
+            metavar="NAME[,NAME…]",
+            help=(
+                "Comma list of drafters (grid; see `specdec drafters`): each cell drafts with the recipe's entries of it, or "
+                "one with its defaults. [dim]\\[default: the recipe's drafts][/dim]"
+            ),
+        ),
+    ] = None,
+    kl: Annotated[
+        Optional[str],
+        typer.Option(
+            "--kl", metavar="NATS[,NATS…]", help=("Comma list of KL bounds D in nats, for verifiers with one (grid).")
+        ),
+    ] = None,
+    num_drafts: Annotated[
+        Optional[str],
+        typer.Option(
+            "--num-drafts",
+            metavar="K[,K…]",
+            help=(
+                f"Comma list of draft counts (grid). {common.from_recipe(common.DEFAULT_RECIPE.speculation.num_drafts)}"
+            ),
+        ),
+    ] = None,
+    draft_length: Annotated[
+        Optional[str],
+        typer.Option(
+            "--draft-length",
+            metavar="L[,L…]",
+            help=(
+                f"Comma list of draft lengths in tokens (grid). {common.from_recipe(common.DEFAULT_RECIPE.speculation.draft_length)}"
+            ),
+        ),
+    ] = None,
+    temperature: Annotated[
+        Optional[str],
+        typer.Option(
+            "--temperature",
+            metavar="T[,T…]",
+            help=(
+                f"Comma list of temperatures (grid). {common.from_recipe(common.DEFAULT_RECIPE.generation.temperature)}"
+            ),
+        ),
+    ] = None,
+    draft_temperatures: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="T,T[;T,T]",
+            help=("Draft temperature sets: '1.0,1.2' is one set of two drafts; ';' separates sets (grid)."),
+        ),
+    ] = None,
+    batch_sizes: Annotated[
+        Optional[str],
+        typer.Option(
+            "--batch-size",
+            metavar="B[,B…]",
+            help=(
+                "Comma list of batch sizes (grid): each cell decodes B samples at a time, and its speedup is over the target "
+                "alone at the same B (batch 1: latency; larger: throughput). [dim]\\[default: 1][/dim]"
+            ),
+        ),
+    ] = None,
     max_new_tokens: common.MaxNewTokensOption = None,
     top_k: common.TopKOption = None,
     top_p: common.TopPOption = None,
@@ -81,7 +175,9 @@ def bench(
     output: common.OutputOption = None,
     report_dir: _ReportOption = None,
     plot: _PlotOption = None,
-    as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print results.json instead of the table.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", metavar="", help="Print results.json instead of the table.")
+    ] = False,
     threads: common.ThreadsOption = None,
     allow_mixed_conditions: _AllowMixedOption = False,
 ) -> None:
@@ -91,17 +187,44 @@ def bench(
     common.apply_threads(threads)
     if report_dir is not None:
         return _report(report_dir, as_json, plot)
-    base = common.RecipeOptions(recipe=recipe, sets=common.with_compile(sets, compile_steps), max_new_tokens=max_new_tokens,
-                                top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat).resolve()  # fmt: skip
-    examples = load_examples(DataSource(
-        task=task, lang_pair=lang_pair, source_file=source, reference_file=reference, dataset=dataset,
-        source_field=source_field, reference_field=reference_field, limit=limit, shuffle=shuffle, seed=shuffle_seed,
-    ))  # fmt: skip
+    base = common.RecipeOptions(
+        recipe=recipe,
+        sets=common.with_compile(sets, compile_steps),
+        max_new_tokens=max_new_tokens,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        chat=chat,
+    ).resolve()
+    examples = load_examples(
+        DataSource(
+            task=task,
+            lang_pair=lang_pair,
+            source_file=source,
+            reference_file=reference,
+            dataset=dataset,
+            source_field=source_field,
+            reference_field=reference_field,
+            limit=limit,
+            shuffle=shuffle,
+            seed=shuffle_seed,
+        )
+    )
     grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures, drafters)
     grid = dataclasses.replace(grid, batch_sizes=_batch_sizes(batch_sizes, base))
     hint = "name the reference field with --reference-field NAME" if dataset else "give --reference FILE"
-    plan = _Plan(base=base, task=get_task(task), lang_pair=lang_pair, template=template, examples=examples, grid=grid,
-                 seeds=common.grid_values(seeds, int, "--seeds") or [base.seed], reference_hint=hint)  # fmt: skip
+    plan = _Plan(
+        base=base,
+        task=get_task(task),
+        lang_pair=lang_pair,
+        template=template,
+        examples=examples,
+        grid=grid,
+        seeds=common.grid_values(seeds, int, "--seeds") or [base.seed],
+        reference_hint=hint,
+    )
     _run(plan, _Output(output, as_json, plot, allow_mixed_conditions))
 
 
@@ -109,8 +232,10 @@ def _report(folder: Path, as_json: bool, plot: Path | None) -> None:
     """Show a results folder again, without running models."""
     config, records = load_saved(folder)
     if not records:
-        raise UsageError(f"'{folder}' holds no samples yet (its run stopped before the first); run bench with "
-                         f"--output {folder} to fill it")  # fmt: skip
+        raise UsageError(
+            f"'{folder}' holds no samples yet (its run stopped before the first); run bench with "
+            f"--output {folder} to fill it"
+        )
     results, output = summarize(config, records), _Output(folder, as_json, plot, False)
     _show(results, output, "")
     _plot(results, output)
@@ -164,8 +289,13 @@ class _Plan:
         """What defines the run's results (a results folder refuses another)."""
         return {
             "recipe": self.base.to_dict(),
-            "task": {"name": self.task.name, "lang_pair": self.lang_pair, "metrics": list(self.task.metrics),
-                     "per_category": self.task.per_category, "template": self.template},  # fmt: skip
+            "task": {
+                "name": self.task.name,
+                "lang_pair": self.lang_pair,
+                "metrics": list(self.task.metrics),
+                "per_category": self.task.per_category,
+                "template": self.template,
+            },
             "data": {"examples": len(self.examples), "fingerprint": fingerprint(self.examples)},
             "cells": [dataclasses.asdict(c) for c in self.cells],
             "seeds": self.seeds,
@@ -189,7 +319,9 @@ def _run(plan: _Plan, output: _Output) -> None:
     store = ResultsStore(output.folder, config, rank, world_size)
     err = Console(stderr=True)
     if store.dropped_cut_line:
-        err.print("note: the last sample line was cut short (a killed run or a full disk); it was dropped and runs again")
+        err.print(
+            "note: the last sample line was cut short (a killed run or a full disk); it was dropped and runs again"
+        )
     for line in [f"skipped: {reason}" for reason in plan.skipped] + [f"note: {note}" for note in plan.notes]:
         err.print(line, highlight=False, soft_wrap=True)
     from ..bench.runner import BenchRunner, check_conditions, pending_samples, shard  # torch: only a run imports it
@@ -198,14 +330,27 @@ def _run(plan: _Plan, output: _Output) -> None:
     from ..results.provenance import provenance, run_conditions
 
     conditions = run_conditions(resolve_device(plan.base.target.device))
-    if not output.allow_mixed_conditions and pending_samples(store, plan.cells, plan.seeds,
-                                                             shard(plan.examples, rank, world_size)):  # fmt: skip
+    if not output.allow_mixed_conditions and pending_samples(
+        store, plan.cells, plan.seeds, shard(plan.examples, rank, world_size)
+    ):
         check_conditions(list(store.records.values()), conditions, output.folder)
     pool = ModelPool()
     with err.status("Loading models…"):
-        runner = BenchRunner(recipe=plan.base, task=plan.task, examples=plan.examples, cells=plan.cells,
-                             seeds=plan.seeds, store=store, rank=rank, world_size=world_size, registry=plan.registry,
-                             template=plan.template, lang_pair=plan.languages, pool=pool, conditions=conditions)  # fmt: skip
+        runner = BenchRunner(
+            recipe=plan.base,
+            task=plan.task,
+            examples=plan.examples,
+            cells=plan.cells,
+            seeds=plan.seeds,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            registry=plan.registry,
+            template=plan.template,
+            lang_pair=plan.languages,
+            pool=pool,
+            conditions=conditions,
+        )
     interrupted = _generate(runner, plan.base.generation.max_new_tokens, rank == 0, err)
     store.close()
     failures = {key: failure.summary() for key, failure in runner.failures.items()}
@@ -214,21 +359,30 @@ def _run(plan: _Plan, output: _Output) -> None:
         if rank != 0:
             return
     environment = provenance(pool.target(plan.base.target).device)
-    results = summarize(config, list(store.records.values()), failures, environment=environment,
-                        interrupted=interrupted, notes=[*plan.skipped, *plan.notes])  # fmt: skip
+    results = summarize(
+        config,
+        list(store.records.values()),
+        failures,
+        environment=environment,
+        interrupted=interrupted,
+        notes=[*plan.skipped, *plan.notes],
+    )
     _finish(results, output, len(store.records))
 
 
 def _generate(runner: "BenchRunner", budget: int, enabled: bool, err: Console) -> bool:
     """Every pending sample under a progress bar, a failing cell's line printed as it fails; True if stopped."""
     with common.token_progress(runner.pending() * budget, enabled=enabled, label="samples") as progress:
+
         def on_tokens(cell: str, tokens: int) -> None:
             progress.describe(cell)
             progress.advance(tokens)
 
         try:
-            runner.run(on_tokens, on_failure=lambda failure: err.print(f"error: {failure.line()}", highlight=False,
-                                                                       soft_wrap=True))  # fmt: skip
+            runner.run(
+                on_tokens,
+                on_failure=lambda failure: err.print(f"error: {failure.line()}", highlight=False, soft_wrap=True),
+            )
         except KeyboardInterrupt:
             return True
     return False
@@ -237,8 +391,11 @@ def _generate(runner: "BenchRunner", budget: int, enabled: bool, err: Console) -
 def _finish(results: BenchResults, output: _Output, kept: int) -> None:
     """Show the results and write them to the folder; stopped: exit 130, a failed cell: exit 1."""
     if results.interrupted:
-        where = (f"kept in '{output.folder}'; run the same command to resume" if output.folder is not None else
-                 "done, but nothing was saved (no --output): pass --output FOLDER to be able to resume")  # fmt: skip
+        where = (
+            f"kept in '{output.folder}'; run the same command to resume"
+            if output.folder is not None
+            else "done, but nothing was saved (no --output): pass --output FOLDER to be able to resume"
+        )
         note = f"interrupted: {kept} samples {where}"
     else:
         note = ""
@@ -254,14 +411,19 @@ def _finish(results: BenchResults, output: _Output, kept: int) -> None:
 
 def _write_summaries(folder: Path, results: BenchResults) -> None:
     """results.json and the tables, after the table is shown: a full disk costs them, never the table."""
-    summaries = {"results.json": json.dumps(results.to_dict(), indent=2) + "\n", "table.md": report.markdown(results),
-                 "table.csv": report.csv_text(results)}  # fmt: skip
+    summaries = {
+        "results.json": json.dumps(results.to_dict(), indent=2) + "\n",
+        "table.md": report.markdown(results),
+        "table.csv": report.csv_text(results),
+    }
     for name, text in summaries.items():
         try:
             write_atomically(folder / name, text)  # a failed write leaves the previous summary whole
         except OSError as error:
-            raise SpecdecError(f"could not write '{folder / name}' ({error.strerror}); the samples are kept: free "
-                               f"some space and run `specdec bench --report {folder}` to see them again") from None
+            raise SpecdecError(
+                f"could not write '{folder / name}' ({error.strerror}); the samples are kept: free "
+                f"some space and run `specdec bench --report {folder}` to see them again"
+            ) from None
 
 
 def _show(results: BenchResults, output: _Output, note: str) -> None:
@@ -312,8 +474,10 @@ def _init_distributed() -> tuple[int, int]:
         return 0, 1
     missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
-        raise UsageError(f"WORLD_SIZE={world_size} is set without {', '.join(missing)}; launch a data-parallel "
-                         "run with torchrun (it sets them), or unset WORLD_SIZE")
+        raise UsageError(
+            f"WORLD_SIZE={world_size} is set without {', '.join(missing)}; launch a data-parallel "
+            "run with torchrun (it sets them), or unset WORLD_SIZE"
+        )
     import torch
     import torch.distributed as dist
 

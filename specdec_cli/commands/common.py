@@ -40,57 +40,131 @@ _speculation = DEFAULT_RECIPE.speculation
 
 RecipeOption = Annotated[
     Optional[str],
-    typer.Option("--recipe", "-r", metavar="FILE|NAME",
-                 help="Recipe YAML file, or the name of a shipped recipe. [dim]\\[default: default][/dim]"),
+    typer.Option(
+        "--recipe",
+        "-r",
+        metavar="FILE|NAME",
+        help="Recipe YAML file, or the name of a shipped recipe. [dim]\\[default: default][/dim]",
+    ),
 ]
 SetOption = Annotated[
     Optional[list[str]],
-    typer.Option("--set", metavar="KEY=VALUE",
-                 help="Override any recipe key, e.g. --set generation.top_k=50 (value read as YAML). Repeatable."),
+    typer.Option(
+        "--set",
+        metavar="KEY=VALUE",
+        help="Override any recipe key, e.g. --set generation.top_k=50 (value read as YAML). Repeatable.",
+    ),
 ]
 VerifierOption = Annotated[
     Optional[str],
-    typer.Option(metavar="NAME[,NAME…]", help="Verifier, or a comma list to compare on the same prompts: "
-                 f"speculative,block,none (none: the target alone). {from_recipe(DEFAULT_RECIPE.verifier.name)}"),
+    typer.Option(
+        metavar="NAME[,NAME…]",
+        help="Verifier, or a comma list to compare on the same prompts: "
+        f"speculative,block,none (none: the target alone). {from_recipe(DEFAULT_RECIPE.verifier.name)}",
+    ),
 ]
 DrafterOption = Annotated[
     Optional[str],
-    typer.Option(metavar="NAME", help="Draft with this drafter (see `specdec drafters`): the recipe's entries for it, "
-                 "or one with its defaults (prompt-lookup needs no model). Default: the recipe's drafts."),
+    typer.Option(
+        metavar="NAME",
+        help="Draft with this drafter (see `specdec drafters`): the recipe's entries for it, "
+        "or one with its defaults (prompt-lookup needs no model). Default: the recipe's drafts.",
+    ),
 ]
 KlOption = Annotated[
     Optional[float],
-    typer.Option("--kl", metavar="NATS", help="KL bound D in nats, for a verifier that has one (see `specdec verifiers`)."),
+    typer.Option(
+        "--kl", metavar="NATS", help="KL bound D in nats, for a verifier that has one (see `specdec verifiers`)."
+    ),
 ]
-NumDraftsOption = Annotated[Optional[int], typer.Option(
-    metavar="K", help=f"Draft sequences sampled from each draft per block. {from_recipe(_speculation.num_drafts)}")]
-DraftLengthOption = Annotated[Optional[int], typer.Option(
-    metavar="L", help=f"Tokens each draft proposes per block. {from_recipe(_speculation.draft_length)}")]
-MaxNewTokensOption = Annotated[Optional[int], typer.Option(
-    metavar="TOKENS", help=f"Most tokens to generate per sample. {from_recipe(_generation.max_new_tokens)}")]
-TemperatureOption = Annotated[Optional[float], typer.Option(
-    metavar="T", help=f"Sampling temperature (0 = greedy). {from_recipe(_generation.temperature)}")]
-TopKOption = Annotated[Optional[int], typer.Option(
-    metavar="TOKENS", help=f"Sample among the k most likely tokens (0 = all). {from_recipe(_generation.top_k)}")]
-TopPOption = Annotated[Optional[float], typer.Option(
-    metavar="MASS", help=f"Sample among the most likely tokens holding this probability mass, in (0, 1] (1 = all). "
-    f"{from_recipe(_generation.top_p)}")]
-FieldOption = Annotated[Optional[str], typer.Option(
-    metavar="NAME", help="Prompt field of a .jsonl prompt file. [dim]\\[default: the first of prompt, text, instruction, "
-    "question, turns][/dim]")]
-PromptFileOption = Annotated[Optional[Path], typer.Option(
-    metavar="FILE", help="One prompt per non-empty line, or .jsonl (Spec-Bench's format too); '-' reads stdin.")]
-SeedOption = Annotated[Optional[int], typer.Option(
-    metavar="N", help=f"Sampling seed: the same seed on the same device gives the same output. {from_recipe(DEFAULT_RECIPE.seed)}")]
-DeviceOption = Annotated[Optional[str], typer.Option(
-    metavar="DEVICE", help="auto, cpu, cuda or cuda:N, for every model. [dim]\\[default: the recipe's; auto: CUDA when present][/dim]")]
-DtypeOption = Annotated[Optional[str], typer.Option(
-    metavar="DTYPE", help="auto, float32, bfloat16 or float16, for every model. [dim]\\[default: the recipe's][/dim]")]
-ChatOption = Annotated[Optional[bool], typer.Option(
-    "--chat/--no-chat", metavar="", help=f"Apply the target's chat template to each prompt. {from_recipe(_generation.chat)}")]
-CompileOption = Annotated[bool, typer.Option("--compile", metavar="", help=(
-    "Run the verify step and the sampling laws through torch.compile (CUDA graphs on a GPU); the same as "
-    "--set speculation.compile=true. The first blocks pay the compilation."))]
+NumDraftsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="K", help=f"Draft sequences sampled from each draft per block. {from_recipe(_speculation.num_drafts)}"
+    ),
+]
+DraftLengthOption = Annotated[
+    Optional[int],
+    typer.Option(metavar="L", help=f"Tokens each draft proposes per block. {from_recipe(_speculation.draft_length)}"),
+]
+MaxNewTokensOption = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="TOKENS", help=f"Most tokens to generate per sample. {from_recipe(_generation.max_new_tokens)}"
+    ),
+]
+TemperatureOption = Annotated[
+    Optional[float],
+    typer.Option(metavar="T", help=f"Sampling temperature (0 = greedy). {from_recipe(_generation.temperature)}"),
+]
+TopKOption = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="TOKENS", help=f"Sample among the k most likely tokens (0 = all). {from_recipe(_generation.top_k)}"
+    ),
+]
+TopPOption = Annotated[
+    Optional[float],
+    typer.Option(
+        metavar="MASS",
+        help=f"Sample among the most likely tokens holding this probability mass, in (0, 1] (1 = all). "
+        f"{from_recipe(_generation.top_p)}",
+    ),
+]
+FieldOption = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="NAME",
+        help="Prompt field of a .jsonl prompt file. [dim]\\[default: the first of prompt, text, instruction, "
+        "question, turns][/dim]",
+    ),
+]
+PromptFileOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        metavar="FILE", help="One prompt per non-empty line, or .jsonl (Spec-Bench's format too); '-' reads stdin."
+    ),
+]
+SeedOption = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="N",
+        help=f"Sampling seed: the same seed on the same device gives the same output. {from_recipe(DEFAULT_RECIPE.seed)}",
+    ),
+]
+DeviceOption = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="DEVICE",
+        help="auto, cpu, cuda or cuda:N, for every model. [dim]\\[default: the recipe's; auto: CUDA when present][/dim]",
+    ),
+]
+DtypeOption = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="DTYPE",
+        help="auto, float32, bfloat16 or float16, for every model. [dim]\\[default: the recipe's][/dim]",
+    ),
+]
+ChatOption = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--chat/--no-chat",
+        metavar="",
+        help=f"Apply the target's chat template to each prompt. {from_recipe(_generation.chat)}",
+    ),
+]
+CompileOption = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        metavar="",
+        help=(
+            "Run the verify step and the sampling laws through torch.compile (CUDA graphs on a GPU); the same as "
+            "--set speculation.compile=true. The first blocks pay the compilation."
+        ),
+    ),
+]
 
 
 def with_compile(sets: list[str] | None, compile_steps: bool) -> list[str]:
@@ -98,13 +172,22 @@ def with_compile(sets: list[str] | None, compile_steps: bool) -> list[str]:
     return [*(sets or []), *(["speculation.compile=true"] if compile_steps else [])]
 
 
-JsonOption = Annotated[bool, typer.Option("--json", metavar="", help="Print the results as one JSON object instead of a table.")]
-OutputOption = Annotated[Optional[Path], typer.Option(
-    metavar="FOLDER", help="Results folder: written as it goes; run the same command again to resume.")]
+JsonOption = Annotated[
+    bool, typer.Option("--json", metavar="", help="Print the results as one JSON object instead of a table.")
+]
+OutputOption = Annotated[
+    Optional[Path],
+    typer.Option(metavar="FOLDER", help="Results folder: written as it goes; run the same command again to resume."),
+]
 PlotOption = Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Also draw the results to this PNG.")]
-ThreadsOption = Annotated[Optional[int], typer.Option(
-    metavar="N", help="CPU threads for torch (recorded with the results). On a busy or shared CPU one thread is "
-    "often faster and steadier than all of them. [dim]\\[default: torch's, usually one per core][/dim]")]
+ThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="N",
+        help="CPU threads for torch (recorded with the results). On a busy or shared CPU one thread is "
+        "often faster and steadier than all of them. [dim]\\[default: torch's, usually one per core][/dim]",
+    ),
+]
 
 
 def apply_threads(threads: int | None) -> None:
@@ -120,9 +203,16 @@ def apply_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-BatchSizeOption = Annotated[int, typer.Option(metavar="B", help=(
-    "Decode B samples at a time in one batch (each drafts, is verified and commits on its own; finished samples "
-    "leave and waiting ones join). A sample's tokens do not depend on B, up to float rounding."))]
+BatchSizeOption = Annotated[
+    int,
+    typer.Option(
+        metavar="B",
+        help=(
+            "Decode B samples at a time in one batch (each drafts, is verified and commits on its own; finished samples "
+            "leave and waiting ones join). A sample's tokens do not depend on B, up to float rounding."
+        ),
+    ),
+]
 
 
 def check_batch_sizes(sizes: list[int]) -> None:
@@ -234,8 +324,10 @@ def read_prompts(prompt: str | None, prompt_file: Path | None, stdin: Any, field
 
 def _file_prompts(prompt_file: Path, stdin: Any, field: str | None) -> list[str]:
     if has_suffix(prompt_file, ".json"):  # read line by line, a JSON array's lines would become prompts
-        raise UsageError(f"--prompt-file '{prompt_file}' is a .json file; give JSON lines (.jsonl: one object per "
-                         "line) or plain text (one prompt per line)")  # fmt: skip
+        raise UsageError(
+            f"--prompt-file '{prompt_file}' is a .json file; give JSON lines (.jsonl: one object per "
+            "line) or plain text (one prompt per line)"
+        )
     text = read_text(prompt_file, "--prompt-file", stdin)
     if has_suffix(prompt_file, ".jsonl"):
         prompts = _jsonl_prompts(text, prompt_file, field)
@@ -309,13 +401,22 @@ class TokenProgress:
 
 
 @contextmanager
-def token_progress(total: int, enabled: bool = True, completed: int = 0, label: str = "generating") -> Iterator[TokenProgress]:
+def token_progress(
+    total: int, enabled: bool = True, completed: int = 0, label: str = "generating"
+) -> Iterator[TokenProgress]:
     """A :class:`TokenProgress` on stderr (transient); disabled, one that does nothing."""
     if not enabled:
         yield TokenProgress(None, None)
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         yield TokenProgress(progress, progress.add_task(label, total=total, completed=completed))
 

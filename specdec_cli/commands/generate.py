@@ -38,9 +38,14 @@ T = TypeVar("T")
 
 
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(
-        metavar="PROMPT", show_default=False,
-        help="Text to continue (piped stdin is then not read). Leave out to read --prompt-file or piped stdin.")] = None,
+    prompt: Annotated[
+        Optional[str],
+        typer.Argument(
+            metavar="PROMPT",
+            show_default=False,
+            help="Text to continue (piped stdin is then not read). Leave out to read --prompt-file or piped stdin.",
+        ),
+    ] = None,
     prompt_file: common.PromptFileOption = None,
     field: common.FieldOption = None,
     recipe: common.RecipeOption = None,
@@ -58,18 +63,42 @@ def generate(
     dtype: common.DtypeOption = None,
     sets: common.SetOption = None,
     compile_steps: common.CompileOption = False,
-    num_samples: Annotated[int, typer.Option(metavar="N", help="Independent samples per prompt, each with its own seed.")] = 1,
+    num_samples: Annotated[
+        int, typer.Option(metavar="N", help="Independent samples per prompt, each with its own seed.")
+    ] = 1,
     batch_size: common.BatchSizeOption = 1,
     chat: common.ChatOption = None,
-    autoregressive: Annotated[bool, typer.Option(
-        "--autoregressive", metavar="", help="Decode with the target alone (the baseline); the same as --verifier none.")] = False,
+    autoregressive: Annotated[
+        bool,
+        typer.Option(
+            "--autoregressive",
+            metavar="",
+            help="Decode with the target alone (the baseline); the same as --verifier none.",
+        ),
+    ] = False,
     threads: common.ThreadsOption = None,
-    recalibrate: Annotated[bool, typer.Option("--recalibrate", metavar="", help=(
-        "Measure the draft's cost on this machine again instead of using the cached figure (say, after it was "
-        "measured while the machine was busy)."))] = False,
-    as_json: Annotated[bool, typer.Option("--json", metavar="", help=(
-        "Print one JSON object: the resolved recipe, the environment and every sample's text, token ids and "
-        'statistics. Stopped by Ctrl-C: the finished samples, with "interrupted": true; after an error: nothing.'))] = False,
+    recalibrate: Annotated[
+        bool,
+        typer.Option(
+            "--recalibrate",
+            metavar="",
+            help=(
+                "Measure the draft's cost on this machine again instead of using the cached figure (say, after it was "
+                "measured while the machine was busy)."
+            ),
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            metavar="",
+            help=(
+                "Print one JSON object: the resolved recipe, the environment and every sample's text, token ids and "
+                'statistics. Stopped by Ctrl-C: the finished samples, with "interrupted": true; after an error: nothing.'
+            ),
+        ),
+    ] = False,
 ) -> None:
     """Generate text with speculative decoding; accepted draft tokens are shown in green on a terminal.
 
@@ -81,13 +110,27 @@ def generate(
     names = _verifier_names(verifier, autoregressive)
     comparing = len(names) > 1
     if comparing and batch_size > 1:
-        raise UsageError("--batch-size decodes one configuration at a time; compare verifiers at --batch-size 1, or "
-                         "run each verifier on its own with --batch-size")  # fmt: skip
+        raise UsageError(
+            "--batch-size decodes one configuration at a time; compare verifiers at --batch-size 1, or "
+            "run each verifier on its own with --batch-size"
+        )
     options = common.RecipeOptions(
-        recipe=recipe, sets=common.with_compile(sets, compile_steps), verifier=None if comparing else (names or [None])[0],
-        drafter=drafter, kl=None if comparing else kl, num_drafts=num_drafts, draft_length=draft_length, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, chat=chat,
-    )  # fmt: skip
+        recipe=recipe,
+        sets=common.with_compile(sets, compile_steps),
+        verifier=None if comparing else (names or [None])[0],
+        drafter=drafter,
+        kl=None if comparing else kl,
+        num_drafts=num_drafts,
+        draft_length=draft_length,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        chat=chat,
+    )
     resolved = options.resolve()
     common.check_batch_sizes([batch_size])
     if not comparing and target_alone(resolved.verifier.name):
@@ -107,23 +150,30 @@ def _verifier_names(verifier: str | None, autoregressive: bool) -> list[str]:
     """The verifiers --verifier lists; --autoregressive is --verifier none, and agrees with no other verifier."""
     names = common.parse_list(verifier, str, "--verifier")
     if verifier is not None and not names:
-        raise UsageError(f"--verifier lists no verifier ('{verifier}'); name one, or a comma list to compare: "
-                         "--verifier speculative,none")  # fmt: skip
+        raise UsageError(
+            f"--verifier lists no verifier ('{verifier}'); name one, or a comma list to compare: "
+            "--verifier speculative,none"
+        )
     if autoregressive and not all(map(target_alone, names)):
-        raise UsageError(f"--autoregressive runs the target alone; it cannot be combined with --verifier {verifier}: "
-                         "drop one")  # fmt: skip
+        raise UsageError(
+            f"--autoregressive runs the target alone; it cannot be combined with --verifier {verifier}: drop one"
+        )
     return [AUTOREGRESSIVE] if autoregressive else names
 
 
 def _check_nothing_to_draft(kl: float | None, num_drafts: int | None, draft_length: int | None) -> None:
     """The target alone drafts nothing: a drafting flag given with it would be silently ignored."""
     if kl is not None:
-        raise UsageError("--kl sets a KL bound, which the target alone does not have (--verifier none, "
-                         "--autoregressive); drop --kl, or name a verifier with one (see `specdec verifiers`)")  # fmt: skip
+        raise UsageError(
+            "--kl sets a KL bound, which the target alone does not have (--verifier none, "
+            "--autoregressive); drop --kl, or name a verifier with one (see `specdec verifiers`)"
+        )
     for option, value in (("--num-drafts", num_drafts), ("--draft-length", draft_length)):
         if value is not None:
-            raise UsageError(f"{option} has no effect on the target alone (--verifier none, --autoregressive); drop "
-                             "it, or compare the two: --verifier speculative,none")  # fmt: skip
+            raise UsageError(
+                f"{option} has no effect on the target alone (--verifier none, --autoregressive); drop "
+                "it, or compare the two: --verifier speculative,none"
+            )
 
 
 @contextmanager
@@ -149,8 +199,9 @@ class _StdoutConsole(Console):
         raise BrokenPipeError
 
 
-def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: bool, recalibrate: bool,
-              batch_size: int = 1) -> None:  # fmt: skip
+def _generate(
+    recipe: Recipe, prompts: list[str], num_samples: int, as_json: bool, recalibrate: bool, batch_size: int = 1
+) -> None:
     """One configuration: the text streams as blocks are committed (as samples finish, in a batch), then a table
     of its statistics."""
     from ..engine.decoder import SpeculativeDecoder
@@ -171,6 +222,7 @@ def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: boo
     began = time.perf_counter()
     # A terminal that shows the text needs no bar; a pipe or --json would otherwise be silent.
     with common.token_progress(len(prompts) * num_samples * budget, enabled=as_json or not out.is_terminal) as progress:
+
         def on_block(prompt_index: int, sample_index: int, new_tokens: list[int], accepted: list[bool]) -> None:
             progress.advance(len(new_tokens))
             if stream is not None and batch_size == 1:
@@ -187,17 +239,28 @@ def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: boo
     if stream is not None:
         stream.finish()
     if interrupted:
-        err.print(f"interrupted after {len(results)} of {len(prompts) * num_samples} samples; the statistics cover "
-                  f"those {len(results)}", highlight=False)  # fmt: skip
+        err.print(
+            f"interrupted after {len(results)} of {len(prompts) * num_samples} samples; the statistics cover "
+            f"those {len(results)}",
+            highlight=False,
+        )
     results.sort(key=lambda result: (result.prompt_index, result.sample_index))
     if as_json:
-        _write_json(_json_header(recipe, decoder, interrupted) | {
-            "autoregressive": decoder.verifier is None, "throughput": throughput,
-            "samples": [r.to_dict() for r in results]})  # fmt: skip
+        _write_json(
+            _json_header(recipe, decoder, interrupted)
+            | {
+                "autoregressive": decoder.verifier is None,
+                "throughput": throughput,
+                "samples": [r.to_dict() for r in results],
+            }
+        )
     elif results:
         err.print(_stats_table(decoder, results, colour_caption=out.is_terminal))
-        err.print(f"batch size {batch_size}: {throughput['new_tokens']} tokens in {throughput['wall_time_s']:.2f} s, "
-                  f"{throughput['tokens_per_s']:.1f} tokens/s over all samples", highlight=False)  # fmt: skip
+        err.print(
+            f"batch size {batch_size}: {throughput['new_tokens']} tokens in {throughput['wall_time_s']:.2f} s, "
+            f"{throughput['tokens_per_s']:.1f} tokens/s over all samples",
+            highlight=False,
+        )
     if interrupted:
         raise typer.Exit(INTERRUPTED_EXIT)
 
@@ -205,12 +268,23 @@ def _generate(recipe: Recipe, prompts: list[str], num_samples: int, as_json: boo
 def _throughput(results: list[GenerationResult], wall_time_s: float, batch_size: int) -> dict:
     """The run's tokens per second over all samples (in a batch, what a sample's own rate does not show)."""
     tokens = sum(len(result.token_ids) for result in results)
-    return {"batch_size": batch_size, "new_tokens": tokens, "wall_time_s": wall_time_s,
-            "tokens_per_s": tokens / wall_time_s if wall_time_s > 0 else 0.0}  # fmt: skip
+    return {
+        "batch_size": batch_size,
+        "new_tokens": tokens,
+        "wall_time_s": wall_time_s,
+        "tokens_per_s": tokens / wall_time_s if wall_time_s > 0 else 0.0,
+    }
 
 
-def _compare(recipe: Recipe, names: list[str], kl: float | None, prompts: list[str], num_samples: int,
-             as_json: bool, recalibrate: bool) -> None:  # fmt: skip
+def _compare(
+    recipe: Recipe,
+    names: list[str],
+    kl: float | None,
+    prompts: list[str],
+    num_samples: int,
+    as_json: bool,
+    recalibrate: bool,
+) -> None:
     """Every verifier of ``names`` on the same prompts and seeds, models loaded once: each round's texts
     as it finishes, then one table over the rounds every verifier finished."""
     from ..engine.decoder import SpeculativeDecoder
@@ -223,8 +297,12 @@ def _compare(recipe: Recipe, names: list[str], kl: float | None, prompts: list[s
     first = next((r for r in recipes.values() if not target_alone(r.verifier.name)), next(iter(recipes.values())))
     with err.status(LOADING):
         base = SpeculativeDecoder.from_recipe(first, registry=registry)
-    comparison = Comparison({label: base.with_config(verifier=r.verifier.name, verifier_params=r.verifier.params)
-                             for label, r in recipes.items()})  # fmt: skip
+    comparison = Comparison(
+        {
+            label: base.with_config(verifier=r.verifier.name, verifier_params=r.verifier.params)
+            for label, r in recipes.items()
+        }
+    )
     _print_note(err, note_for(base, base.encode_prompt(prompts[0]), recalibrate=recalibrate))
     out = _StdoutConsole(highlight=False, width=None if sys.stdout.isatty() else 120)
     total = len(recipes) * len(prompts) * num_samples * recipe.generation.max_new_tokens
@@ -232,11 +310,20 @@ def _compare(recipe: Recipe, names: list[str], kl: float | None, prompts: list[s
         show = (lambda results: None) if as_json else functools.partial(_print_round, out, comparison.rows)
         interrupted = _until_interrupted(comparison.run(prompts, num_samples, on_tokens=progress.advance), show)
     if interrupted:
-        err.print(f"interrupted after {comparison.rounds} of {len(prompts) * num_samples} samples per configuration; "
-                  f"the configurations are compared on those {comparison.rounds}", highlight=False)  # fmt: skip
+        err.print(
+            f"interrupted after {comparison.rounds} of {len(prompts) * num_samples} samples per configuration; "
+            f"the configurations are compared on those {comparison.rounds}",
+            highlight=False,
+        )
     if as_json:
-        _write_json(_json_header(recipe, base, interrupted) | {"configurations": [
-            row.summary() | {"samples": [r.to_dict() for r in row.results]} for row in comparison.rows]})  # fmt: skip
+        _write_json(
+            _json_header(recipe, base, interrupted)
+            | {
+                "configurations": [
+                    row.summary() | {"samples": [r.to_dict() for r in row.results]} for row in comparison.rows
+                ]
+            }
+        )
     elif comparison.rounds:
         out.print(_comparison_table(comparison.rows, comparison.rounds))
     if interrupted:
@@ -273,16 +360,21 @@ def _print_round(out: Console, rows: list[ConfigurationResult], results: list[Ge
 def _json_header(recipe: Recipe, decoder: SpeculativeDecoder, interrupted: bool) -> dict:
     from ..results.provenance import provenance
 
-    return {"specdec_version": __version__, "recipe": recipe.to_dict(), "environment": provenance(decoder.device),
-            "interrupted": interrupted}  # fmt: skip
+    return {
+        "specdec_version": __version__,
+        "recipe": recipe.to_dict(),
+        "environment": provenance(decoder.device),
+        "interrupted": interrupted,
+    }
 
 
 def _write_json(payload: dict) -> None:
     sys.stdout.write(json.dumps(payload, indent=2) + "\n")
 
 
-def _comparison_recipes(recipe: Recipe, names: list[str], kl: float | None,
-                        registry: VerifierRegistry) -> dict[str, Recipe]:  # fmt: skip
+def _comparison_recipes(
+    recipe: Recipe, names: list[str], kl: float | None, registry: VerifierRegistry
+) -> dict[str, Recipe]:
     """The recipe for each listed verifier (its parameters from the recipe, --kl where it has a KL bound),
     each checked against the recipe's drafts before any model loads."""
     from ..engine.decoder import SpeculativeDecoder
@@ -310,9 +402,13 @@ def _comparison_recipes(recipe: Recipe, names: list[str], kl: float | None,
 
 def _comparison_table(rows: list[ConfigurationResult], samples: int) -> Table:
     has_baseline = any(row.speedup is not None for row in rows)
-    caption = (f"{samples} sample(s) per configuration, same prompts and seeds, run in turn; one untimed warm-up "
-               "each; tokens/s excludes loading")  # fmt: skip
-    caption += "; speedup: token rate over the target alone" if has_baseline else "; add none to --verifier for speedups"
+    caption = (
+        f"{samples} sample(s) per configuration, same prompts and seeds, run in turn; one untimed warm-up "
+        "each; tokens/s excludes loading"
+    )
+    caption += (
+        "; speedup: token rate over the target alone" if has_baseline else "; add none to --verifier for speedups"
+    )
     table = Table(title="verifiers compared", caption=caption)
     table.add_column("verifier")
     for name in ("tokens/s", "speedup", "block efficiency", "acceptance", "tokens", "seconds"):
@@ -322,8 +418,15 @@ def _comparison_table(rows: list[ConfigurationResult], samples: int) -> Table:
         acceptance = "—" if row.acceptance_rate is None else f"{row.acceptance_rate:.1%}"
         speedup = "—" if row.speedup is None else f"{row.speedup:.2f}×"
         summary = row.summary()
-        table.add_row(label, f"{row.tokens_per_second:.1f}", speedup, f"{row.block_efficiency:.2f}", acceptance,
-                      str(summary["new_tokens"]), f"{summary['wall_time_s']:.2f}")  # fmt: skip
+        table.add_row(
+            label,
+            f"{row.tokens_per_second:.1f}",
+            speedup,
+            f"{row.block_efficiency:.2f}",
+            acceptance,
+            str(summary["new_tokens"]),
+            f"{summary['wall_time_s']:.2f}",
+        )
     return table
 
 
@@ -379,7 +482,9 @@ def _stats_table(decoder: SpeculativeDecoder, results: list[GenerationResult], c
     table = Table(title=title, title_style="bold", caption=caption)
     table.add_column("metric")
     for r in shown:
-        table.add_column(f"prompt {r.prompt_index + 1}.{r.sample_index + 1}" if len(results) > 1 else "value", justify="right")
+        table.add_column(
+            f"prompt {r.prompt_index + 1}.{r.sample_index + 1}" if len(results) > 1 else "value", justify="right"
+        )
     if len(results) > 1:
         table.add_column(f"mean of {len(results)}", justify="right")
     metrics = [

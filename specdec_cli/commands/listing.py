@@ -15,14 +15,24 @@ from ..plugins.registry import REQUIRED
 
 def listed(described: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> tuple[list[dict], dict[str, str]]:
     """(one row per plugin that loads, with ``keys`` of its description; name → error of those that do not)."""
-    rows = [{"name": name, **{key: info[key] for key in keys}}
-            for name, info in sorted(described.items()) if "error" not in info]  # fmt: skip
+    rows = [
+        {"name": name, **{key: info[key] for key in keys}}
+        for name, info in sorted(described.items())
+        if "error" not in info
+    ]
     failures = {name: info["error"] for name, info in sorted(described.items()) if "error" in info}
     return rows, failures
 
 
-def show(kind: str, rows: list[dict], failures: dict[str, str], as_json: bool, table: Table, hint: str,
-         marked: Callable[[dict], str | None] = lambda row: None) -> None:  # fmt: skip
+def show(
+    kind: str,
+    rows: list[dict],
+    failures: dict[str, str],
+    as_json: bool,
+    table: Table,
+    hint: str,
+    marked: Callable[[dict], str | None] = lambda row: None,
+) -> None:
     """Print the plugins of ``kind`` as JSON, or ``table`` (filled by the caller) followed by each one's summary,
     a table of every parameter (type, default, description; the parameter ``marked(row)`` names flagged, ``hint``
     says how to set them), notes and load failures."""
@@ -50,6 +60,11 @@ def _parameters_table(kind: str, rows: list[dict], hint: str, marked: Callable[[
         for name, default in row["parameters"].items():
             docs = row["parameter_docs"].get(name, {})
             flag = " (--kl sets it)" if name == marked(row) else ""
-            table.add_row(row["name"], name, docs.get("type") or "—", "required" if default == REQUIRED else repr(default),
-                          (docs.get("description") or "—") + flag)  # fmt: skip
+            table.add_row(
+                row["name"],
+                name,
+                docs.get("type") or "—",
+                "required" if default == REQUIRED else repr(default),
+                (docs.get("description") or "—") + flag,
+            )
     return table

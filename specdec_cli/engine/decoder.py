@@ -86,9 +86,13 @@ class SpeculativeDecoder:
     """
 
     def __init__(
-        self, target: LoadedModel, drafts: Sequence[Draft], config: DecodingConfig,
-        registry: VerifierRegistry | None = None, drafter_registry: DrafterRegistry | None = None,
-    ):  # fmt: skip
+        self,
+        target: LoadedModel,
+        drafts: Sequence[Draft],
+        config: DecodingConfig,
+        registry: VerifierRegistry | None = None,
+        drafter_registry: DrafterRegistry | None = None,
+    ):
         problems = config.problems()
         if problems:
             raise UsageError("{}: {}".format(*problems[0]))
@@ -102,8 +106,11 @@ class SpeculativeDecoder:
         self.drafters, row_laws = self._drafters() if config.speculative else ([], [])
         rows = DraftRows.of(row_laws)
         self.verifier = create_verifier(config, rows, self.registry)
-        self._verify_block, self._sampling_law = self._compiled() if config.speculation.compile else (
-            getattr(self.verifier, "verify_block", None), sampling_law)  # fmt: skip
+        self._verify_block, self._sampling_law = (
+            self._compiled()
+            if config.speculation.compile
+            else (getattr(self.verifier, "verify_block", None), sampling_law)
+        )
         self.draft_length = config.speculation.draft_length if self.drafters else 0
         self.eos_ids = target.eos_ids
         self.eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=target.device)  # [eos ids]
@@ -136,18 +143,33 @@ class SpeculativeDecoder:
             order[id(drafter)] = index
             rows = rows_per_config(type(drafter).deterministic, self.config.speculation.num_drafts)
             row_laws += [draft.law(self.config)] * rows
-            self._call_drafter(drafter, "setup", drafter.setup, DraftSetup(
-                draft.model, self.target, draft.sampling(self.config), rows, self.vocab_size, self.target.device,
-                self.config.speculation.kv_cache))  # fmt: skip
+            self._call_drafter(
+                drafter,
+                "setup",
+                drafter.setup,
+                DraftSetup(
+                    draft.model,
+                    self.target,
+                    draft.sampling(self.config),
+                    rows,
+                    self.vocab_size,
+                    self.target.device,
+                    self.config.speculation.kv_cache,
+                ),
+            )
             by_class.setdefault(type(drafter), []).append(drafter)
-        joined = [kept for cls, drafters in by_class.items()
-                  for kept in self._call_drafter(drafters[0], "joined", cls.joined, drafters)]  # fmt: skip
+        joined = [
+            kept
+            for cls, drafters in by_class.items()
+            for kept in self._call_drafter(drafters[0], "joined", cls.joined, drafters)
+        ]
         return sorted(joined, key=lambda drafter: order[id(drafter)]), row_laws
 
     def with_config(self, **changes: Any) -> "SpeculativeDecoder":
         """The same models under a changed config: ``with_config(verifier="block", draft_length=8)``."""
-        return SpeculativeDecoder(self.target, self.drafts, self.config.replace(**changes), self.registry,
-                                  self.drafter_registry)  # fmt: skip
+        return SpeculativeDecoder(
+            self.target, self.drafts, self.config.replace(**changes), self.registry, self.drafter_registry
+        )
 
     @property
     def num_draft_rows(self) -> int:
@@ -158,9 +180,14 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_recipe(
-        cls, recipe: Recipe, *, autoregressive: bool = False, pool: ModelPool | None = None,
-        registry: VerifierRegistry | None = None, drafters: DrafterRegistry | None = None,
-    ) -> "SpeculativeDecoder":  # fmt: skip
+        cls,
+        recipe: Recipe,
+        *,
+        autoregressive: bool = False,
+        pool: ModelPool | None = None,
+        registry: VerifierRegistry | None = None,
+        drafters: DrafterRegistry | None = None,
+    ) -> "SpeculativeDecoder":
         """The one way a recipe becomes a decoder: check its settings, drafters and verifier, then take its
         models from ``pool`` (each loaded once per pool). Drafts are not loaded to decode autoregressively."""
         registry, drafters = registry or VerifierRegistry(), drafters or DrafterRegistry()
@@ -172,7 +199,10 @@ class SpeculativeDecoder:
 
     @staticmethod
     def check_recipe(
-        recipe: Recipe, registry: VerifierRegistry, autoregressive: bool = False, drafters: DrafterRegistry | None = None
+        recipe: Recipe,
+        registry: VerifierRegistry,
+        autoregressive: bool = False,
+        drafters: DrafterRegistry | None = None,
     ) -> DecodingConfig:
         """The recipe's decoding config, once every draft entry suits its drafter and the verifier has taken
         the rows they fill (no model loads)."""
@@ -204,14 +234,23 @@ class SpeculativeDecoder:
             raise UsageError("the prompt encodes to no tokens; give some text to continue")
         context = self.target.context_length
         if context is not None:
-            _check_context(len(ids), self.config.generation.max_new_tokens, self.draft_length, context,
-                           self.target.is_encoder_decoder)  # fmt: skip
+            _check_context(
+                len(ids),
+                self.config.generation.max_new_tokens,
+                self.draft_length,
+                context,
+                self.target.is_encoder_decoder,
+            )
         return ids
 
     def generate(
-        self, prompts: str | Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None,
-        batch_size: int = 1, **changes: Any,
-    ) -> list[GenerationResult]:  # fmt: skip
+        self,
+        prompts: str | Sequence[str],
+        num_samples: int = 1,
+        on_block: BlockCallback | None = None,
+        batch_size: int = 1,
+        **changes: Any,
+    ) -> list[GenerationResult]:
         """``num_samples`` independent samples for each prompt (one string is one prompt), in order (prompt-major).
 
         ``batch_size`` B > 1 decodes B samples at a time in one batch (:class:`DecodingRun`); a sample's
@@ -224,9 +263,12 @@ class SpeculativeDecoder:
         return sorted(results, key=lambda result: (result.prompt_index, result.sample_index))
 
     def samples(
-        self, prompts: str | Sequence[str], num_samples: int = 1, on_block: BlockCallback | None = None,
+        self,
+        prompts: str | Sequence[str],
+        num_samples: int = 1,
+        on_block: BlockCallback | None = None,
         batch_size: int = 1,
-    ) -> Iterator[GenerationResult]:  # fmt: skip
+    ) -> Iterator[GenerationResult]:
         """What :meth:`generate` returns, yielded as each sample finishes (a caller that is stopped keeps
         the samples it was given): in order at batch size 1, in the order they finish in a batch. Every prompt
         is checked before any model runs. Every batch size runs the same loop (:class:`DecodingRun`)."""
@@ -237,9 +279,10 @@ class SpeculativeDecoder:
         if batch_size > 1:
             self.check_batching()
         encoded = [self.encode_prompt(p) for p in prompts]
-        jobs = [SequenceJob(prompts[p], p, s, encoded[p],
-                            None if on_block is None else functools.partial(on_block, p, s))
-                for p, s in itertools.product(range(len(prompts)), range(num_samples))]  # fmt: skip
+        jobs = [
+            SequenceJob(prompts[p], p, s, encoded[p], None if on_block is None else functools.partial(on_block, p, s))
+            for p, s in itertools.product(range(len(prompts)), range(num_samples))
+        ]
         yield from DecodingRun(self, batch_size).run(jobs)
 
     def check_batching(self) -> None:
@@ -251,9 +294,13 @@ class SpeculativeDecoder:
                 raise UsageError(problem)
 
     def sample(
-        self, prompt: str, prompt_index: int, sample_index: int, prompt_ids: list[int],
+        self,
+        prompt: str,
+        prompt_index: int,
+        sample_index: int,
+        prompt_ids: list[int],
         on_block: Callable[[list[int], list[bool]], None] | None = None,
-    ) -> GenerationResult:  # fmt: skip
+    ) -> GenerationResult:
         """One sample of one prompt, with the key of (run seed, prompt index, sample index): its draws do not
         depend on which samples ran before it or beside it."""
         job = SequenceJob(prompt, prompt_index, sample_index, prompt_ids, on_block)
@@ -281,8 +328,9 @@ class SpeculativeDecoder:
         (the flags of a step's read, one per drafter)."""
         for drafter, in_vocab in zip(self.drafters, drafts_in_vocab):
             if not in_vocab:
-                raise self.drafter_registry.fault(drafter.name, f"proposed token ids outside the vocabulary "
-                                                                f"[0, {self.vocab_size})")  # fmt: skip
+                raise self.drafter_registry.fault(
+                    drafter.name, f"proposed token ids outside the vocabulary [0, {self.vocab_size})"
+                )
         if not target_finite:
             raise NonFiniteLogitsError(non_finite_message("target"))
         for drafter, finite in zip(self.drafters, drafts_finite):
@@ -309,8 +357,9 @@ class SpeculativeDecoder:
             proposal = self._call_drafter(drafter, "propose", drafter.propose, request)
         except ProposalError as error:  # a sequence drafter's own proposal, checked by its base class
             raise self.drafter_registry.fault(drafter.name, str(error)) from None
-        problem = proposal_problem(proposal, len(request.contexts), drafter.rows, request.max_lengths,
-                                   self.vocab_size, self.device)  # fmt: skip
+        problem = proposal_problem(
+            proposal, len(request.contexts), drafter.rows, request.max_lengths, self.vocab_size, self.device
+        )
         if problem is not None:
             raise self.drafter_registry.fault(drafter.name, problem)
         return proposal
@@ -325,8 +374,10 @@ class SpeculativeDecoder:
         (``stats`` None or before the first block), the output length after."""
         drafts = f"--num-drafts ({self.config.speculation.num_drafts}) or --draft-length ({self.draft_length})"
         if batch_size > 1:
-            return (f"decoding a batch of {batch_size}; lower --batch-size, --max-new-tokens, --num-drafts or "
-                    "--draft-length")  # fmt: skip
+            return (
+                f"decoding a batch of {batch_size}; lower --batch-size, --max-new-tokens, --num-drafts or "
+                "--draft-length"
+            )
         if stats is None or not stats.blocks:  # the prompt's encoding or prefill, or the first block's draft rows
             advice = f"reading the prompt; shorten the prompt ({stats.prompt_tokens if stats else '?'} tokens)"
             return advice + (f", or lower {drafts}" if self.drafters else "")
@@ -419,8 +470,10 @@ class DecodingRun:
     def _join(self, jobs: list[SequenceJob]) -> None:
         """``jobs`` join the batch: each model reads their prompts, and their draws are keyed."""
         decoder = self.decoder
-        contexts = [decoder.target.decoder_start_ids if decoder.target.is_encoder_decoder else list(job.prompt_ids)
-                    for job in jobs]  # fmt: skip
+        contexts = [
+            decoder.target.decoder_start_ids if decoder.target.is_encoder_decoder else list(job.prompt_ids)
+            for job in jobs
+        ]
         regions = {name: self.timer.seconds(name) for name in _REGIONS}
         for job, context in zip(jobs, contexts):
             key = sample_key(decoder.config.seed, job.prompt_index, job.sample_index) if job.key is None else job.key
@@ -470,8 +523,10 @@ class DecodingRun:
                 request = DraftRequest(contexts, lengths, lanes, self.decoder._sampling_law, self.timer)
                 proposals[index] = self.decoder.checked_proposal(drafter, request)
             if not runs_model:
-                lengths = [block_length([p.lengths[b] for p in proposals if p is not None], limit)
-                           for b, limit in enumerate(limits)]  # fmt: skip
+                lengths = [
+                    block_length([p.lengths[b] for p in proposals if p is not None], limit)
+                    for b, limit in enumerate(limits)
+                ]
         for b, sequence in enumerate(self.sequences):  # a model drafter ran as many forwards as it drafted for b
             sequence.stats.draft_forwards += sum(min(p.forwards, asked[j][b]) for j, p in enumerate(proposals))
         return Drafted.of(proposals, batch, self.decoder.vocab_size, self.device)
@@ -496,14 +551,29 @@ class DecodingRun:
         departs = batch_departs_from_drafts(decision, drafted.tokens)  # [B]
         positions = torch.arange(drafted.tokens.shape[2], device=self.device)  # [n]
         verified = positions < torch.tensor(drafted.lengths, device=self.device).view(-1, 1)  # [B, n]
-        matches = [longest_matches(drafted.tokens[:, self.lanes[j] : self.lanes[j + 1]], decision.tokens, count,
-                                    verified & torch.tensor(proposed, device=self.device).view(-1, 1))
-                   for j, proposed in enumerate(drafted.proposed)]  # fmt: skip
-        packed = torch.cat([
-            decision.tokens.flatten(), decision.num_accepted, decision.row, local_rows, count, departs.long(),
-            target_finite.long().view(1), drafted.finite.long(), drafted.in_vocab.long(),
-            *(torch.cat(match) for match in matches),
-        ])  # fmt: skip
+        matches = [
+            longest_matches(
+                drafted.tokens[:, self.lanes[j] : self.lanes[j + 1]],
+                decision.tokens,
+                count,
+                verified & torch.tensor(proposed, device=self.device).view(-1, 1),
+            )
+            for j, proposed in enumerate(drafted.proposed)
+        ]
+        packed = torch.cat(
+            [
+                decision.tokens.flatten(),
+                decision.num_accepted,
+                decision.row,
+                local_rows,
+                count,
+                departs.long(),
+                target_finite.long().view(1),
+                drafted.finite.long(),
+                drafted.in_vocab.long(),
+                *(torch.cat(match) for match in matches),
+            ]
+        )
         return packed.tolist()  # the step's one device read
 
     def _decisions(self, target_probs: torch.Tensor, drafted: Drafted) -> tuple[BatchDecision, torch.Tensor]:
@@ -511,7 +581,7 @@ class DecodingRun:
         as one batch ``[B, L+1]``, and each sequence's row among those that proposed ``[B]``."""
         groups = drafted.groups()
         if len(groups) == 1:  # every sequence's block has one shape: decide them in place, as one group
-            ((length, present), members), = groups.items()
+            (((length, present), members),) = groups.items()
             decision = self._decide_group(target_probs, drafted, length, present, members)
             rows = decision.row if len(present) == drafted.tokens.shape[1] else self._rows_of(present, decision.row)
             return BatchDecision(decision.tokens, decision.num_accepted, rows), decision.row
@@ -542,8 +612,12 @@ class DecodingRun:
             zeros = torch.zeros(len(members), dtype=torch.long, device=self.device)  # [G]
             return BatchDecision(token, zeros, zeros)
         rows = None if len(present) == drafted.tokens.shape[1] else torch.tensor(present, device=self.device)
-        return self._verify(_group(target_probs, members, rows, length + 1), _group(drafted.laws, members, rows, length),
-                            _group(drafted.tokens, members, rows, length), members)  # fmt: skip
+        return self._verify(
+            _group(target_probs, members, rows, length + 1),
+            _group(drafted.laws, members, rows, length),
+            _group(drafted.tokens, members, rows, length),
+            members,
+        )
 
     def _verify(self, target_probs, draft_probs, draft_tokens, members: list[int]) -> BatchDecision:
         """The verifier's decision for the sequences ``members``: one block through this decoder's verify step
@@ -553,15 +627,21 @@ class DecodingRun:
         sequences = [self.sequences[b] for b in members]
         if len(members) == 1:
             sequence = sequences[0]
-            randomness = self._draws_of(members).row(0) if verifier.keyed_randomness else block_generator(
-                sequence.key, sequence.generated, self.device)  # fmt: skip
+            randomness = (
+                self._draws_of(members).row(0)
+                if verifier.keyed_randomness
+                else block_generator(sequence.key, sequence.generated, self.device)
+            )
             inputs = (target_probs[0], draft_probs[0], draft_tokens[0], randomness)
             decision = decoder.guarded_decision(decoder._verify_block, *inputs)
             problem = decision_problem(decision, draft_tokens.shape[2] + 1, self.device)
             decision = BatchDecision.of_block(decision) if problem is None else decision
         else:
-            randomness = self._draws_of(members) if verifier.keyed_randomness else [
-                block_generator(sequence.key, sequence.generated, self.device) for sequence in sequences]  # fmt: skip
+            randomness = (
+                self._draws_of(members)
+                if verifier.keyed_randomness
+                else [block_generator(sequence.key, sequence.generated, self.device) for sequence in sequences]
+            )
             inputs = (target_probs, draft_probs, draft_tokens, randomness)
             decision = decoder.guarded_decision(verifier.verify_batch, *inputs)
             problem = batch_decision_problem(decision, len(members), draft_tokens.shape[2] + 1, self.device)
@@ -592,19 +672,32 @@ class DecodingRun:
         decoder.check_block_flags(bool(target_finite), drafts_finite, in_vocab)
         for b in range(batch):
             if drafted.lengths[b]:  # a verifier decided (a block without draft tokens is the engine's own draw)
-                problem = decision_value_problem(tokens[b][: drafted.lengths[b] + 1], num_accepted[b], local[b],
-                                                 bool(departs[b]), len(drafted.present[b]), decoder.vocab_size)  # fmt: skip
+                problem = decision_value_problem(
+                    tokens[b][: drafted.lengths[b] + 1],
+                    num_accepted[b],
+                    local[b],
+                    bool(departs[b]),
+                    len(drafted.present[b]),
+                    decoder.vocab_size,
+                )
                 if problem is not None:
                     raise decoder.registry.fault(decoder.verifier.name, problem)
         # Rows cache the committed prefix then their own drafts; the last committed token stays uncached.
         before = [len(sequence.committed) for sequence in sequences]
-        self.target.keep([b * drafted.tokens.shape[1] + rows[b] for b in range(batch)],
-                         [before[b] + min(num_accepted[b], count[b] - 1) for b in range(batch)])  # fmt: skip
+        self.target.keep(
+            [b * drafted.tokens.shape[1] + rows[b] for b in range(batch)],
+            [before[b] + min(num_accepted[b], count[b] - 1) for b in range(batch)],
+        )
         for drafter, (match_rows, agreeing) in zip(self.drafters, matches):
             lengths = [before[b] + min(agreeing[b], count[b] - 1) for b in range(batch)]
             decoder._call_drafter(drafter, "keep", drafter.keep, match_rows, lengths)
-        return [b for b in range(batch) if self._commit_sequence(sequences[b], tokens[b][: count[b]],
-                                                                 min(num_accepted[b], count[b]), drafted.lengths[b])]
+        return [
+            b
+            for b in range(batch)
+            if self._commit_sequence(
+                sequences[b], tokens[b][: count[b]], min(num_accepted[b], count[b]), drafted.lengths[b]
+            )
+        ]
 
     def _commit_sequence(self, sequence: _Sequence, new_tokens: list[int], num_accepted: int, length: int) -> bool:
         """Commit one sequence's tokens and record its block → whether it is done."""
@@ -664,7 +757,9 @@ def _prompt_list(prompts: object) -> list[str]:
         raise PromptTypeError(f"prompts must be a string or a list of strings, not {type(prompts).__name__}")
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, str):
-            raise PromptTypeError(f"prompt {index} is {type(prompt).__name__}, not text; pass strings (decode bytes first)")
+            raise PromptTypeError(
+                f"prompt {index} is {type(prompt).__name__}, not text; pass strings (decode bytes first)"
+            )
     return list(prompts)
 
 
@@ -678,8 +773,9 @@ def _check_context(prompt: int, max_new_tokens: int, draft_length: int, context:
     encoder holds the prompt and its decoder the start token, the output and one block.
     """
     if draft_length >= context:
-        raise UsageError(f"draft_length {draft_length} does not fit the target's context of {context} tokens; "
-                         "lower --draft-length")
+        raise UsageError(
+            f"draft_length {draft_length} does not fit the target's context of {context} tokens; lower --draft-length"
+        )
     output = max_new_tokens + draft_length + (1 if encoder_decoder else prompt)
     if encoder_decoder and prompt > context:
         raise UsageError(f"the prompt has {prompt} tokens but the encoder takes at most {context}; shorten the prompt")

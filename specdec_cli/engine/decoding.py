@@ -66,8 +66,10 @@ def create_verifier(config: DecodingConfig, rows: DraftRows, registry: VerifierR
         raise UsageError("no draft to speculate with: add a 'draft:' section to the recipe, or use --autoregressive")
     verifier = registry.create(config.verifier.name, dict(config.verifier.params))
     if config.speculation.compile and not verifier.keyed_randomness:
-        raise UsageError(f"verifier '{verifier.name}' draws from a torch.Generator, which torch.compile cannot "
-                         "trace; drop speculation.compile (--compile) for it")  # fmt: skip
+        raise UsageError(
+            f"verifier '{verifier.name}' draws from a torch.Generator, which torch.compile cannot "
+            "trace; drop speculation.compile (--compile) for it"
+        )
     reason = registry.refusal(config.verifier.name, rows)
     if reason is None:
         return verifier

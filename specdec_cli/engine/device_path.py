@@ -27,26 +27,28 @@ from ..plugins.verifiers import device_path as gpu_path_everywhere
 T = TypeVar("T")
 
 _aten = torch.ops.aten
-READ_OPERATIONS = frozenset({
-    _aten._local_scalar_dense.default,  # item(), bool(t), int(t), float(t), indexing with a 0-dim tensor
-    _aten.item.default,  # what item() and bool(t) dispatch under inference mode
-    _aten.is_nonzero.default,
-    _aten.equal.default,  # returns a Python bool
-    _aten.allclose.default,
-    _aten.nonzero.default,  # output size read from the device
-    _aten.nonzero_numpy.default,  # nonzero(as_tuple=True), and the next two: what inference mode dispatches
-    _aten.where.default,  # torch.where(mask)
-    _aten.argwhere.default,
-    _aten.masked_select.default,
-    _aten._unique.default,
-    _aten._unique2.default,
-    _aten.unique_dim.default,
-    _aten.unique_consecutive.default,
-    _aten.unique_dim_consecutive.default,
-    _aten.repeat_interleave.Tensor,  # repeats given as a tensor: output size read from the device
-    _aten.repeat_interleave.self_Tensor,
-    _aten.bincount.default,  # output size: the largest value
-})  # fmt: skip
+READ_OPERATIONS = frozenset(
+    {
+        _aten._local_scalar_dense.default,  # item(), bool(t), int(t), float(t), indexing with a 0-dim tensor
+        _aten.item.default,  # what item() and bool(t) dispatch under inference mode
+        _aten.is_nonzero.default,
+        _aten.equal.default,  # returns a Python bool
+        _aten.allclose.default,
+        _aten.nonzero.default,  # output size read from the device
+        _aten.nonzero_numpy.default,  # nonzero(as_tuple=True), and the next two: what inference mode dispatches
+        _aten.where.default,  # torch.where(mask)
+        _aten.argwhere.default,
+        _aten.masked_select.default,
+        _aten._unique.default,
+        _aten._unique2.default,
+        _aten.unique_dim.default,
+        _aten.unique_consecutive.default,
+        _aten.unique_dim_consecutive.default,
+        _aten.repeat_interleave.Tensor,  # repeats given as a tensor: output size read from the device
+        _aten.repeat_interleave.self_Tensor,
+        _aten.bincount.default,  # output size: the largest value
+    }
+)
 """Operations that wait for a device value on the host, on every device."""
 
 HOST_CONVERSIONS = ("item", "tolist", "numpy", "__array__")

@@ -46,8 +46,10 @@ class Drafted:
         finite, in_vocab = torch.stack(flags, 1) if flags else torch.ones(2, 0, dtype=torch.bool, device=device)
         proposed = [[n > 0 for n in p.lengths] for p in proposals]  # [drafters][B]
         ends = list(itertools.accumulate([0] + [p.tokens.shape[1] for p in proposals]))  # drafter j: ends[j]..
-        present = [tuple(row for j, of_j in enumerate(proposed) if of_j[b] for row in range(ends[j], ends[j + 1]))
-                   or (0,) for b in range(batch)]  # fmt: skip
+        present = [
+            tuple(row for j, of_j in enumerate(proposed) if of_j[b] for row in range(ends[j], ends[j + 1])) or (0,)
+            for b in range(batch)
+        ]
         return cls(tokens.clamp(0, vocab_size - 1), laws, finite, in_vocab, lengths, present, proposed)
 
     def groups(self) -> dict[tuple[int, tuple[int, ...]], list[int]]:

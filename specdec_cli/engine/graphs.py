@@ -88,11 +88,16 @@ class CapturedVerifyStep:
             try:
                 replay, decision = capture_cuda_graph(
                     lambda: self.verifier.verify_block(target_probs, draft_probs, draft_tokens, draws),
-                    device, self._pool)  # fmt: skip
+                    device,
+                    self._pool,
+                )
             except RuntimeError as error:  # what a capture refuses and eager allows (an upload from the host)
                 torch.cuda.set_stream(stream)  # a failed capture can leave its own stream current
-                warnings.warn(f"verifier '{self.verifier.name}': its block could not be captured in a CUDA graph "
-                              f"({str(error).splitlines()[0]}); it runs compiled instead", stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"verifier '{self.verifier.name}': its block could not be captured in a CUDA graph "
+                    f"({str(error).splitlines()[0]}); it runs compiled instead",
+                    stacklevel=2,
+                )
                 return None
         if decision_problem(decision, draft_tokens.shape[1] + 1, device) is not None:
             return None  # the fallback returns it again, and the engine names what is wrong

@@ -46,16 +46,21 @@ def batch_problem(loaded: LoadedModel) -> str | None:
     parameters = inspect.signature(loaded.model.forward).parameters
     config = loaded.model.config
     if getattr(config, "sliding_window", None) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return (f"model '{loaded.name}' attends through a sliding window, whose cache the batch's alignment does not "
-                "handle; use --batch-size 1")  # fmt: skip
+        return (
+            f"model '{loaded.name}' attends through a sliding window, whose cache the batch's alignment does not "
+            "handle; use --batch-size 1"
+        )
     if loaded.is_encoder_decoder:
         if getattr(config, "max_position_embeddings", None) is not None:
-            return (f"model '{loaded.name}' numbers its decoder's positions from the cache, so rows of different "
-                    "lengths cannot share one; use --batch-size 1")  # fmt: skip
+            return (
+                f"model '{loaded.name}' numbers its decoder's positions from the cache, so rows of different "
+                "lengths cannot share one; use --batch-size 1"
+            )
         return None
     if "position_ids" not in parameters:
-        return (f"model '{loaded.name}' takes no position_ids, so rows cannot keep their own positions; "
-                "use --batch-size 1")
+        return (
+            f"model '{loaded.name}' takes no position_ids, so rows cannot keep their own positions; use --batch-size 1"
+        )
     return None
 
 
@@ -126,7 +131,8 @@ class ModelSession:
             return
         width = max(self.columns, other.columns)
         self.starts = [start + width - self.columns for start in self.starts] + [
-            start + width - other.columns for start in other.starts]  # fmt: skip
+            start + width - other.columns for start in other.starts
+        ]
         self.lengths = self.lengths + other.lengths
         self.columns = width
         if self.use_cache:
@@ -220,8 +226,12 @@ class ModelSession:
         mask = self._attention_mask(inputs.shape[1])  # [rows, 1, m, columns + m]
         if self.loaded.is_encoder_decoder:
             source_mask = _additive(self.encoder_mask.view(self.rows, 1, 1, -1) == 0, self.model.dtype)
-            return kwargs | {"decoder_input_ids": inputs, "decoder_attention_mask": mask,
-                             "attention_mask": source_mask, "encoder_outputs": (self.encoder_hidden,)}  # fmt: skip
+            return kwargs | {
+                "decoder_input_ids": inputs,
+                "decoder_attention_mask": mask,
+                "attention_mask": source_mask,
+                "encoder_outputs": (self.encoder_hidden,),
+            }
         # Row r's id in column c is at position c - start[r] (padding columns get position 0; they are masked).
         columns = torch.arange(self.columns, self.columns + inputs.shape[1], device=self.device)  # [m]
         positions = (columns - torch.tensor(self.starts, device=self.device).view(-1, 1)).clamp(min=0)  # [rows, m]
@@ -249,7 +259,9 @@ class ModelSession:
                 self._crop(width)
         elif self.columns:
             shift = torch.tensor([old - new for old, new in zip(self.starts, starts)], device=self.device)  # [rows]
-            source = (torch.arange(width, device=self.device) + shift.view(-1, 1)).clamp(0, self.columns - 1)  # [rows, W']
+            source = (torch.arange(width, device=self.device) + shift.view(-1, 1)).clamp(
+                0, self.columns - 1
+            )  # [rows, W']
             self._gather(source)
         self.lengths, self.starts, self.columns = lengths, starts, width
 

@@ -101,8 +101,10 @@ def _read_cached(path: Path) -> DraftCost | None:
     names = {f.name: f.type for f in fields(DraftCost)}
     if not isinstance(entry, dict) or entry.keys() != names.keys():
         return None
-    if not all(isinstance(entry[name], str if kind == "str" else (int, float)) and not isinstance(entry[name], bool)
-               for name, kind in names.items()):  # fmt: skip
+    if not all(
+        isinstance(entry[name], str if kind == "str" else (int, float)) and not isinstance(entry[name], bool)
+        for name, kind in names.items()
+    ):
         return None
     return DraftCost(**entry)
 
@@ -121,8 +123,9 @@ def _plausible(cost: DraftCost, decoder: SpeculativeDecoder) -> bool:
     if not timedelta(0) <= age <= _MAX_AGE:
         return False
     target = decoder.target.model
-    like_the_target = all(model.model.dtype == target.dtype and _size(model.model) < _size(target)
-                          for model in _draft_models(decoder))  # fmt: skip
+    like_the_target = all(
+        model.model.dtype == target.dtype and _size(model.model) < _size(target) for model in _draft_models(decoder)
+    )
     return not (like_the_target and cost.draft_s > cost.target_block_s)
 
 
@@ -135,15 +138,21 @@ def draft_cost_note(cost: DraftCost, draft_length: int, bfloat16_draft: bool) ->
     best, likely = cost.speedup(1.0, draft_length), cost.speedup(cost.acceptance, draft_length)
     if likely >= 1:
         return None
-    figures = (f"on this machine ({cost.machine}) a draft step takes {cost.draft_s * 1e3:.0f} ms and the target "
-               f"{cost.target_token_s * 1e3:.0f} ms per token alone, {cost.target_block_s * 1e3:.0f} ms to score a "
-               f"block")  # fmt: skip
+    figures = (
+        f"on this machine ({cost.machine}) a draft step takes {cost.draft_s * 1e3:.0f} ms and the target "
+        f"{cost.target_token_s * 1e3:.0f} ms per token alone, {cost.target_block_s * 1e3:.0f} ms to score a "
+        f"block"
+    )
     if best < 1:
-        verdict = (f"so with L={draft_length} speculation is slower than the target alone even if every draft token "
-                   f"is accepted (at most {best:.2f}×)")  # fmt: skip
+        verdict = (
+            f"so with L={draft_length} speculation is slower than the target alone even if every draft token "
+            f"is accepted (at most {best:.2f}×)"
+        )
     else:
-        verdict = (f"so at the acceptance measured ({cost.acceptance:.0%}) speculation runs at about {likely:.2f}× "
-                   "the target alone")  # fmt: skip
+        verdict = (
+            f"so at the acceptance measured ({cost.acceptance:.0%}) speculation runs at about {likely:.2f}× "
+            "the target alone"
+        )
     remedy = "a GPU"
     if bfloat16_draft and "no native bfloat16" in cost.machine:
         remedy += ", or a CPU with native bfloat16 (avx512_bf16 or AMX) for this bfloat16 draft,"
@@ -180,6 +189,13 @@ def _key(decoder: SpeculativeDecoder, machine: str) -> str:
     models = [decoder.target.name, *(model.name for model in _draft_models(decoder))]
     dtypes = [str(decoder.target.model.dtype), *(str(model.model.dtype) for model in _draft_models(decoder))]
     drafters = [(draft.drafter, draft.params) for draft in decoder.drafts]  # prompt lookup changes the acceptance
-    parts = [machine, torch.__version__, *models, *dtypes, config.speculation.draft_length, config.speculation.num_drafts]
+    parts = [
+        machine,
+        torch.__version__,
+        *models,
+        *dtypes,
+        config.speculation.draft_length,
+        config.speculation.num_drafts,
+    ]
     parts += drafters if any(draft.model is None for draft in decoder.drafts) else []  # old keys stay valid
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]

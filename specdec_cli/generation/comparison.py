@@ -57,13 +57,19 @@ class ConfigurationResult:
     def summary(self) -> dict:
         config = self.decoder.config
         return {
-            "label": self.label, "verifier": config.verifier.name, "verifier_params": dict(config.verifier.params),
-            "draft_length": self.decoder.draft_length, "num_drafts": config.speculation.num_drafts,
-            "samples": len(self.results), "new_tokens": int(self._total("new_tokens")),
-            "wall_time_s": self._total("wall_time_s"), "tokens_per_second": self.tokens_per_second,
-            "block_efficiency": self.block_efficiency, "acceptance_rate": self.acceptance_rate,
+            "label": self.label,
+            "verifier": config.verifier.name,
+            "verifier_params": dict(config.verifier.params),
+            "draft_length": self.decoder.draft_length,
+            "num_drafts": config.speculation.num_drafts,
+            "samples": len(self.results),
+            "new_tokens": int(self._total("new_tokens")),
+            "wall_time_s": self._total("wall_time_s"),
+            "tokens_per_second": self.tokens_per_second,
+            "block_efficiency": self.block_efficiency,
+            "acceptance_rate": self.acceptance_rate,
             "speedup": self.speedup,
-        }  # fmt: skip
+        }
 
 
 class Comparison:
@@ -82,8 +88,9 @@ class Comparison:
         """Complete rounds so far: the samples each configuration's figures are pooled over."""
         return len(self.rows[0].results)
 
-    def run(self, prompts: Sequence[str], num_samples: int = 1,
-            on_tokens: TokenCallback | None = None) -> Iterator[list[GenerationResult]]:  # fmt: skip
+    def run(
+        self, prompts: Sequence[str], num_samples: int = 1, on_tokens: TokenCallback | None = None
+    ) -> Iterator[list[GenerationResult]]:
         """Warm every configuration up, then yield each round's results (in the order of :attr:`rows`)
         once they are added to the rows; speedups are updated after each round."""
         encoded = {row.label: [row.decoder.encode_prompt(p) for p in prompts] for row in self.rows}  # all checked first
@@ -97,14 +104,16 @@ class Comparison:
                     ids = encoded[row.label][prompt_index]
                     results.append(row.decoder.sample(prompts[prompt_index], prompt_index, sample_index, ids, progress))
                     if on_tokens is not None:
-                        on_tokens(row.decoder.config.generation.max_new_tokens - len(results[-1].token_ids))  # stopped early
+                        on_tokens(
+                            row.decoder.config.generation.max_new_tokens - len(results[-1].token_ids)
+                        )  # stopped early
                 for row, result in zip(self.rows, results):
                     row.results.append(result)
                 self._update_speedups()
                 yield results
         finally:  # a stop between two appends must not leave one configuration a round ahead
             for row in self.rows:
-                del row.results[min(len(r.results) for r in self.rows):]
+                del row.results[min(len(r.results) for r in self.rows) :]
             self._update_speedups()
 
     def _update_speedups(self) -> None:

@@ -69,21 +69,27 @@ def _registered(registry_type: type[PluginRegistry], cls: type) -> PluginRegistr
     return Registered()
 
 
-def _check_parameters(cls: type, registry: PluginRegistry, params: dict[str, Any],
-                      bad_params: Sequence[dict[str, Any]]) -> Any:  # fmt: skip
+def _check_parameters(
+    cls: type, registry: PluginRegistry, params: dict[str, Any], bad_params: Sequence[dict[str, Any]]
+) -> Any:
     """Every parameter has a type and a description; ``params`` make an instance (returned); an unknown parameter,
     a value of the wrong type and each of ``bad_params`` are refused in one line (a ValueError or TypeError from the
     constructor, as the registry reports it), the author's own refusals naming a parameter they were given."""
     for name, spec in parameter_specs(cls).items():
         if spec.type_name is None or not spec.description:
-            raise ConformanceError(f"{cls.name}: parameter '{name}' needs a type and a description, which `specdec "
-                                   f"{registry.kind}s` shows: declare it as {name}: Annotated[TYPE, \"what it does\"]")
+            raise ConformanceError(
+                f"{cls.name}: parameter '{name}' needs a type and a description, which `specdec "
+                f'{registry.kind}s` shows: declare it as {name}: Annotated[TYPE, "what it does"]'
+            )
     try:
         instance = registry.create(cls.name, params)
     except SpecdecError as error:
         raise ConformanceError(f"{cls.name}: could not be made with {params}: {error}") from error
-    wrong = {name: value for name, spec in parameter_specs(cls).items()
-             if (value := next((v for v in ("not-a-value", 2.5, []) if spec.problem(v)), None)) is not None}
+    wrong = {
+        name: value
+        for name, spec in parameter_specs(cls).items()
+        if (value := next((v for v in ("not-a-value", 2.5, []) if spec.problem(v)), None)) is not None
+    }
     cases = [{**params, "no_such_parameter": 1}, *({**params, name: value} for name, value in wrong.items())]
     for bad in [*cases, *bad_params]:
         message = _refusal(cls, registry, bad)
@@ -101,13 +107,19 @@ def _refusal(cls: type, registry: PluginRegistry, params: dict[str, Any]) -> str
             raise ConformanceError(f"{cls.name}: refused {params} with a message of several lines") from error
         return str(error.__cause__ or error)  # its own words: the registry's line repeats the parameters given
     except SpecdecError as error:
-        raise ConformanceError(f"{cls.name}: {params} made its constructor fail ({error}); refuse bad parameters "
-                               "with a ValueError, which reaches the user as one line") from error  # fmt: skip
+        raise ConformanceError(
+            f"{cls.name}: {params} made its constructor fail ({error}); refuse bad parameters "
+            "with a ValueError, which reaches the user as one line"
+        ) from error
     raise ConformanceError(f"{cls.name}: accepted the bad parameters {params}")
 
 
-def check_drafter(cls: type[Drafter], params: dict[str, Any] | None = None, samples: int = 1000,
-                  bad_params: Sequence[dict[str, Any]] = ()) -> None:  # fmt: skip
+def check_drafter(
+    cls: type[Drafter],
+    params: dict[str, Any] | None = None,
+    samples: int = 1000,
+    bad_params: Sequence[dict[str, Any]] = (),
+) -> None:
     """Check drafter class ``cls`` with parameters ``params`` (see the module docstring); ``samples``: generations
     in the chi-square test; ``bad_params``: parameters its constructor must refuse. Raises
     :class:`ConformanceError`; takes about a minute on a CPU."""
@@ -124,9 +136,13 @@ def check_drafter(cls: type[Drafter], params: dict[str, Any] | None = None, samp
         # exit) takes its entry as it is.
         if cls.uses_model and drafter.entry_problem(DraftConfig(drafter=cls.name, params=entry["params"])):
             entry["model"] = str(save_tiny_model(Path(folder) / "draft", "llama", seed=2, layers=1))
-        recipe = {"target": {"model": str(target), "device": "cpu"}, "drafts": [entry],
-                  "verifier": {"name": "speculative"}, "speculation": {"draft_length": 3},
-                  "generation": {"max_new_tokens": 3, "temperature": 1.0}}  # fmt: skip
+        recipe = {
+            "target": {"model": str(target), "device": "cpu"},
+            "drafts": [entry],
+            "verifier": {"name": "speculative"},
+            "speculation": {"draft_length": 3},
+            "generation": {"max_new_tokens": 3, "temperature": 1.0},
+        }
         _check_exactness(cls, recipe, samples)
         _check_greedy(cls, recipe)
 
@@ -177,22 +193,26 @@ def _run(cls: type[Drafter], decoder: Any, prompt: str, key: int) -> list[int]:
 
 
 def _check_exactness(cls: type[Drafter], recipe: dict[str, Any], samples: int) -> None:
+    from ..engine.decoder import DecodingRun, SequenceJob
     from .testing import EOS_ID, chi_square_p_value, exact_sequence_law
 
     decoder = _decoder(cls, recipe)
     _watch_proposals(decoder, cls)
     prompt_ids = decoder.encode_prompt(PROMPTS[0])
+    jobs = [SequenceJob(PROMPTS[0], key, 0, prompt_ids, key=key) for key in range(samples)]
     try:  # 16 samples at a time: a sample's tokens do not depend on its batch
-        counts = Counter(tuple(r.token_ids) for r in decoder.generate(PROMPTS[0], num_samples=samples, batch_size=16))
+        counts = Counter(tuple(r.token_ids) for r in DecodingRun(decoder, 16).run(jobs))
     except SpecdecError as error:  # the engine's checks of a proposal, or the plugin's own exception
         raise ConformanceError(f"{cls.name}: {error}") from error
     depth = recipe["generation"]["max_new_tokens"]
     law = exact_sequence_law(decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
     p_value = chi_square_p_value(counts, law)
     if p_value < 1e-4:
-        raise ConformanceError(f"{cls.name}: with speculative sampling the first {depth} tokens do not follow the "
-                               f"target's law (chi-square p = {p_value:.2g} over {samples} samples): its reported "
-                               "laws are not the laws its tokens were drawn from")  # fmt: skip
+        raise ConformanceError(
+            f"{cls.name}: with speculative sampling the first {depth} tokens do not follow the "
+            f"target's law (chi-square p = {p_value:.2g} over {samples} samples): its reported "
+            "laws are not the laws its tokens were drawn from"
+        )
 
 
 def _check_greedy(cls: type[Drafter], recipe: dict[str, Any]) -> None:
@@ -201,15 +221,17 @@ def _check_greedy(cls: type[Drafter], recipe: dict[str, Any]) -> None:
     alone = decoder.with_config(verifier="none")
     for prompt in PROMPTS:
         if _run(cls, decoder, prompt, 0) != _run(cls, alone, prompt, 0):
-            raise ConformanceError(f"{cls.name}: greedy decoding with it differs from the target's greedy output "
-                                   f"on {prompt!r}")  # fmt: skip
+            raise ConformanceError(
+                f"{cls.name}: greedy decoding with it differs from the target's greedy output on {prompt!r}"
+            )
 
 
 VOCAB, DRAFT_LENGTH = 3, 2  # every draft block of K ≤ 2 rows is enumerable: 3^(2K) of them
 
 
-def check_verifier(cls: type, params: dict[str, Any] | None = None, samples: int = 3000,
-                   bad_params: Sequence[dict[str, Any]] = ()) -> None:  # fmt: skip
+def check_verifier(
+    cls: type, params: dict[str, Any] | None = None, samples: int = 3000, bad_params: Sequence[dict[str, Any]] = ()
+) -> None:
     """Check verifier class ``cls`` with parameters ``params`` (see the module docstring) with 1 and 2 drafts
     where it takes them; ``samples``: draws of ``verify_block`` in the sampled check; ``bad_params``: parameters
     its constructor must refuse. Raises :class:`ConformanceError`."""
@@ -244,15 +266,20 @@ def _check_block_law(cls: type, verifier: Any, target_law, draft_laws, num_draft
     try:
         law = enumerate_block_law(verifier, target_law, draft_laws, VOCAB, DRAFT_LENGTH)
     except NotImplementedError as error:
-        raise ConformanceError(f"{cls.name}: implement block_law (the exact law of verify_block's decision), "
-                               "which the kit enumerates") from error  # fmt: skip
+        raise ConformanceError(
+            f"{cls.name}: implement block_law (the exact law of verify_block's decision), which the kit enumerates"
+        ) from error
     if abs(sum(law.values()) - 1) > 1e-9:
         raise ConformanceError(f"{cls.name}: its block law sums to {sum(law.values()):.12g}, not 1 (K = {num_drafts})")
     if cls.lossless:
-        gap = max(abs(law.get(s, 0.0) - mass) for s, mass in target_sequence_law(target_law, VOCAB, DRAFT_LENGTH + 1).items())
+        gap = max(
+            abs(law.get(s, 0.0) - mass) for s, mass in target_sequence_law(target_law, VOCAB, DRAFT_LENGTH + 1).items()
+        )
         if gap > 1e-9:
-            raise ConformanceError(f"{cls.name}: declares lossless, but its block's output law differs from the "
-                                   f"target's by {gap:.3g} (K = {num_drafts}, V = {VOCAB}, L = {DRAFT_LENGTH})")  # fmt: skip
+            raise ConformanceError(
+                f"{cls.name}: declares lossless, but its block's output law differs from the "
+                f"target's by {gap:.3g} (K = {num_drafts}, V = {VOCAB}, L = {DRAFT_LENGTH})"
+            )
     elif cls.kl_bound_parameter is not None and cls.token_level:
         _check_kl_bound(cls, verifier, committed_block_law(verifier, target_law, draft_laws, VOCAB, 1), target_law)
 
@@ -276,7 +303,9 @@ def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: i
 
     rows = [_likeliest_row(law) for law in draft_laws]
     target_probs = torch.stack([torch.stack([target_law(r[:t]) for t in range(DRAFT_LENGTH + 1)]) for r in rows])
-    draft_probs = torch.stack([torch.stack([law(r[:t]) for t in range(DRAFT_LENGTH)]) for law, r in zip(draft_laws, rows)])
+    draft_probs = torch.stack(
+        [torch.stack([law(r[:t]) for t in range(DRAFT_LENGTH)]) for law, r in zip(draft_laws, rows)]
+    )
     tokens = torch.tensor(rows)  # [K, L]
     law = decision_outcomes(verifier.block_law(target_probs, draft_probs, tokens), tokens)
     counts: Counter = Counter()
@@ -294,8 +323,10 @@ def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: i
         counts[tuple(committed[: accepted + 1])] += 1
     p_value = chi_square_p_value(counts, law)
     if p_value < 1e-4:
-        raise ConformanceError(f"{cls.name}: verify_block's decisions do not follow its block_law "
-                               f"(chi-square p = {p_value:.2g} over {samples} blocks)")  # fmt: skip
+        raise ConformanceError(
+            f"{cls.name}: verify_block's decisions do not follow its block_law "
+            f"(chi-square p = {p_value:.2g} over {samples} blocks)"
+        )
 
 
 def _likeliest_row(law) -> tuple[int, ...]:

@@ -53,23 +53,46 @@ def tiny_model(kind: str, seed: int, layers: int = 2, vocab_size: int = len(TINY
     special = {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": None}
     if kind == "llama":
         config = LlamaConfig(
-            vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-            tie_word_embeddings=False, **special,
-        )  # fmt: skip
+            vocab_size=vocab_size,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            **special,
+        )
     elif kind == "gpt2":
         config = GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=layers, n_head=2, n_positions=128, **special)
     elif kind == "t5":
         config = T5Config(
-            vocab_size=vocab_size, d_model=16, d_kv=8, d_ff=32, num_layers=layers, num_decoder_layers=layers,
-            num_heads=2, decoder_start_token_id=PAD_ID, tie_word_embeddings=False, **special,
-        )  # fmt: skip
+            vocab_size=vocab_size,
+            d_model=16,
+            d_kv=8,
+            d_ff=32,
+            num_layers=layers,
+            num_decoder_layers=layers,
+            num_heads=2,
+            decoder_start_token_id=PAD_ID,
+            tie_word_embeddings=False,
+            **special,
+        )
     elif kind == "bart":  # an encoder-decoder with a position limit (64), unlike T5
         config = BartConfig(
-            vocab_size=vocab_size, d_model=16, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=2,
-            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
-            decoder_start_token_id=PAD_ID, forced_eos_token_id=None, **special,
-        )  # fmt: skip
+            vocab_size=vocab_size,
+            d_model=16,
+            encoder_layers=layers,
+            decoder_layers=layers,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_position_embeddings=64,
+            decoder_start_token_id=PAD_ID,
+            forced_eos_token_id=None,
+            **special,
+        )
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}")
     torch.manual_seed(seed)
@@ -181,9 +204,7 @@ def adversarial_distribution_pairs(vocab: int) -> list[tuple[torch.Tensor, torch
     ]
 
 
-def enumerate_output_law(
-    verifier: Any, target_probs: torch.Tensor, draft_probs: torch.Tensor
-) -> torch.Tensor:
+def enumerate_output_law(verifier: Any, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     """The output law of ``verifier`` at one position, summed over every candidate tuple.
 
     target_probs ``[V]``, draft_probs ``[K, V]`` (float64) → ``[V]``: Σ_S P(S) conditional(S).
@@ -252,7 +273,9 @@ def committed_block_law(
         weight = math.prod(float(law(row[:t])[row[t]]) for law, row in pairs for t in range(draft_length))
         if weight == 0:
             continue
-        target_probs = torch.stack([torch.stack([target_law(row[:t]) for t in range(draft_length + 1)]) for row in rows])
+        target_probs = torch.stack(
+            [torch.stack([target_law(row[:t]) for t in range(draft_length + 1)]) for row in rows]
+        )
         draft_probs = torch.stack([torch.stack([law(row[:t]) for t in range(draft_length)]) for law, row in pairs])
         decision = verifier.block_law(target_probs, draft_probs, torch.tensor(rows))  # [K, L+1, V]
         for sequence, mass in decision_outcomes(decision, torch.tensor(rows)).items():
@@ -305,4 +328,3 @@ def _complete(
                 extended = sequence + (token,)
                 frontier[extended] = frontier.get(extended, 0.0) + mass * float(law[token])
     return complete
-

@@ -89,7 +89,9 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"device '{device}' was asked for but no CUDA GPU is available; use --device cpu or auto")
     if resolved.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"device '{device}' was asked for but this machine has no MPS (Apple GPU); use --device cpu or auto")
+        raise UsageError(
+            f"device '{device}' was asked for but this machine has no MPS (Apple GPU); use --device cpu or auto"
+        )
     return resolved
 
 

@@ -49,7 +49,9 @@ def every_config(config_laws: Sequence[Hashable], num_drafts: int, deterministic
     """A block's rows: :func:`rows_per_config` of each draft config (how the engine drafts); ``deterministic``:
     one flag per config (none given: no config is)."""
     flags = list(deterministic) or [False] * len(config_laws)
-    return DraftRows.of([law for law, single in zip(config_laws, flags) for _ in range(rows_per_config(single, num_drafts))])
+    return DraftRows.of(
+        [law for law, single in zip(config_laws, flags) for _ in range(rows_per_config(single, num_drafts))]
+    )
 
 
 def round_robin(config_laws: Sequence[Hashable], num_drafts: int) -> DraftRows:

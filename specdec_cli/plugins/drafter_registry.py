@@ -18,9 +18,14 @@ EARLY_EXIT_DRAFTER = "early-exit"
 """What a draft entry with ``early_exit: N`` and no drafter drafts with (its ``layers`` parameter is N)."""
 
 DRAFTER_DESCRIPTION_TYPES: dict[str, tuple[type, ...]] = {
-    "deterministic": (bool,), "uses_model": (bool,), "summary": (str,), "parameters": (dict,),
-    "parameter_docs": (dict,), "package": (str,), "note": (str, type(None)),
-}  # fmt: skip
+    "deterministic": (bool,),
+    "uses_model": (bool,),
+    "summary": (str,),
+    "parameters": (dict,),
+    "parameter_docs": (dict,),
+    "package": (str,),
+    "note": (str, type(None)),
+}
 
 
 class DrafterRegistry(PluginRegistry):
@@ -43,8 +48,11 @@ class DrafterRegistry(PluginRegistry):
     def entry_drafter(self, entry: DraftConfig) -> tuple[str, dict[str, Any]]:
         """(drafter name, parameters) of a draft entry: a bare ``model:`` is the model drafter, a bare
         ``early_exit: N`` the early-exit drafter with ``layers: N`` (the recipes from before drafters)."""
-        name = self.canonical(entry.drafter) if entry.drafter is not None else (
-            EARLY_EXIT_DRAFTER if entry.early_exit is not None else DEFAULT_DRAFTER)  # fmt: skip
+        name = (
+            self.canonical(entry.drafter)
+            if entry.drafter is not None
+            else (EARLY_EXIT_DRAFTER if entry.early_exit is not None else DEFAULT_DRAFTER)
+        )
         if name != EARLY_EXIT_DRAFTER or entry.early_exit is None:
             return name, dict(entry.params)
         layers = entry.params.get("layers", entry.early_exit)
@@ -74,8 +82,10 @@ class DrafterRegistry(PluginRegistry):
         if kept:
             return kept
         if self.plugin_class(key).uses_model:
-            raise UsageError(f"--drafter {key} drafts with a model that the recipe does not name; add a draft entry "
-                             f"for it (drafts: [{{drafter: {key}, ...}}]), or choose another drafter")  # fmt: skip
+            raise UsageError(
+                f"--drafter {key} drafts with a model that the recipe does not name; add a draft entry "
+                f"for it (drafts: [{{drafter: {key}, ...}}]), or choose another drafter"
+            )
         return (DraftConfig(drafter=key),)
 
     def guarded(self, name: str, what: str, method: Callable[..., Any], *args: Any) -> Any:
@@ -95,8 +105,14 @@ def draft_law(draft: DraftConfig, generation: GenerationConfig, drafters: Drafte
     """What decides the law of a recipe's draft: its drafter and parameters (``drafters`` resolves them), the
     model it loads, and its sampling settings, a left-out one taking the target's (``generation``)."""
     model = tuple((f.name, getattr(draft, f.name)) for f in dataclasses.fields(ModelConfig))
-    sampling = tuple(generation_value if own is None else own for own, generation_value in (
-        (draft.temperature, generation.temperature), (draft.top_k, generation.top_k), (draft.top_p, generation.top_p)))
+    sampling = tuple(
+        generation_value if own is None else own
+        for own, generation_value in (
+            (draft.temperature, generation.temperature),
+            (draft.top_k, generation.top_k),
+            (draft.top_p, generation.top_p),
+        )
+    )
     return drafter_key(*(drafters or DrafterRegistry()).entry_drafter(draft)), model, sampling
 
 

@@ -40,9 +40,17 @@ if TYPE_CHECKING:
     from ..base.recipe import DraftConfig
 
 __all__ = [
-    "DraftRequest", "DraftSetup", "Drafter", "Proposal", "SequenceDrafter", "SequenceProposal", "SequenceRequest",
-    "block_length", "empty_proposal", "one_hot_laws",
-]  # fmt: skip
+    "DraftRequest",
+    "DraftSetup",
+    "Drafter",
+    "Proposal",
+    "SequenceDrafter",
+    "SequenceProposal",
+    "SequenceRequest",
+    "block_length",
+    "empty_proposal",
+    "one_hot_laws",
+]
 
 SamplingLaw = Callable[[torch.Tensor, SamplingParams], tuple[torch.Tensor, torch.Tensor]]
 """The engine's :func:`~specdec_cli.sampling.sampling_law` (compiled under ``--compile``)."""
@@ -243,8 +251,9 @@ class SequenceDrafter(Drafter):
             if not length:  # a sequence with one token left asks no drafter
                 proposals.append(_empty_sequence(self.rows, vocab, device))
                 continue
-            one = SequenceRequest(request.contexts[b], length, request.uniforms[b, :length], request.sampling_law,
-                                  request.timer)  # fmt: skip
+            one = SequenceRequest(
+                request.contexts[b], length, request.uniforms[b, :length], request.sampling_law, request.timer
+            )
             proposal = sequence.propose_sequence(one)
             problem = sequence_proposal_problem(proposal, self.rows, length, vocab, device)
             if problem is not None:
@@ -319,7 +328,11 @@ def proposal_problem(
         return problem
     tokens, laws = proposal.tokens, proposal.laws
     n = tokens.shape[-1] if tokens.dim() == 3 else -1
-    if tokens.dtype != torch.long or list(tokens.shape[:2]) != [batch, rows] or not max(lengths) <= n <= max(max_lengths):
+    if (
+        tokens.dtype != torch.long
+        or list(tokens.shape[:2]) != [batch, rows]
+        or not max(lengths) <= n <= max(max_lengths)
+    ):
         return f"returned tokens of shape {list(tokens.shape)} ({tokens.dtype}); expected int64 [{batch}, {rows}, n]"
     if not laws.is_floating_point() or tuple(laws.shape) != (batch, rows, n, vocab_size):
         return f"returned laws of shape {list(laws.shape)}; expected float [{batch}, {rows}, {n}, {vocab_size}]"
@@ -337,8 +350,10 @@ def sequence_proposal_problem(
         return problem
     tokens, laws = proposal.tokens, proposal.laws
     if tokens.dtype != torch.long or tokens.dim() != 2 or tokens.shape[0] != rows or tokens.shape[1] > max_length:
-        return (f"returned tokens of shape {list(tokens.shape)} ({tokens.dtype}); expected int64 [{rows}, n] "
-                f"with n <= {max_length}")  # fmt: skip
+        return (
+            f"returned tokens of shape {list(tokens.shape)} ({tokens.dtype}); expected int64 [{rows}, n] "
+            f"with n <= {max_length}"
+        )
     if not laws.is_floating_point() or tuple(laws.shape) != (rows, tokens.shape[1], vocab_size):
         return f"returned laws of shape {list(laws.shape)} ({laws.dtype}); expected float [{rows}, {tokens.shape[1]}, {vocab_size}]"
     return None

@@ -26,10 +26,26 @@ from ..base.sampling import sample, sample_with
 from .verifiers import BlockDecision, commit_following, commit_with_uniform, first_rejection
 
 __all__ = [
-    "TINY", "commit_after", "commit_following", "commit_known", "commit_with_uniform", "excess_or", "excess_weights",
-    "first_accepted", "first_rejection", "normalized_excess", "normalized_or", "one_hot_mass", "ratio_acceptance",
-    "row_at", "sample", "sample_with", "single_draft_block", "single_draft_draws", "uniforms_like",
-]  # fmt: skip
+    "TINY",
+    "commit_after",
+    "commit_following",
+    "commit_known",
+    "commit_with_uniform",
+    "excess_or",
+    "excess_weights",
+    "first_accepted",
+    "first_rejection",
+    "normalized_excess",
+    "normalized_or",
+    "one_hot_mass",
+    "ratio_acceptance",
+    "row_at",
+    "sample",
+    "sample_with",
+    "single_draft_block",
+    "single_draft_draws",
+    "uniforms_like",
+]
 
 TINY = torch.finfo(torch.float64).tiny
 
@@ -155,7 +171,9 @@ def commit_after(
     return commit_with_uniform(num_accepted, draft_tokens, residual, bonus_law, uniform, torch.zeros_like(num_accepted))
 
 
-def commit_known(num_accepted: int, law: torch.Tensor, draft_tokens: torch.Tensor, draws: torch.Tensor) -> BlockDecision:
+def commit_known(
+    num_accepted: int, law: torch.Tensor, draft_tokens: torch.Tensor, draws: torch.Tensor
+) -> BlockDecision:
     """:func:`commit_after` where the host already knows ``num_accepted`` (the CPU paths, where reads are free):
     the same draw, from ``law`` ``[V]`` (the residual's weights after a rejection, the bonus law after the whole
     block), without choosing between the two on the device."""

@@ -27,8 +27,13 @@ from ..base.errors import UsageError
 UNCHECKED = object()
 """The annotation of a parameter whose type is not declared, or not one :meth:`ParameterSpec.problem` checks."""
 
-_SIMPLE_TYPES: dict[type, str] = {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
-                                  type(None): "null"}  # fmt: skip
+_SIMPLE_TYPES: dict[type, str] = {
+    bool: "true or false",
+    int: "a whole number",
+    float: "a number",
+    str: "a string",
+    type(None): "null",
+}
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,11 @@ def parameter_specs(cls: type) -> dict[str, ParameterSpec]:
     for init in _constructors(cls):
         hints = _hints(init)
         for name, parameter in inspect.signature(init).parameters.items():
-            if name == "self" or name in specs or parameter.kind not in (parameter.KEYWORD_ONLY,
-                                                                         parameter.POSITIONAL_OR_KEYWORD):
+            if (
+                name == "self"
+                or name in specs
+                or parameter.kind not in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+            ):
                 continue
             annotation, description = _unwrapped(hints.get(name, inspect.Parameter.empty))
             type_name = None if annotation is inspect.Parameter.empty else _type_name(annotation)
@@ -126,8 +134,9 @@ class _TypeCheckerNames(dict):
 def _hints(init: Any) -> dict[str, Any]:
     module_names = getattr(init, "__globals__", {})
     try:
-        return typing.get_type_hints(init, globalns=module_names, localns=_TypeCheckerNames(module_names),
-                                     include_extras=True)  # fmt: skip
+        return typing.get_type_hints(
+            init, globalns=module_names, localns=_TypeCheckerNames(module_names), include_extras=True
+        )
     except Exception:  # noqa: BLE001 (an annotation that is not an expression at all: left undeclared)
         return {}
 
@@ -182,8 +191,9 @@ def parameters_problem(cls: type, args: tuple[Any, ...], params: dict[str, Any])
         given = ", ".join(unknown) if unknown else "positional arguments"
         return f"unknown parameter(s) {given}; valid parameters: {accepted}"
     # A missing required parameter is the constructor's own TypeError: copy and pickle make instances without any.
-    return next((problem for name, value in params.items() if name in specs and (problem := specs[name].problem(value))),
-                None)  # fmt: skip
+    return next(
+        (problem for name, value in params.items() if name in specs and (problem := specs[name].problem(value))), None
+    )
 
 
 class PluginParameterError(UsageError, TypeError):

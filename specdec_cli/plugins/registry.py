@@ -47,10 +47,17 @@ SETTLE_NS = 2 * 10**9
 on FAT) without its modification time changing, so descriptions read from it are not cached."""
 
 DESCRIPTION_TYPES: dict[str, tuple[type, ...]] = {
-    "lossless": (bool,), "max_drafts": (int, type(None)), "identical_drafts": (bool,), "token_level": (bool,),
-    "kl_bound_parameter": (str, type(None)), "summary": (str,), "parameters": (dict,), "parameter_docs": (dict,),
-    "package": (str,), "note": (str, type(None)),
-}  # fmt: skip
+    "lossless": (bool,),
+    "max_drafts": (int, type(None)),
+    "identical_drafts": (bool,),
+    "token_level": (bool,),
+    "kl_bound_parameter": (str, type(None)),
+    "summary": (str,),
+    "parameters": (dict,),
+    "parameter_docs": (dict,),
+    "package": (str,),
+    "note": (str, type(None)),
+}
 """What :meth:`VerifierRegistry.describe` gives for a verifier that loads; a cache entry of another shape is rebuilt."""
 
 
@@ -59,7 +66,11 @@ class PluginFault(SpecdecError):
 
 
 # What verifiers raise, under the names their callers already catch.
-VerifierParameterError, VerifierParameterValueError, VerifierFault = PluginParameterError, PluginParameterValueError, PluginFault
+VerifierParameterError, VerifierParameterValueError, VerifierFault = (
+    PluginParameterError,
+    PluginParameterValueError,
+    PluginFault,
+)
 
 
 def error_line(error: BaseException) -> str:
@@ -172,8 +183,11 @@ class PluginRegistry:
         if str(declared).lower() != name:
             # Every message (the base class's included) and every table must use the name users type.
             self._notes[name] = f"its class calls itself {declared!r}; the entry-point name {name!r} is the one used"
-            loaded = type(loaded.__name__, (loaded,), {"name": name, "__module__": loaded.__module__,
-                                                       "__qualname__": loaded.__qualname__})  # fmt: skip
+            loaded = type(
+                loaded.__name__,
+                (loaded,),
+                {"name": name, "__module__": loaded.__module__, "__qualname__": loaded.__qualname__},
+            )
         self._classes[name] = loaded
 
     def load_failed(self, manager: ExtensionManager, entry_point: EntryPoint, error: BaseException) -> None:
@@ -195,8 +209,9 @@ class PluginRegistry:
 
     def fault(self, name: str, what: str) -> PluginFault:
         """The error for plugin ``name`` doing ``what`` ("returned None instead of a BlockDecision") at run time."""
-        return PluginFault(f"{self.kind} '{name}' {what}; the plugin is at fault ({self.package(name)}): "
-                           "report it to its author")  # fmt: skip
+        return PluginFault(
+            f"{self.kind} '{name}' {what}; the plugin is at fault ({self.package(name)}): report it to its author"
+        )
 
     def describe(self) -> dict[str, dict[str, Any]]:
         """name → what core and the CLI read from each installed plugin's class (the keys of
@@ -217,8 +232,13 @@ class PluginRegistry:
 
     def _description(self, name: str) -> dict[str, Any]:
         cls = self.load_class(name)
-        return {**self.class_description(cls), "parameters": plain_parameters(cls),
-                "parameter_docs": parameter_docs(cls), "package": self.package(name), "note": self._notes.get(name)}
+        return {
+            **self.class_description(cls),
+            "parameters": plain_parameters(cls),
+            "parameter_docs": parameter_docs(cls),
+            "package": self.package(name),
+            "note": self._notes.get(name),
+        }
 
     def class_description(self, cls: type) -> dict[str, Any]:
         """What a description holds of ``cls`` besides its parameters, package and note."""
@@ -290,9 +310,14 @@ class VerifierRegistry(PluginRegistry):
         return None
 
     def class_description(self, cls: type) -> dict[str, Any]:
-        return {"lossless": cls.lossless, "max_drafts": cls.max_drafts, "identical_drafts": cls.identical_drafts,
-                "token_level": cls.token_level, "kl_bound_parameter": cls.kl_bound_parameter,
-                "summary": class_summary(cls)}  # fmt: skip
+        return {
+            "lossless": cls.lossless,
+            "max_drafts": cls.max_drafts,
+            "identical_drafts": cls.identical_drafts,
+            "token_level": cls.token_level,
+            "kl_bound_parameter": cls.kl_bound_parameter,
+            "summary": class_summary(cls),
+        }
 
     def verifier_class(self, name: str) -> type[BlockVerifier]:
         """The class of the installed verifier ``name`` (case-insensitive)."""
@@ -323,8 +348,9 @@ class VerifierRegistry(PluginRegistry):
         parameter = self.verifier_class(name).kl_bound_parameter
         if parameter is None:
             bounded = ", ".join(self.names_where(lambda cls: cls.kl_bound_parameter is not None)) or "none installed"
-            raise UsageError(f"--kl sets a KL bound, which verifier '{name}' does not have; "
-                             f"verifiers with one: {bounded}")  # fmt: skip
+            raise UsageError(
+                f"--kl sets a KL bound, which verifier '{name}' does not have; verifiers with one: {bounded}"
+            )
         return {**params, parameter: bound}
 
 
@@ -334,24 +360,30 @@ REQUIRED = "<required>"
 
 def parameter_docs(cls: type) -> dict[str, dict[str, str | None]]:
     """A plugin class's parameters' types and descriptions, as its listing shows them."""
-    return {name: {"type": spec.type_name, "description": spec.description}
-            for name, spec in parameter_specs(cls).items()}  # fmt: skip
+    return {
+        name: {"type": spec.type_name, "description": spec.description} for name, spec in parameter_specs(cls).items()
+    }
 
 
 def class_summary(cls: type) -> str:
     """The first paragraph of a plugin class's own docstring, or else of its module's, on one line (the contract's
     base classes' docstrings describe the contract, not the plugin)."""
     plugin_classes = itertools.takewhile(lambda klass: not klass.__module__.startswith(f"{__package__}."), cls.__mro__)
-    texts = (text for klass in plugin_classes
-             for text in (klass.__dict__.get("__doc__"), getattr(sys.modules.get(klass.__module__), "__doc__", None)))
+    texts = (
+        text
+        for klass in plugin_classes
+        for text in (klass.__dict__.get("__doc__"), getattr(sys.modules.get(klass.__module__), "__doc__", None))
+    )
     text = next((text for text in texts if text and text.strip()), "")
     return " ".join(inspect.cleandoc(text).split("\n\n")[0].split())
 
 
 def plain_parameters(cls: type) -> dict[str, Any]:
     """A plugin class's parameters and defaults, each default as JSON can hold it (others as their repr)."""
-    return {key: REQUIRED if value is inspect.Parameter.empty else value if _plain(value) else repr(value)
-            for key, value in parameter_defaults(cls).items()}  # fmt: skip
+    return {
+        key: REQUIRED if value is inspect.Parameter.empty else value if _plain(value) else repr(value)
+        for key, value in parameter_defaults(cls).items()
+    }
 
 
 @dataclass(frozen=True)
@@ -378,7 +410,8 @@ def _resolve(entries: list[PluginEntry], kind: str) -> _Claims:
             for other in others:
                 failures[f"{name} ({other.package})"] = (
                     f"'{other.name}' from {other.package} conflicts with the built-in {kind} of "
-                    f"{first.distribution}; rename its entry point")  # fmt: skip
+                    f"{first.distribution}; rename its entry point"
+                )
         elif others:
             packages = " and ".join(f"{e.package} ({e.value})" for e in (first, *others))
             failures[name] = f"{packages} both declare it; uninstall one of them, or have one rename its entry point"
@@ -424,8 +457,12 @@ def _files_stamp(entries: list[PluginEntry], registry: str, contract_module: str
     class may live in a submodule) gives another key. This module and the plugins' contract (``contract_module``)
     count too, since they decide what a description holds."""
     tops = sorted({entry.value.split(":")[0].split(".")[0] for entry in entries})
-    files = [Path(__file__), Path(__file__).with_name("parameters.py"), Path(__file__).with_name(contract_module),
-             *(f for top in tops for f in _module_files(top))]  # fmt: skip
+    files = [
+        Path(__file__),
+        Path(__file__).with_name("parameters.py"),
+        Path(__file__).with_name(contract_module),
+        *(f for top in tops for f in _module_files(top)),
+    ]
     stats = []
     for file in files:
         try:
@@ -462,8 +499,11 @@ def _read_descriptions(path: Path, types: dict[str, tuple[type, ...]]) -> dict[s
 def _described(info: Any, types: dict[str, tuple[type, ...]]) -> bool:
     if isinstance(info, dict) and set(info) == {"error"}:
         return isinstance(info["error"], str)
-    return (isinstance(info, dict) and set(info) == set(types)
-            and all(isinstance(info[key], kinds) for key, kinds in types.items()))  # fmt: skip
+    return (
+        isinstance(info, dict)
+        and set(info) == set(types)
+        and all(isinstance(info[key], kinds) for key, kinds in types.items())
+    )
 
 
 def _plain(value: Any) -> bool:

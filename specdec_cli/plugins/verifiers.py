@@ -31,13 +31,27 @@ from ..base.sampling import sample, sample_with
 from .parameters import check_parameters
 
 __all__ = [
-    "BatchDecision", "BlockDecision", "BlockVerifier", "batch_decision_problem", "batch_departs_from_drafts", "Verifier",
+    "BatchDecision",
+    "BlockDecision",
+    "BlockVerifier",
+    "batch_decision_problem",
+    "batch_departs_from_drafts",
+    "Verifier",
     "first_rejection",
-    "shared_prefix_length", "walk_alive_rows", "decision_problem", "departs_from_drafts", "decision_value_problem",
-    "device_path", "reads_are_free", "prefix_agreement", "problem_members", "decide_problems", "commit_following",
+    "shared_prefix_length",
+    "walk_alive_rows",
+    "decision_problem",
+    "departs_from_drafts",
+    "decision_value_problem",
+    "device_path",
+    "reads_are_free",
+    "prefix_agreement",
+    "problem_members",
+    "decide_problems",
+    "commit_following",
     "commit_with_uniform",
     "walk_reading",
-]  # fmt: skip
+]
 
 
 _forced_device_path = 0
@@ -143,8 +157,10 @@ def _fields_problem(decision, shapes: dict[str, list[int]], block_size: int, dev
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             return f"returned {field} of dtype {value.dtype}, not of an integer dtype"
         if list(value.shape) != shape:
-            return (f"returned {field} of shape {list(value.shape)}, not {shape} (for a block of {block_size - 1} "
-                    "draft tokens)")  # fmt: skip
+            return (
+                f"returned {field} of shape {list(value.shape)}, not {shape} (for a block of {block_size - 1} "
+                "draft tokens)"
+            )
         if value.device != device:
             return f"returned {field} on {value.device}, not on the block's device {device}"
     return None
@@ -190,15 +206,20 @@ def decision_value_problem(
     if outside:
         return f"returned token {outside[0]}, outside the vocabulary of {vocab_size} ids (0 to {vocab_size - 1})"
     if departs:
-        return (f"returned num_accepted {num_accepted} with tokens {tokens[:num_accepted]}, which are not row "
-                f"{row}'s first {num_accepted} draft tokens")  # fmt: skip
+        return (
+            f"returned num_accepted {num_accepted} with tokens {tokens[:num_accepted]}, which are not row "
+            f"{row}'s first {num_accepted} draft tokens"
+        )
     return None
 
 
 def _mapped_decisions(
-    verifier: "BlockVerifier", target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+    verifier: "BlockVerifier",
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
     draws: Draws,
-) -> BatchDecision:  # fmt: skip
+) -> BatchDecision:
     """``verifier.verify_block`` on its device path, mapped over the batch (``[B, ...]`` inputs, draws with
     ``[B]`` keys and block starts) by ``torch.func.vmap``: one call's operations, each on B blocks."""
 
@@ -284,8 +305,10 @@ class BlockVerifier(ABC):
         if cls.max_drafts is not None and num_drafts > cls.max_drafts:
             return f"verifier '{cls.name}' takes at most {cls.max_drafts} draft(s) per position"
         if cls.identical_drafts and not identical_laws:
-            return (f"verifier '{cls.name}' needs identical drafts (one draft config sampled K times), "
-                    "not drafts of different laws")  # fmt: skip
+            return (
+                f"verifier '{cls.name}' needs identical drafts (one draft config sampled K times), "
+                "not drafts of different laws"
+            )
         return None
 
     @abstractmethod
@@ -331,9 +354,9 @@ class BlockVerifier(ABC):
                 return _mapped_decisions(self, target_probs, draft_probs, draft_tokens, randomness)
         rows = range(draft_tokens.shape[0])
         sequences = [randomness.row(b) for b in rows] if isinstance(randomness, Draws) else randomness
-        return BatchDecision.stack([
-            self.verify_block(target_probs[b], draft_probs[b], draft_tokens[b], sequences[b]) for b in rows
-        ])  # fmt: skip
+        return BatchDecision.stack(
+            [self.verify_block(target_probs[b], draft_probs[b], draft_tokens[b], sequences[b]) for b in rows]
+        )
 
     def block_law(
         self, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor
@@ -599,8 +622,9 @@ def walk_reading(
     """
     num_rows, draft_length = draft_tokens.shape
     tokens = draft_tokens.tolist()  # [K][L]
-    uniforms = uniforms_from(randomness, Stream.ACCEPT, (draft_length, num_rows), draft_tokens.device,
-                             lanes_last=True).tolist()  # fmt: skip
+    uniforms = uniforms_from(
+        randomness, Stream.ACCEPT, (draft_length, num_rows), draft_tokens.device, lanes_last=True
+    ).tolist()
     alive, num_accepted, law = list(range(num_rows)), 0, None
     while law is None and num_accepted < draft_length:
         accepted, law = decide(num_accepted, alive, tokens, uniforms)
@@ -609,8 +633,9 @@ def walk_reading(
             num_accepted += 1
     row = torch.tensor(alive[0], device=draft_tokens.device)  # []
     law = target_probs[alive[0], draft_length] if law is None else law  # [V]: the bonus law when all were accepted
-    return commit_following(torch.tensor(num_accepted, device=row.device), draft_tokens[alive[0]], law, law,
-                            randomness, row)  # fmt: skip
+    return commit_following(
+        torch.tensor(num_accepted, device=row.device), draft_tokens[alive[0]], law, law, randomness, row
+    )
 
 
 def commit_following(

@@ -7,8 +7,26 @@ import hashlib
 from pathlib import Path
 
 # Tableau's ten colours, then their lighter halves: distinguishable, and readable in greyscale by shade.
-_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-            "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7")  # fmt: skip
+_PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+    "#aec7e8",
+    "#ffbb78",
+    "#98df8a",
+    "#ff9896",
+    "#c5b0d5",
+    "#c49c94",
+    "#f7b6d2",
+    "#c7c7c7",
+)
 _FIXED = {"optimum": "#000000", "none": "#555555"}
 """Rows that are not verifiers: the theoretical optimum and the target alone."""
 
@@ -29,11 +47,14 @@ def describe_run(recipe: dict, what: str, conditions: list[dict]) -> str:
     target = recipe["target"]
     drafts = ", ".join(_model_name(draft, target) for draft in recipe.get("drafts", ())) or "none"
     # Several sets of conditions (a resume under others): each value once, 'threads 1 / 2'.
-    devices, threads = (" / ".join(dict.fromkeys(str(c.get(name, "?")) for c in conditions))
-                        for name in ("device", "threads"))  # fmt: skip
+    devices, threads = (
+        " / ".join(dict.fromkeys(str(c.get(name, "?")) for c in conditions)) for name in ("device", "threads")
+    )
     machine = f"{devices}, threads {threads}" if conditions else "device and threads not recorded"
-    return (f"{what}, at most {recipe['generation']['max_new_tokens']} new tokens\n"
-            f"target {_model_name(target, target)}, draft {drafts}\n{machine}")  # fmt: skip
+    return (
+        f"{what}, at most {recipe['generation']['max_new_tokens']} new tokens\n"
+        f"target {_model_name(target, target)}, draft {drafts}\n{machine}"
+    )
 
 
 def _model_name(model: dict, target: dict) -> str:

@@ -20,8 +20,13 @@ def run_conditions(device: torch.device) -> dict:
     run it. ``bench`` keeps them on every sample: a resume under others is refused or flagged."""
     import transformers
 
-    return {"threads": torch.get_num_threads(), "device": _device_name(device), "torch": torch.__version__,
-            "transformers": transformers.__version__, "specdec": __version__}  # fmt: skip
+    return {
+        "threads": torch.get_num_threads(),
+        "device": _device_name(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "specdec": __version__,
+    }
 
 
 def provenance(device: torch.device) -> dict:
@@ -31,16 +36,20 @@ def provenance(device: torch.device) -> dict:
     in MiB, at the time of the call.
     """
     return {
-        **run_conditions(device), "python": platform.python_version(), "git": _git_hash(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "peak_memory_mib": _peak_memory(device),
+        **run_conditions(device),
+        "python": platform.python_version(),
+        "git": _git_hash(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "peak_memory_mib": _peak_memory(device),
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-    }  # fmt: skip
+    }
 
 
 def _git_hash() -> str | None:
     try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).resolve().parent)  # fmt: skip
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return result.stdout.strip() or None

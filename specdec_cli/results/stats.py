@@ -81,8 +81,14 @@ class SampleStats:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for name in ("block_efficiency", "acceptance_rate", "token_acceptance", "tokens_per_second",
-                     "target_forwards_saved", "engine_overhead"):  # fmt: skip
+        for name in (
+            "block_efficiency",
+            "acceptance_rate",
+            "token_acceptance",
+            "tokens_per_second",
+            "target_forwards_saved",
+            "engine_overhead",
+        ):
             data[name] = getattr(self, name)
         return data
 

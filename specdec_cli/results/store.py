@@ -42,8 +42,16 @@ _BENCH_CONFIG = {
     "recipe": {"target": dict, "generation": {"max_new_tokens": int}},  # what the reports and plots read
     "task": {"name": str, "metrics": [str], "per_category": bool},
     "data": {"examples": int},
-    "cells": [{"verifier": str, "kl": (*_NUMBER, type(None)), "num_drafts": int, "draft_length": int,
-               "temperature": _NUMBER, "draft_temperatures": ([_NUMBER], type(None))}],
+    "cells": [
+        {
+            "verifier": str,
+            "kl": (*_NUMBER, type(None)),
+            "num_drafts": int,
+            "draft_length": int,
+            "temperature": _NUMBER,
+            "draft_temperatures": ([_NUMBER], type(None)),
+        }
+    ],
     "seeds": [int],
 }
 
@@ -66,17 +74,31 @@ def sample_key(record: dict) -> tuple[str, int, str]:
     return record["cell"], record["seed"], record["example_id"]
 
 
-_SAMPLE_SHAPE = {"cell": str, "seed": int, "example_id": str, "index": int, "stats": dict, "text": str,
-                 "reference": (str, type(None))}
-BENCH_SAMPLES = RecordKind(sample_key, frozenset(_SAMPLE_SHAPE), ("cells",), _SAMPLE_SHAPE,
-                           optional={"conditions": (dict, type(None))})  # fmt: skip
+_SAMPLE_SHAPE = {
+    "cell": str,
+    "seed": int,
+    "example_id": str,
+    "index": int,
+    "stats": dict,
+    "text": str,
+    "reference": (str, type(None)),
+}
+BENCH_SAMPLES = RecordKind(
+    sample_key, frozenset(_SAMPLE_SHAPE), ("cells",), _SAMPLE_SHAPE, optional={"conditions": (dict, type(None))}
+)
 
 
 class ResultsStore:
     """Records of a run (``kind``), in memory and (with a folder) on disk."""
 
-    def __init__(self, folder: Path | None, config: dict[str, Any], rank: int = 0, world_size: int = 1,
-                 kind: RecordKind = BENCH_SAMPLES):  # fmt: skip
+    def __init__(
+        self,
+        folder: Path | None,
+        config: dict[str, Any],
+        rank: int = 0,
+        world_size: int = 1,
+        kind: RecordKind = BENCH_SAMPLES,
+    ):
         from ..base.randomness import SCHEME  # here: the listing and report paths must not import torch
 
         self.folder = folder
@@ -112,8 +134,10 @@ class ResultsStore:
                     self.records[kind.key(record)] = record
             self._handle = open(path, "a", encoding="utf-8")
         except OSError as error:  # a samples file that is a folder, or not readable or writable
-            raise UsageError(f"cannot use '{error.filename or path}' ({error.strerror}); make it a writable file "
-                             "or give another --output folder") from None  # fmt: skip
+            raise UsageError(
+                f"cannot use '{error.filename or path}' ({error.strerror}); make it a writable file "
+                "or give another --output folder"
+            ) from None
 
     def done(self, key: tuple) -> bool:
         return key in self.records
@@ -174,8 +198,10 @@ def load_saved(folder: Path) -> tuple[dict, list[dict]]:
         raise UsageError(f"'{folder}' is not a specdec bench results directory (no {CONFIG})")
     writer = _writer(config)
     if writer not in (None, "bench"):
-        raise UsageError(f"'{folder}' holds {writer} results (written by specdec {writer}); bench --report reads "
-                         "the folders that bench --output writes")  # fmt: skip
+        raise UsageError(
+            f"'{folder}' holds {writer} results (written by specdec {writer}); bench --report reads "
+            "the folders that bench --output writes"
+        )
     records: dict[tuple, dict] = {}
     for path in sorted(folder.glob("samples*.jsonl")):
         try:
@@ -192,8 +218,10 @@ def _check_same_run(folder: Path, saved: dict, current: dict, kind: RecordKind) 
     """Refuse a folder of another command, or of another configuration than the keys ``kind`` lets change."""
     writer = _writer(saved)
     if writer is not None and writer != _writer(current):
-        raise UsageError(f"'{folder}' holds {writer} results (written by specdec {writer}); give specdec "
-                         f"{_writer(current)} another --output folder")  # fmt: skip
+        raise UsageError(
+            f"'{folder}' holds {writer} results (written by specdec {writer}); give specdec "
+            f"{_writer(current)} another --output folder"
+        )
     if saved.get(RANDOMNESS) != current.get(RANDOMNESS):
         # Resumed samples would be drawn differently from the saved ones: the run would not be one run.
         raise UsageError(
@@ -203,8 +231,9 @@ def _check_same_run(folder: Path, saved: dict, current: dict, kind: RecordKind) 
         )
     # A grid of other cells over the same recipe, data and seeds reuses every sample it shares
     # (the baseline's above all); anything else would mix runs that do not compare.
-    changed = sorted(k for k in set(saved) | set(current)
-                     if k not in kind.may_change and saved.get(k) != current.get(k))  # fmt: skip
+    changed = sorted(
+        k for k in set(saved) | set(current) if k not in kind.may_change and saved.get(k) != current.get(k)
+    )
     if changed:
         raise UsageError(
             f"'{folder}' holds results of a different configuration (changed: {', '.join(changed)}); "
@@ -297,8 +326,10 @@ def _take_lock(path: Path):
     try:
         handle = open(path, "a+", encoding="utf-8", errors="replace")
     except OSError as error:  # a folder of that name, a read-only file
-        raise UsageError(f"cannot open the lock file '{path}' ({error.strerror}); remove it (specdec makes a new "
-                         "one) or give another --output folder") from None  # fmt: skip
+        raise UsageError(
+            f"cannot open the lock file '{path}' ({error.strerror}); remove it (specdec makes a new "
+            "one) or give another --output folder"
+        ) from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
@@ -306,11 +337,15 @@ def _take_lock(path: Path):
         holder = handle.read(64).strip() or "unknown"
         handle.close()
         if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise UsageError(f"'{path.parent}' is being written by another specdec run (pid {holder}); wait for it "
-                             "to finish or give another --output folder") from None  # fmt: skip
-        raise UsageError(f"cannot lock '{path}' ({error.strerror}): its filesystem does not support file locks, "
-                         "which keep two runs from mixing their results; give an --output folder on a local "
-                         "disk") from None  # fmt: skip
+            raise UsageError(
+                f"'{path.parent}' is being written by another specdec run (pid {holder}); wait for it "
+                "to finish or give another --output folder"
+            ) from None
+        raise UsageError(
+            f"cannot lock '{path}' ({error.strerror}): its filesystem does not support file locks, "
+            "which keep two runs from mixing their results; give an --output folder on a local "
+            "disk"
+        ) from None
     with suppress(OSError):  # the pid only names the holder to a refused run: a full disk may keep it out
         os.ftruncate(handle.fileno(), 0)
         os.write(handle.fileno(), str(os.getpid()).encode())  # unbuffered: nothing left to fail at close
