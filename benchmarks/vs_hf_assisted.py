@@ -129,7 +129,8 @@ def run_interleaved(configs: dict, encoded: list[list[int]], rounds: int) -> dic
 def print_table(totals: dict) -> None:
     """One row per configuration (engine overhead for specdec's)."""
     print(
-        "| configuration | tokens | tokens/s | median tokens/s per prompt | tokens per target forward | engine overhead |"
+        "| configuration | tokens | tokens/s | median tokens/s per prompt | tokens per target forward "
+        "| engine overhead |"
     )
     print("|---|---|---|---|---|---|")
     for name, total in totals.items():

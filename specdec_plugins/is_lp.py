@@ -44,7 +44,8 @@ class ImportanceSamplingLP(ImportanceSampling):
     def check_support(self, support_sizes):
         if len(support_sizes) and support_sizes.max() > self.max_support:
             raise UsageError(
-                f"is-lp: the drafts put mass on {int(support_sizes.max())} tokens, more than max_support={self.max_support} "
+                f"is-lp: the drafts put mass on {int(support_sizes.max())} tokens, "
+                f"more than max_support={self.max_support} "
                 "allows for the exact LP; restrict sampling (e.g. --top-k 20), raise max_support "
                 "(--set verifier.params.max_support=N), or use is-truncated"
             )

@@ -369,7 +369,8 @@ class _SortedTable:
         self.sums = torch.stack([prefix, suffix], 1)  # [3, 2, ..., V+1]
         q_sums, p_sums, _ = self.sums[..., :-1].unbind()  # [2, ..., V] each
         # ρ at which α reaches t_k, and minus the ρ at which β reaches t_k, both non-decreasing in k:
-        # Σ p - Σ q/t_k below k, and from k on. Where t_k > 1 (< 1) they lie past ρ_max, which α ≤ 1 (β ≥ 1) never reaches.
+        # Σ p - Σ q/t_k below k, and from k on. Where t_k > 1 (< 1) they lie past ρ_max, which α ≤ 1 (β ≥ 1)
+        # never reaches.
         # Zero-q tokens are below any α > 0, so all are in from ρ = 0 on (0/0 → 0; α = 0 until ρ = p(q = 0)).
         self.breakpoints = torch.addcdiv(p_sums, q_sums, t, value=-1).nan_to_num(0.0)  # [2, ..., V]
         self.rho_max = (p_sums - q_sums).amax((0, -1), keepdim=True)  # [1, ..., 1]: Σ (p - q)+, α = β = 1
@@ -468,8 +469,8 @@ class _Groups:
     def same_groups(self, row: int, old: list, new: list) -> bool:
         """Whether ``row``'s groups at thresholds ``new`` (α, β) are those at ``old``: no token's float64 ratio
         lies between them. Read on the float32 ratios (within 2^-24 of the float64 ones) over the interval
-        widened by 1e-6 (three float32 passes: a tenth of a float64 step); a token inside, or a threshold outside float32's
-        normal range, answers no."""
+        widened by 1e-6 (three float32 passes: a tenth of a float64 step); a token inside, or a threshold outside
+        float32's normal range, answers no."""
         for old_threshold, new_threshold in zip(old, new):
             low, high = sorted((old_threshold, new_threshold))
             low, high = low * (1 - _RATIO_ROUNDING), high * (1 + _RATIO_ROUNDING)

@@ -232,7 +232,9 @@ def test_commit_runs_is_the_walk_over_alive_rows():
         draws = Draws.create(key=1, block_start=5)
         uniform = BlockUniforms.of(draws, 4, 3, "cpu", alphabet=False).bonus
         ours = commit_runs(outputs, problems.leader, draft_tokens, target_probs, uniform)
-        walked = walk_alive_rows(lambda t, alive, leader: outputs[leader, t], target_probs, draft_tokens, draws)
+        walked = walk_alive_rows(
+            lambda t, alive, leader, outputs=outputs: outputs[leader, t], target_probs, draft_tokens, draws
+        )
         n = int(walked.num_accepted)
         assert (int(ours.num_accepted), int(ours.row)) == (n, int(walked.row))
         assert ours.tokens[: n + 1].tolist() == walked.tokens[: n + 1].tolist()

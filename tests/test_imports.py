@@ -59,7 +59,7 @@ def import_graph(found: dict[str, Path]) -> dict[str, dict[str, int]]:
         package = name if file.name == "__init__.py" else name.rpartition(".")[0]
         edges: dict[str, int] = {}
 
-        def add(target: str, line: int) -> None:
+        def add(target: str, line: int, name: str = name, edges: dict[str, int] = edges) -> None:
             while target and target not in found:
                 target = target.rpartition(".")[0]
             if target and target != name:

@@ -30,8 +30,8 @@ class Typed:
         flag: bool = False,
         free=3,
         items: list[int] | None = None,
-        later: "NotDefinedAnywhere" = 0,
-    ):  # noqa: F821 (an annotation only a type checker resolves)
+        later: "NotDefinedAnywhere" = 0,  # noqa: F821 (deliberately undefined: the test annotates with an unknown name)
+    ):
         pass
 
 

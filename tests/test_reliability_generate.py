@@ -149,7 +149,8 @@ def test_a_runtime_error_in_a_later_sample_prints_no_partial_json(run, recipe_pa
 CONFLICTS = [
     (
         "--verifier speculative,block,none --autoregressive ab",
-        "--autoregressive runs the target alone; it cannot be combined with --verifier speculative,block,none: drop one",
+        "--autoregressive runs the target alone; it cannot be combined with "
+        "--verifier speculative,block,none: drop one",
     ),
     ("--verifier speculative --autoregressive ab", "it cannot be combined with --verifier speculative: drop one"),
     ("--autoregressive --kl 0.1 ab", "--kl sets a KL bound, which the target alone does not have"),

@@ -461,7 +461,8 @@ def test_an_interrupted_or_failed_conversion_leaves_no_staging_folder(
     [
         (
             {"model": "{folder}", "gguf_file": "missing.gguf"},
-            "gguf_file 'missing.gguf' not found in '{folder}' (the recipe's model: folder); check the file name and the "
+            "gguf_file 'missing.gguf' not found in '{folder}' (the recipe's model: folder); "
+            "check the file name and the "
             "folder, or give the .gguf file's own path as model:",
         ),
         ({"model": "{folder}/no-such-folder", "gguf_file": "tiny.gguf"}, "not found in '{folder}/no-such-folder'"),

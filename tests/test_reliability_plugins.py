@@ -266,7 +266,8 @@ BROKEN_MODULES = [  # (module source, what the failure line says)
     ("raise ImportError('needs cupy')\n", "ImportError: needs cupy"),
     ("def Plugin():\n    pass\n", "it names a function, not a BlockVerifier subclass"),
     (
-        "from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, lossless = 'x', True\n"
+        "from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n"
+        "    name, lossless = 'x', True\n"
         "    def verify_block(self, *args):\n        pass\n",
         "does not set max_drafts",
     ),
@@ -281,12 +282,14 @@ BROKEN_MODULES = [  # (module source, what the failure line says)
         "does not set token_level to True or False",
     ),
     (
-        "from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, lossless, max_drafts = "
+        "from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n"
+        "    name, lossless, max_drafts = "
         "'x', True, 0\n    def verify_block(self, *args):\n        pass\n",
         "max_drafts = 0",
     ),
     (
-        "from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n    name, lossless, max_drafts = "
+        "from specdec_cli.verifiers import BlockVerifier\nclass Plugin(BlockVerifier):\n"
+        "    name, lossless, max_drafts = "
         "'x', True, 1\n",
         "leaves abstract methods unimplemented: verify_block",
     ),

@@ -61,5 +61,7 @@ def test_leniency_below_one_or_not_a_number_is_refused(leniency):
 
 def test_more_leniency_accepts_more():
     target, draft = adversarial_distribution_pairs(4)[4]
-    rates = [float(LenientSpeculative(leniency=l).acceptance_probability(target, draft.unsqueeze(0))) for l in (1, 2)]
+    rates = [
+        float(LenientSpeculative(leniency=level).acceptance_probability(target, draft.unsqueeze(0))) for level in (1, 2)
+    ]
     assert rates[1] > rates[0]

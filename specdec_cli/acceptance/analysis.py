@@ -442,7 +442,8 @@ def _check_memory(positions: int, num_drafts: int, vocab_size: int, device: torc
     available = _device_memory(device)
     if available is not None and needed > available:
         raise UsageError(
-            f"--num-drafts {num_drafts} with --max-new-tokens {positions} needs {needed / 2**30:.3g} GiB for the draft laws "
+            f"--num-drafts {num_drafts} with --max-new-tokens {positions} needs {needed / 2**30:.3g} GiB "
+            "for the draft laws "
             f"alone ({positions} positions × {num_drafts} drafts × {vocab_size} tokens × 8 bytes) and this device has "
             f"{available / 2**30:.3g} GiB; lower --num-drafts or --max-new-tokens"
         )

@@ -55,7 +55,8 @@ class DraftConfig(ModelConfig):
     own sampling settings (``None`` = the target's). A bare ``model:`` drafts with the model drafter."""
 
     drafter: str | None = None
-    """A drafter plugin's name (``specdec drafters``); None: ``model``, or ``early-exit`` where ``early_exit`` is set."""
+    """A drafter plugin's name (``specdec drafters``); None: ``model``, or ``early-exit`` where ``early_exit`` is
+    set."""
     params: dict[str, Any] = field(default_factory=dict)
     """The drafter's parameters (its constructor's keyword arguments)."""
     early_exit: int | None = None

@@ -318,6 +318,7 @@ def check_conditions(records: list[dict], current: dict, folder: object) -> None
             hint = f" (--threads {stored[changed]})" if changed == "threads" else ""
             raise UsageError(
                 f"'{folder}' holds samples run with {changed} {stored.get(changed)} but this run has "
-                f"{current[changed]}; speeds under other conditions do not compare: run under the same ones{hint}, pass "
+                f"{current[changed]}; speeds under other conditions do not compare: run under the same ones{hint}, "
+                "pass "
                 "--allow-mixed-conditions to mix them (the results flag it), or give a new --output folder"
             )

@@ -2,12 +2,19 @@
 
 Built-in tasks and their prompt templates (``{source}`` is the example's input):
 
-| task | quality | encoder-decoder (T5 task prefix) | decoder-only (instruction; chat template if the recipe says so) |
-|---|---|---|---|
-| wmt | BLEU, chrF | ``translate English to French: {source}`` | ``Translate the following English text into French.\\n\\n{source}`` |
-| xsum | ROUGE-L | ``summarize: {source}`` | ``Summarize the following article in one sentence.\\n\\n{source}`` |
-| dolly | ROUGE-L | ``{source}`` | ``{source}`` |
-| spec-bench | speed only, per category | ``{source}`` | ``{source}`` |
+| task | quality | encoder-decoder (T5 task prefix) |
+|---|---|---|
+| wmt | BLEU, chrF | ``translate English to French: {source}`` |
+| xsum | ROUGE-L | ``summarize: {source}`` |
+| dolly | ROUGE-L | ``{source}`` |
+| spec-bench | speed only, per category | ``{source}`` |
+
+| task | decoder-only (instruction; chat template if the recipe says so) |
+|---|---|
+| wmt | ``Translate the following English text into French.\\n\\n{source}`` |
+| xsum | ``Summarize the following article in one sentence.\\n\\n{source}`` |
+| dolly | ``{source}`` |
+| spec-bench | ``{source}`` |
 
 Sources, in order: local files (``--source/--reference`` aligned plain text, ``--dataset``
 jsonl), then sacrebleu's test-set registry (WMT) or Hugging Face ``datasets`` when online.

@@ -57,7 +57,8 @@ def acceptance(
             "--drafter",
             metavar="NAME[,NAME…]",
             help=(
-                "Comma list of drafters (see `specdec drafters`), each evaluated on its own: the recipe's entries of it, or "
+                "Comma list of drafters (see `specdec drafters`), each evaluated on its own: the recipe's entries "
+                "of it, or "
                 "one with its defaults. [dim]\\[default: the recipe's drafts, together][/dim]"
             ),
         ),
@@ -68,7 +69,8 @@ def acceptance(
             "--verifier",
             metavar="NAME[,NAME…]",
             help=(
-                "Comma list of verifiers (rows). [dim]\\[default: every installed verifier that has a per-token acceptance "
+                "Comma list of verifiers (rows). [dim]\\[default: every installed verifier that has a per-token "
+                "acceptance "
                 "for these drafts][/dim]"
             ),
         ),

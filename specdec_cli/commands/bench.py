@@ -42,7 +42,8 @@ _AllowMixedOption = Annotated[
         "--allow-mixed-conditions",
         metavar="",
         help=(
-            "Resume an --output folder whose samples ran with other threads, device or versions (the results flag the mix)."
+            "Resume an --output folder whose samples ran with other threads, device or versions "
+            "(the results flag the mix)."
         ),
     ),
 ]
@@ -86,7 +87,8 @@ def bench(
         typer.Option(
             metavar="N[,N…]",
             help=(
-                "Comma list of sampling seeds: every cell runs with each (mean ± std over seeds). [dim]\\[default: --seed][/dim]"
+                "Comma list of sampling seeds: every cell runs with each (mean ± std over seeds). "
+                "[dim]\\[default: --seed][/dim]"
             ),
         ),
     ] = None,
@@ -105,7 +107,8 @@ def bench(
             "--drafter",
             metavar="NAME[,NAME…]",
             help=(
-                "Comma list of drafters (grid; see `specdec drafters`): each cell drafts with the recipe's entries of it, or "
+                "Comma list of drafters (grid; see `specdec drafters`): each cell drafts with the recipe's entries "
+                "of it, or "
                 "one with its defaults. [dim]\\[default: the recipe's drafts][/dim]"
             ),
         ),
@@ -132,7 +135,8 @@ def bench(
             "--draft-length",
             metavar="L[,L…]",
             help=(
-                f"Comma list of draft lengths in tokens (grid). {common.from_recipe(common.DEFAULT_RECIPE.speculation.draft_length)}"
+                "Comma list of draft lengths in tokens (grid). "
+                f"{common.from_recipe(common.DEFAULT_RECIPE.speculation.draft_length)}"
             ),
         ),
     ] = None,
@@ -159,7 +163,8 @@ def bench(
             "--batch-size",
             metavar="B[,B…]",
             help=(
-                "Comma list of batch sizes (grid): each cell decodes B samples at a time, and its speedup is over the target "
+                "Comma list of batch sizes (grid): each cell decodes B samples at a time, and its speedup is over "
+                "the target "
                 "alone at the same B (batch 1: latency; larger: throughput). [dim]\\[default: 1][/dim]"
             ),
         ),

@@ -129,14 +129,18 @@ SeedOption = Annotated[
     Optional[int],
     typer.Option(
         metavar="N",
-        help=f"Sampling seed: the same seed on the same device gives the same output. {from_recipe(DEFAULT_RECIPE.seed)}",
+        help=(
+            f"Sampling seed: the same seed on the same device gives the same output. {from_recipe(DEFAULT_RECIPE.seed)}"
+        ),
     ),
 ]
 DeviceOption = Annotated[
     Optional[str],
     typer.Option(
         metavar="DEVICE",
-        help="auto, cpu, cuda or cuda:N, for every model. [dim]\\[default: the recipe's; auto: CUDA when present][/dim]",
+        help=(
+            "auto, cpu, cuda or cuda:N, for every model. [dim]\\[default: the recipe's; auto: CUDA when present][/dim]"
+        ),
     ),
 ]
 DtypeOption = Annotated[
@@ -208,7 +212,8 @@ BatchSizeOption = Annotated[
     typer.Option(
         metavar="B",
         help=(
-            "Decode B samples at a time in one batch (each drafts, is verified and commits on its own; finished samples "
+            "Decode B samples at a time in one batch (each drafts, is verified and commits on its own; "
+            "finished samples "
             "leave and waiting ones join). A sample's tokens do not depend on B, up to float rounding."
         ),
     ),

@@ -95,7 +95,8 @@ def generate(
             metavar="",
             help=(
                 "Print one JSON object: the resolved recipe, the environment and every sample's text, token ids and "
-                'statistics. Stopped by Ctrl-C: the finished samples, with "interrupted": true; after an error: nothing.'
+                'statistics. Stopped by Ctrl-C: the finished samples, with "interrupted": true; '
+                "after an error: nothing."
             ),
         ),
     ] = False,

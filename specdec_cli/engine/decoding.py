@@ -44,8 +44,9 @@ class Draft:
         )
 
     def law(self, config: DecodingConfig) -> Hashable:
-        """The key of this draft's law for :class:`~specdec_cli.plugins.draft_rows.DraftRows`: its drafter and parameters,
-        the loaded model (drafts whose entries name one model share one loaded object) and sampling settings."""
+        """The key of this draft's law for :class:`~specdec_cli.plugins.draft_rows.DraftRows`: its drafter and
+        parameters, the loaded model (drafts whose entries name one model share one loaded object) and sampling
+        settings."""
         model = None if self.model is None else id(self.model.model)
         return drafter_key(self.drafter, self.params), model, self.sampling(config)
 

@@ -56,7 +56,8 @@ HOST_CONVERSIONS = ("item", "tolist", "numpy", "__array__")
 
 
 def is_host_copy(func, args, kwargs) -> bool:
-    """A copy from a device tensor into host memory (``.cpu()``, ``.to("cpu")``, ``cpu_tensor.copy_(device_tensor)``)."""
+    """A copy from a device tensor into host memory (``.cpu()``, ``.to("cpu")``,
+    ``cpu_tensor.copy_(device_tensor)``)."""
     if func in (_aten._to_copy.default, _aten.to.dtype_layout):
         source, destination = args[0].device, kwargs.get("device")
     elif func is _aten.to.device:

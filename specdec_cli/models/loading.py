@@ -347,7 +347,8 @@ def _save_atomically(model: Any, tokenizer: Any, target: Path) -> None:
             raise
         if not (target / "config.json").is_file():  # else another run renamed its conversion first
             raise SpecdecError(
-                f"could not save the converted model in the cache folder '{target.parent}' ({error.strerror or error}); "
+                f"could not save the converted model in the cache folder '{target.parent}' "
+                f"({error.strerror or error}); "
                 "free some space or set SPECDEC_CACHE to another folder"
             ) from None
 

@@ -4,7 +4,8 @@ A block verifies ``count`` draft rows at each position. Their laws are identical
 sampled from the same model with the same sampling settings: SpecTr takes only such drafts, and
 the optimum for identical drafts has a closed form. The engine (loaded drafts), bench's grid and
 acceptance (recipes, before any model loads) all ask :meth:`DraftRows.of`, each giving one law key
-per row; :func:`~specdec_cli.plugins.drafter_registry.draft_law` is the key of a recipe's draft, ``Draft.law`` of a loaded one.
+per row; :func:`~specdec_cli.plugins.drafter_registry.draft_law` is the key of a recipe's draft,
+``Draft.law`` of a loaded one.
 
 Torch-free, so that reading a results folder or listing a grid stays fast.
 """
@@ -34,8 +35,8 @@ class DraftRows:
 
 def drafter_key(name: str, params: dict[str, Any]) -> Hashable:
     """A drafter and its parameters as one key: with the model and the sampling settings, what decides a draft's
-    law (:func:`~specdec_cli.plugins.drafter_registry.draft_law` for a recipe's entry, ``Draft.law`` for a loaded one: the same drafter and parameters
-    give equal keys in both)."""
+    law (:func:`~specdec_cli.plugins.drafter_registry.draft_law` for a recipe's entry, ``Draft.law`` for a
+    loaded one: the same drafter and parameters give equal keys in both)."""
     return name, json.dumps(params, sort_keys=True, default=repr)
 
 

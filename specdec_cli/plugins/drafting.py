@@ -355,7 +355,10 @@ def sequence_proposal_problem(
             f"with n <= {max_length}"
         )
     if not laws.is_floating_point() or tuple(laws.shape) != (rows, tokens.shape[1], vocab_size):
-        return f"returned laws of shape {list(laws.shape)} ({laws.dtype}); expected float [{rows}, {tokens.shape[1]}, {vocab_size}]"
+        return (
+            f"returned laws of shape {list(laws.shape)} ({laws.dtype}); "
+            f"expected float [{rows}, {tokens.shape[1]}, {vocab_size}]"
+        )
     return None
 
 
@@ -369,5 +372,8 @@ def _tensors_problem(proposal: Proposal | SequenceProposal, device: torch.device
         if value.device != device:
             return f"returned {kind}.{field} on {value.device}, not on the block's device {device}"
     if proposal.finite.dtype != torch.bool or proposal.finite.dim() != 0:
-        return f"returned finite of shape {list(proposal.finite.shape)} ({proposal.finite.dtype}); expected a 0-dim bool tensor"
+        return (
+            f"returned finite of shape {list(proposal.finite.shape)} ({proposal.finite.dtype}); "
+            "expected a 0-dim bool tensor"
+        )
     return None

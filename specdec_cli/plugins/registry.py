@@ -439,7 +439,8 @@ class _ChosenEntryPoint(ExtensionManager):
 
 
 def class_problem(loaded: Any, base: type, flags: tuple[str, ...]) -> str | None:
-    """What makes ``loaded`` unusable as a concrete subclass of ``base`` that sets each of ``flags`` to a bool, or None."""
+    """What makes ``loaded`` unusable as a concrete subclass of ``base`` that sets each of ``flags`` to a bool,
+    or None."""
     if not (isinstance(loaded, type) and issubclass(loaded, base)):
         kind = "a class" if isinstance(loaded, type) else f"a {type(loaded).__name__}"
         return f"it names {kind}, not a {base.__name__} subclass ({base.__module__})"

@@ -266,8 +266,9 @@ class BlockVerifier(ABC):
     base class): it is handed a ``torch.Generator`` seeded from the sample and the block; ``--compile`` refuses it."""
     capturable: ClassVar[bool] = False
     """True when :meth:`verify_block` is a pure function of its tensors (no Python state it updates, no host value it
-    reads or uploads): ``--compile`` on a GPU may then replay it from a CUDA graph (:mod:`specdec_cli.engine.graphs`), which
-    runs no Python at all. False (unless ``batches_by_vmap``): it is compiled, never captured."""
+    reads or uploads): ``--compile`` on a GPU may then replay it from a CUDA graph
+    (:mod:`specdec_cli.engine.graphs`), which runs no Python at all. False (unless ``batches_by_vmap``): it is
+    compiled, never captured."""
     reading_cpu_path: ClassVar[bool] = False
     """True when :meth:`verify_block` takes a CPU path that reads the device to skip work (see
     :func:`reads_are_free`). torch.compile cannot trace the reads and sends it down the device path, which

@@ -8,8 +8,9 @@ bench (cell, seed, example), an acceptance prompt) as soon as it is made, flushe
 leaves a valid folder and a re-run skips what is done. Processes of a distributed run write
 ``samples.rank<R>.jsonl`` and rank 0 merges them at the end. The summaries (``results.json``,
 ``acceptance.json``, tables) are derived from the records and rewritten whenever a run stops.
-Every file that is rewritten rather than appended to is replaced at once (:func:`~specdec_cli.base.inputs.write_atomically`):
-a full disk or a kill while writing leaves its previous version.
+Every file that is rewritten rather than appended to is replaced at once
+(:func:`~specdec_cli.base.inputs.write_atomically`): a full disk or a kill while writing leaves its
+previous version.
 """
 
 from __future__ import annotations
