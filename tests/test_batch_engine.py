@@ -1,8 +1,9 @@
 """Batched decoding end to end on tiny models loaded through the recipe path (issue #22).
 
 - Exactness: the first tokens of samples decoded in batches of 3 and 8 follow the target's law (chi-square
-  against the law enumerated from the target alone) for every lossless verifier and K = 1..3, decoder-only
-  and encoder-decoder; the draft's own law is rejected by the same check (the test has power).
+  against the law enumerated from the target alone) for every lossless verifier and K = 1..3 (decoder-only),
+  and one verifier per K on both pairs at batch 3; the draft's own law is rejected by the same check (the test
+  has power). One loop serves every batch size: batch 1 is a batch of one (tests/test_engine.py).
 - Batch invariance: greedy at batch 8 equals batch 1 token for token; sampled, a sample's tokens do not
   depend on what else is in its batch (≥ 99 % identical), with sequences finishing and joining mid-run.
 - One read of the device per step for the whole batch (transformers' own mask checks included: none).
@@ -55,15 +56,17 @@ def _decoder(models, family: str, verifier: str = "speculative", num_drafts: int
     return SpeculativeDecoder.from_recipe(build_recipe(recipe))
 
 
-BATCH_CASES = [pytest.param(verifier, k, 8, id=f"{verifier}-K{k}-B8") for verifier, k in LOSSLESS] + [
-    pytest.param(verifier, k, 3, id=f"{verifier}-K{k}-B3")
+BATCH_CASES = [pytest.param("llama", verifier, k, 8, id=f"llama-{verifier}-K{k}-B8") for verifier, k in LOSSLESS] + [
+    pytest.param(family, verifier, k, 3, id=f"{family}-{verifier}-K{k}-B3")
+    for family in ("llama", "t5")
     for verifier, k in (("speculative", 1), ("specinfer", 2), ("spectr", 3))
 ]
-"""Every lossless verifier at batch 8; at batch 3 (more steps, and sequences joining more often) one per K."""
+"""Every lossless verifier at batch 8 on the decoder-only pair; at batch 3 (more steps, and sequences joining more
+often) one per K on both pairs: the encoder-decoder's batch is its cache's and its cross-attention's, the same for
+every verifier, whose batched decisions tests/test_verify_batch.py checks on their own."""
 
 
-@pytest.mark.parametrize("verifier,num_drafts,batch_size", BATCH_CASES)
-@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("family,verifier,num_drafts,batch_size", BATCH_CASES)
 def test_batched_first_tokens_follow_the_target_law(tiny_models, family, verifier, num_drafts, batch_size):
     depth, samples = 3, 600
     decoder = _decoder(tiny_models, family, verifier, num_drafts, max_new_tokens=depth, temperature=1.0)

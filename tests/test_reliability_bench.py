@@ -302,15 +302,15 @@ def _stop_after_samples(monkeypatch, count: int) -> None:
     """SIGTERM this process once ``count`` samples are done, as a scheduler's kill would."""
     from specdec_cli.bench.runner import BenchRunner
 
-    original, done = BenchRunner._sample, []
+    original, done = BenchRunner._keep, []
 
-    def sample_then_maybe_stop(self, *args, **kwargs):
+    def keep_then_maybe_stop(self, *args, **kwargs):
         original(self, *args, **kwargs)
         done.append(1)
         if len(done) == count:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(BenchRunner, "_sample", sample_then_maybe_stop)
+    monkeypatch.setattr(BenchRunner, "_keep", keep_then_maybe_stop)
 
 
 @pytest.mark.parametrize("folder", [False, True])

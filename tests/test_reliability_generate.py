@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from specdec_cli.base.errors import NonFiniteLogitsError
-from specdec_cli.engine.decoder import SpeculativeDecoder
+from specdec_cli.engine.decoder import DecodingRun
 from tests.test_bad_inputs import inputs  # noqa: F401  (the fixture)
 from tests.test_cli import _one_error_line, recipe_path, run  # noqa: F401  (the fixtures)
 
@@ -91,17 +91,17 @@ def test_a_stopped_generation_prints_the_table_of_the_samples_that_finished(reci
 
 
 def _stop_before_sample(monkeypatch, number: int, error: BaseException) -> None:
-    """Raise ``error`` as the ``number``-th sample starts (warm-up and calibration runs do not go through
-    ``sample``: they call ``generate_ids`` directly)."""
-    original = SpeculativeDecoder.sample
+    """Raise ``error`` as the ``number``-th sample starts (warm-up and calibration runs do not count: they decode
+    ids through ``generate_ids``, whose job has no prompt text)."""
+    original = DecodingRun._join
     calls = itertools.count(1)
 
-    def stopping(self, *args, **kwargs):
-        if next(calls) == number:
+    def stopping(self, jobs, *args):
+        if any(job.prompt and next(calls) == number for job in jobs):
             raise error
-        return original(self, *args, **kwargs)
+        return original(self, jobs, *args)
 
-    monkeypatch.setattr(SpeculativeDecoder, "sample", stopping)
+    monkeypatch.setattr(DecodingRun, "_join", stopping)
 
 
 @pytest.mark.parametrize(

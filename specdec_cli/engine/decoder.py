@@ -445,7 +445,7 @@ class DecodingRun:
             with torch.inference_mode(), self._memory_guard():
                 free = self.batch_size - len(self.sequences)
                 if waiting and free:
-                    self._join(waiting[:free])
+                    self._join(waiting[:free], began)
                     waiting = waiting[free:]
                 finished = self._step()
                 done = self._leave(finished) if finished else []
@@ -467,8 +467,9 @@ class DecodingRun:
             advice = self.decoder.memory_advice(self.batch_size, stats)
             raise SpecdecError(f"out of memory{requested_memory(error)} {advice}") from error
 
-    def _join(self, jobs: list[SequenceJob]) -> None:
-        """``jobs`` join the batch: each model reads their prompts, and their draws are keyed."""
+    def _join(self, jobs: list[SequenceJob], began: float) -> None:
+        """``jobs`` join the batch in the step that ``began`` (its time counts in their wall time and their shares):
+        each model reads their prompts, and their draws are keyed."""
         decoder = self.decoder
         contexts = [
             decoder.target.decoder_start_ids if decoder.target.is_encoder_decoder else list(job.prompt_ids)
@@ -478,7 +479,7 @@ class DecodingRun:
         for job, context in zip(jobs, contexts):
             key = sample_key(decoder.config.seed, job.prompt_index, job.sample_index) if job.key is None else job.key
             stats = SampleStats(prompt_tokens=len(job.prompt_ids))
-            self.sequences.append(_Sequence(job, key, list(context), len(context), stats, time.perf_counter(), regions))
+            self.sequences.append(_Sequence(job, key, list(context), len(context), stats, began, regions))
         prompts = [job.prompt_ids for job in jobs]
         self.target.add(prompts, contexts, self.timer)
         for drafter in self.drafters:
