@@ -150,10 +150,10 @@ def test_a_batch_reads_the_device_once_per_step(tiny_models, conversions, monkey
         steps += 1
         return step(self)
 
-    def counted_join(self, jobs):
+    def counted_join(self, jobs, began):
         nonlocal joins
         joins += 1
-        return join(self, jobs)
+        return join(self, jobs, began)
 
     monkeypatch.setattr(DecodingRun, "_step", counted_step)
     monkeypatch.setattr(DecodingRun, "_join", counted_join)
