@@ -5,26 +5,5 @@ This module only keeps the public import path; the names live in:
 - :mod:`specdec_cli.engine.device_path`
 """
 
-from __future__ import annotations
-
-from .engine.device_path import (
-    HOST_CONVERSIONS,
-    READ_OPERATIONS,
-    BlockCount,
-    OperationCount,
-    T,
-    capture_cuda_graph,
-    count_block,
-    is_host_copy,
-)
-
-__all__ = [
-    "BlockCount",
-    "HOST_CONVERSIONS",
-    "OperationCount",
-    "READ_OPERATIONS",
-    "T",
-    "capture_cuda_graph",
-    "count_block",
-    "is_host_copy",
-]
+from .engine.device_path import *  # noqa: F403 (the names of that module's __all__)
+from .engine.device_path import __all__  # noqa: F401

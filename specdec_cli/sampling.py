@@ -5,22 +5,5 @@ This module only keeps the public import path; the names live in:
 - :mod:`specdec_cli.base.sampling`
 """
 
-from __future__ import annotations
-
-from .base.sampling import (
-    SamplingParams,
-    non_finite_message,
-    probs_from_logits,
-    sample,
-    sample_with,
-    sampling_law,
-)
-
-__all__ = [
-    "SamplingParams",
-    "non_finite_message",
-    "probs_from_logits",
-    "sample",
-    "sample_with",
-    "sampling_law",
-]
+from .base.sampling import *  # noqa: F403 (the names of that module's __all__)
+from .base.sampling import __all__  # noqa: F401

@@ -8,6 +8,18 @@ from __future__ import annotations
 
 import re
 
+__all__ = [
+    "FAILURE_EXIT_CODE",
+    "ModelLoadError",
+    "NonFiniteLogitsError",
+    "RecipeError",
+    "SpecdecError",
+    "USAGE_EXIT_CODE",
+    "UsageError",
+    "is_allocation_error",
+    "requested_memory",
+]
+
 USAGE_EXIT_CODE = 2
 FAILURE_EXIT_CODE = 1
 

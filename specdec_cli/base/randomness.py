@@ -32,6 +32,21 @@ from enum import IntEnum
 
 import torch
 
+__all__ = [
+    "BatchRandomness",
+    "Draws",
+    "Randomness",
+    "SCHEME",
+    "Stream",
+    "at",
+    "block_generator",
+    "mix64",
+    "sample_key",
+    "stream_table_from",
+    "uniforms_from",
+    "uniforms_of",
+]
+
 SCHEME = "splitmix64-block-v1"
 """Recorded in results folders: a folder written under another scheme cannot be resumed into."""
 

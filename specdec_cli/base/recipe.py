@@ -23,6 +23,29 @@ import yaml
 
 from .errors import RecipeError
 
+__all__ = [
+    "AUTOREGRESSIVE",
+    "DTYPES",
+    "DecodingConfig",
+    "DraftConfig",
+    "GenerationConfig",
+    "MAX_RECIPE_VALUES",
+    "ModelConfig",
+    "Recipe",
+    "SpeculationConfig",
+    "VerifierConfig",
+    "apply_overrides",
+    "build_recipe",
+    "check_expanded_size",
+    "load_recipe",
+    "read_recipe_file",
+    "sampling_problems",
+    "set_path",
+    "shipped_recipe_names",
+    "target_alone",
+    "validate",
+]
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 AUTOREGRESSIVE = "none"

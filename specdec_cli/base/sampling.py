@@ -17,6 +17,8 @@ import torch
 from .errors import NonFiniteLogitsError
 from .randomness import Randomness, Stream, uniforms_from
 
+__all__ = ["SamplingParams", "non_finite_message", "probs_from_logits", "sample", "sample_with", "sampling_law"]
+
 _BELOW_ONE = 1.0 - 2.0**-52
 """Largest factor that keeps u · total strictly below total in float64 (so no zero-mass tail is drawn)."""
 

@@ -24,6 +24,17 @@ from ..base.randomness import Randomness
 from ..plugins.verifiers import BlockVerifier
 from ..plugins.verifiers import device_path as gpu_path_everywhere
 
+__all__ = [
+    "BlockCount",
+    "HOST_CONVERSIONS",
+    "OperationCount",
+    "READ_OPERATIONS",
+    "T",
+    "capture_cuda_graph",
+    "count_block",
+    "is_host_copy",
+]
+
 T = TypeVar("T")
 
 _aten = torch.ops.aten

@@ -48,6 +48,8 @@ from ..plugins.drafting import Drafter, Proposal
 from ..plugins.parameters import PluginParameterError, parameter_specs
 from ..plugins.registry import PluginRegistry, VerifierRegistry
 
+__all__ = ["ConformanceError", "check_drafter", "check_verifier"]
+
 PROMPTS = ("a b c d a b c", "e e a", "d c b a e d c b a")
 """Prompts over the tiny vocabulary, with repeats (for drafters that look back at the context)."""
 

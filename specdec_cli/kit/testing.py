@@ -21,6 +21,30 @@ from ..base.theory import optimal_acceptance, optimal_acceptance_two_drafts  # n
 from ..engine.session import next_token_logits
 from ..models.loading import LoadedModel
 
+__all__ = [
+    "EOS_ID",
+    "PAD_ID",
+    "SequenceLaw",
+    "TINY_VOCAB",
+    "adversarial_distribution_pairs",
+    "candidate_acceptance",
+    "chi_square_p_value",
+    "committed_block_law",
+    "decision_outcomes",
+    "enumerate_block_law",
+    "enumerate_output_law",
+    "exact_sequence_law",
+    "expected_committed_tokens",
+    "optimal_acceptance",
+    "optimal_acceptance_two_drafts",
+    "random_distributions",
+    "random_sequence_laws",
+    "save_tiny_model",
+    "target_sequence_law",
+    "tiny_model",
+    "tiny_tokenizer",
+]
+
 TINY_VOCAB = ["<pad>", "</s>", "<unk>", "a", "b", "c", "d", "e"]
 PAD_ID, EOS_ID = 0, 1
 
