@@ -19,7 +19,6 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from specdec_cli.engine.decoder import DecodingRun, SequenceJob  # noqa: E402
 from specdec_cli.kit.testing import save_tiny_model  # noqa: E402
 
 # transformers' own bars (saving and loading tiny models) would land in the stderr tests inspect.
@@ -93,11 +92,3 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\n{left}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def keyed_samples(decoder, prompt: str, samples: int, batch_size: int = 16) -> list:
-    """The samples of keys 0 .. ``samples`` - 1 of ``prompt`` (what ``generate_ids(ids, key)`` gives each), decoded
-    ``batch_size`` at a time: a sample's tokens do not depend on its batch (tests/test_batch_engine.py)."""
-    prompt_ids = decoder.encode_prompt(prompt)
-    jobs = [SequenceJob(prompt, key, 0, prompt_ids, key=key) for key in range(samples)]
-    return list(DecodingRun(decoder, batch_size).run(jobs))

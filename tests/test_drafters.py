@@ -17,12 +17,12 @@ from specdec_cli.base.errors import SpecdecError, UsageError
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.base.sampling import SamplingParams, sampling_law
 from specdec_cli.kit.conformance import ConformanceError, check_drafter
-from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law
+from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law, keyed_samples
 from specdec_cli.plugins.drafter_registry import DrafterRegistry
 from specdec_cli.plugins.drafting import DraftSetup, SequenceProposal, SequenceRequest, block_length
 from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_plugins.prompt_lookup import PromptLookup
-from tests.conftest import keyed_samples, tiny_recipe
+from tests.conftest import tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401
 from tests.test_reliability_plugins import WithExtra
 

@@ -15,8 +15,8 @@ import torch
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.base.sampling import SamplingParams, probs_from_logits
-from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law
-from tests.conftest import keyed_samples, tiny_recipe
+from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law, keyed_samples
+from tests.conftest import tiny_recipe
 
 PROMPT = "a b c d"
 

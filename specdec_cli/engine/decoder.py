@@ -584,8 +584,9 @@ class DecodingRun:
         if len(groups) == 1:  # every sequence's block has one shape: decide them in place, as one group
             (((length, present), members),) = groups.items()
             decision = self._decide_group(target_probs, drafted, length, present, members)
-            rows = decision.row if len(present) == drafted.tokens.shape[1] else self._rows_of(present, decision.row)
-            return BatchDecision(decision.tokens, decision.num_accepted, rows), decision.row
+            return BatchDecision(
+                decision.tokens, decision.num_accepted, self._rows_of(present, decision.row)
+            ), decision.row
         batch, _, width = drafted.tokens.shape
         tokens = torch.zeros(batch, width + 1, dtype=torch.long, device=self.device)  # [B, n+1]
         num_accepted = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]
@@ -600,7 +601,10 @@ class DecodingRun:
         return BatchDecision(tokens, num_accepted, rows), local
 
     def _rows_of(self, present: tuple[int, ...], local: torch.Tensor) -> torch.Tensor:
-        """Rows among all K ``[G]`` of rows ``local`` ``[G]`` among those that proposed (``present``)."""
+        """Rows among all K ``[G]`` of rows ``local`` ``[G]`` among those that proposed (``present``): the same rows
+        when every row proposed."""
+        if present == tuple(range(self.lanes[-1] or 1)):
+            return local
         return torch.tensor(present, device=self.device)[local.clamp(0, len(present) - 1)]
 
     def _decide_group(
@@ -625,24 +629,19 @@ class DecodingRun:
         (compiled or captured under ``--compile``), several through ``verify_batch``; its exceptions and its
         decision's form checked on the host (no device read)."""
         decoder, verifier = self.decoder, self.decoder.verifier
-        sequences = [self.sequences[b] for b in members]
+        keyed = verifier.keyed_randomness
+        randomness = (
+            self._draws_of(members)
+            if keyed
+            else [block_generator(self.sequences[b].key, self.sequences[b].generated, self.device) for b in members]
+        )
         if len(members) == 1:
-            sequence = sequences[0]
-            randomness = (
-                self._draws_of(members).row(0)
-                if verifier.keyed_randomness
-                else block_generator(sequence.key, sequence.generated, self.device)
-            )
-            inputs = (target_probs[0], draft_probs[0], draft_tokens[0], randomness)
+            alone = randomness.row(0) if keyed else randomness[0]
+            inputs = (target_probs[0], draft_probs[0], draft_tokens[0], alone)
             decision = decoder.guarded_decision(decoder._verify_block, *inputs)
             problem = decision_problem(decision, draft_tokens.shape[2] + 1, self.device)
             decision = BatchDecision.of_block(decision) if problem is None else decision
         else:
-            randomness = (
-                self._draws_of(members)
-                if verifier.keyed_randomness
-                else [block_generator(sequence.key, sequence.generated, self.device) for sequence in sequences]
-            )
             inputs = (target_probs, draft_probs, draft_tokens, randomness)
             decision = decoder.guarded_decision(verifier.verify_batch, *inputs)
             problem = batch_decision_problem(decision, len(members), draft_tokens.shape[2] + 1, self.device)

@@ -97,22 +97,19 @@ class ModelSession:
         Each sequence is read on its own: reading prompts of different lengths together would compute their
         padding too, and on a compute-bound device that costs more than it saves. One sequence joining an empty
         session (a single sample) is read with its first block instead: one forward less, and nothing to align."""
-        if not self.lengths and len(contexts) == 1:
-            if self.loaded.is_encoder_decoder:
-                self.encoder_hidden, self.encoder_mask = self._encode(prompts[0])
-            self.lengths, self.starts = [0], [0]
-            return
+        deferred = not self.lengths and len(contexts) == 1
         for prompt, context in zip(prompts, contexts):
             joining = ModelSession(self.loaded, self.vocab_size, self.use_cache)
             if self.loaded.is_encoder_decoder:
                 joining.encoder_hidden, joining.encoder_mask = self._encode(prompt)
-            ids = torch.tensor([context], dtype=torch.long, device=self.device)  # [1, context]
             joining.starts, joining.lengths = [0], [0]
-            if self.use_cache:
-                joining._run(ids, 1, timer)
-            else:  # nothing to compute: the next forward reads every id again
-                joining.ids, joining.columns = ids, ids.shape[1]
-            joining.lengths = [len(context) - 1]
+            if not deferred:
+                ids = torch.tensor([context], dtype=torch.long, device=self.device)  # [1, context]
+                if self.use_cache:
+                    joining._run(ids, 1, timer)
+                else:  # nothing to compute: the next forward reads every id again
+                    joining.ids, joining.columns = ids, ids.shape[1]
+                joining.lengths = [len(context) - 1]
             self._merge(joining)
 
     def _encode(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -195,15 +195,13 @@ def _run(cls: type[Drafter], decoder: Any, prompt: str, key: int) -> list[int]:
 
 
 def _check_exactness(cls: type[Drafter], recipe: dict[str, Any], samples: int) -> None:
-    from ..engine.decoder import DecodingRun, SequenceJob
-    from .testing import EOS_ID, chi_square_p_value, exact_sequence_law
+    from .testing import EOS_ID, chi_square_p_value, exact_sequence_law, keyed_samples
 
     decoder = _decoder(cls, recipe)
     _watch_proposals(decoder, cls)
     prompt_ids = decoder.encode_prompt(PROMPTS[0])
-    jobs = [SequenceJob(PROMPTS[0], key, 0, prompt_ids, key=key) for key in range(samples)]
-    try:  # 16 samples at a time: a sample's tokens do not depend on its batch
-        counts = Counter(tuple(r.token_ids) for r in DecodingRun(decoder, 16).run(jobs))
+    try:
+        counts = Counter(tuple(r.token_ids) for r in keyed_samples(decoder, PROMPTS[0], samples))
     except SpecdecError as error:  # the engine's checks of a proposal, or the plugin's own exception
         raise ConformanceError(f"{cls.name}: {error}") from error
     depth = recipe["generation"]["max_new_tokens"]

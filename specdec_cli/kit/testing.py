@@ -18,11 +18,14 @@ import torch
 
 from ..base.sampling import SamplingParams, probs_from_logits
 from ..base.theory import optimal_acceptance, optimal_acceptance_two_drafts  # noqa: F401  (re-exported for plugin authors)
+from ..engine.decoder import DecodingRun, SequenceJob
 from ..engine.session import next_token_logits
 from ..models.loading import LoadedModel
+from ..results.stats import GenerationResult
 
 __all__ = [
     "EOS_ID",
+    "keyed_samples",
     "PAD_ID",
     "SequenceLaw",
     "TINY_VOCAB",
@@ -352,3 +355,11 @@ def _complete(
                 extended = sequence + (token,)
                 frontier[extended] = frontier.get(extended, 0.0) + mass * float(law[token])
     return complete
+
+
+def keyed_samples(decoder: Any, prompt: str, samples: int, batch_size: int = 16) -> list[GenerationResult]:
+    """The samples of keys 0 .. ``samples`` - 1 of ``prompt`` (what ``decoder.generate_ids(ids, key)`` gives each),
+    decoded ``batch_size`` at a time: a sample's tokens do not depend on its batch."""
+    prompt_ids = decoder.encode_prompt(prompt)
+    jobs = [SequenceJob(prompt, key, 0, prompt_ids, key=key) for key in range(samples)]
+    return list(DecodingRun(decoder, batch_size).run(jobs))

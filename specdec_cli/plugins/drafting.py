@@ -245,11 +245,11 @@ class SequenceDrafter(Drafter):
     def propose(self, request: DraftRequest) -> Proposal:
         """Each sequence's proposal from its own copy, padded to the longest into one :class:`Proposal`."""
         vocab, device = self.draft_setup.vocab_size, self.draft_setup.device
-        proposals = []
+        proposals: list[SequenceProposal | None] = []
         for b, sequence in enumerate(self.sequences):
             length = request.max_lengths[b]
             if not length:  # a sequence with one token left asks no drafter
-                proposals.append(_empty_sequence(self.rows, vocab, device))
+                proposals.append(None)
                 continue
             one = SequenceRequest(
                 request.contexts[b], length, request.uniforms[b, :length], request.sampling_law, request.timer
@@ -259,7 +259,7 @@ class SequenceDrafter(Drafter):
             if problem is not None:
                 raise ProposalError(problem)
             proposals.append(proposal)
-        return _stacked(proposals, max(request.max_lengths), vocab, device)
+        return _stacked(proposals, self.rows, max(request.max_lengths), vocab, device)
 
     def keep(self, rows: list[int], lengths: list[int]) -> None:
         for sequence, row, length in zip(self.sequences, rows, lengths):
@@ -270,23 +270,22 @@ class ProposalError(SpecdecError):
     """A :class:`SequenceDrafter`'s proposal of the wrong form (what is wrong completes "drafter 'x' ...")."""
 
 
-def _empty_sequence(rows: int, vocab_size: int, device: torch.device) -> SequenceProposal:
-    tokens = torch.empty(rows, 0, dtype=torch.long, device=device)  # [rows, 0]
-    laws = torch.empty(rows, 0, vocab_size, device=device)  # [rows, 0, V]
-    return SequenceProposal(tokens, laws, torch.ones((), dtype=torch.bool, device=device))
-
-
-def _stacked(proposals: list[SequenceProposal], width: int, vocab: int, device: torch.device) -> Proposal:
-    """Per-sequence proposals as one batch ``[B, rows, width]``, zero filler past each one's length."""
-    rows, dtype = proposals[0].tokens.shape[0], proposals[0].laws.dtype
+def _stacked(
+    proposals: list[SequenceProposal | None], rows: int, width: int, vocab: int, device: torch.device
+) -> Proposal:
+    """Per-sequence proposals (None: the sequence was asked for nothing) as one batch ``[B, rows, width]``, zero
+    filler past each one's length."""
+    made = [proposal for proposal in proposals if proposal is not None]
+    dtype = made[0].laws.dtype
     tokens = torch.zeros(len(proposals), rows, width, dtype=torch.long, device=device)  # [B, rows, n]
     laws = torch.zeros(len(proposals), rows, width, vocab, dtype=dtype, device=device)  # [B, rows, n, V]
     for b, proposal in enumerate(proposals):
-        tokens[b, :, : proposal.length] = proposal.tokens
-        laws[b, :, : proposal.length] = proposal.laws
-    finite = torch.stack([proposal.finite for proposal in proposals]).all()  # []
-    forwards = max(proposal.forwards for proposal in proposals)  # per sequence, as batched drafters count
-    return Proposal(tokens, laws, finite, [proposal.length for proposal in proposals], forwards)
+        if proposal is not None:
+            tokens[b, :, : proposal.length] = proposal.tokens
+            laws[b, :, : proposal.length] = proposal.laws
+    finite = torch.stack([proposal.finite for proposal in made]).all()  # [] (a request asks at least one sequence)
+    forwards = max(proposal.forwards for proposal in made)  # per sequence, as batched drafters count
+    return Proposal(tokens, laws, finite, [proposal.length if proposal else 0 for proposal in proposals], forwards)
 
 
 def one_hot_laws(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
