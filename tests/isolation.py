@@ -72,7 +72,8 @@ def _checkout_extras() -> set[str]:
         ).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return set()
-    return {line[3:] for line in listed if line[:2] in ("??", "!!") and not _BYTECODE_OR_PYTEST.search(line)}
+    paths = (line[3:] for line in listed if line[:2] in ("??", "!!"))
+    return {path for path in paths if not _BYTECODE_OR_PYTEST.search(path)}
 
 
 _AT_START = _checkout_extras()
