@@ -23,116 +23,93 @@ from ..plugins.draft_rows import round_robin
 from ..plugins.drafter_registry import draft_law
 from ..plugins.registry import VerifierRegistry
 from ..results.store import ResultsStore
-from . import common
+from . import common, options
 
 if TYPE_CHECKING:
     from ..acceptance.analysis import AcceptanceAnalysis
 
 
+_PromptArguments = Annotated[
+    Optional[list[str]],
+    typer.Argument(
+        metavar="PROMPT", show_default=False, help="Prompts to continue (any number); or --prompt-file, or piped stdin."
+    ),
+]
+_DraftersOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--drafter",
+        metavar="NAME[,NAME…]",
+        help="Comma list of drafters (see `specdec drafters`), each evaluated on its own: the recipe's entries of it, "
+        "or one with its defaults. [dim]\\[default: the recipe's drafts, together][/dim]",
+    ),
+]
+_VerifiersOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--verifier",
+        metavar="NAME[,NAME…]",
+        help="Comma list of verifiers (rows). [dim]\\[default: every installed verifier that has a per-token "
+        "acceptance for these drafts][/dim]",
+    ),
+]
+_NumDraftsOption = Annotated[
+    str, typer.Option("--num-drafts", metavar="K[,K…]", help="Comma list of draft counts (columns).")
+]
+_KlOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--kl",
+        metavar="NATS[,NATS…]",
+        help="Comma list of KL bounds D in nats: a row each for every verifier with a KL bound. [dim]\\[default: "
+        "fractions of the pair's measured KL(q‖p) on the first prompt][/dim]",
+    ),
+]
+_DraftTemperaturesOption = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="T[,T…]",
+        help="Drafts that differ only in temperature: copies of the recipe's first draft at these temperatures.",
+    ),
+]
+_JsonOption = Annotated[
+    bool, typer.Option("--json", metavar="", help="Print the results as one JSON object instead of a table.")
+]
+_PlotOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        metavar="FILE.png",
+        help="Draw acceptance against K, and acceptance against KL for verifiers with a KL bound, to this PNG.",
+    ),
+]
+
+
+@options.takes_option_groups
 def acceptance(
-    prompt_args: Annotated[
-        Optional[list[str]],
-        typer.Argument(
-            metavar="PROMPT",
-            help="Prompts to continue (any number); or --prompt-file, or piped stdin.",
-            show_default=False,
-        ),
-    ] = None,
+    model: options.ModelOptions,
+    prompt_args: _PromptArguments = None,
     prompts: Annotated[Optional[list[str]], typer.Option("--prompt", hidden=True)] = None,
-    prompt_file: common.PromptFileOption = None,
-    field: common.FieldOption = None,
-    limit: Annotated[
-        Optional[int], typer.Option(metavar="N", help="Use only the first N prompts (after --shuffle).")
-    ] = None,
-    shuffle: Annotated[
-        bool, typer.Option("--shuffle", metavar="", help="Shuffle the prompts (--shuffle-seed) before --limit.")
-    ] = False,
-    shuffle_seed: Annotated[
-        int, typer.Option(metavar="N", help="Seed of --shuffle (the data order, not sampling).")
-    ] = 0,
-    recipe: common.RecipeOption = None,
-    drafters: Annotated[
-        Optional[str],
-        typer.Option(
-            "--drafter",
-            metavar="NAME[,NAME…]",
-            help=(
-                "Comma list of drafters (see `specdec drafters`), each evaluated on its own: the recipe's entries "
-                "of it, or "
-                "one with its defaults. [dim]\\[default: the recipe's drafts, together][/dim]"
-            ),
-        ),
-    ] = None,
-    verifiers: Annotated[
-        Optional[str],
-        typer.Option(
-            "--verifier",
-            metavar="NAME[,NAME…]",
-            help=(
-                "Comma list of verifiers (rows). [dim]\\[default: every installed verifier that has a per-token "
-                "acceptance "
-                "for these drafts][/dim]"
-            ),
-        ),
-    ] = None,
-    num_drafts: Annotated[
-        str, typer.Option("--num-drafts", metavar="K[,K…]", help="Comma list of draft counts (columns).")
-    ] = "1,2,4",
-    kl: Annotated[
-        Optional[str],
-        typer.Option(
-            "--kl",
-            metavar="NATS[,NATS…]",
-            help=(
-                "Comma list of KL bounds D in nats: a row each for every verifier with a KL bound. [dim]\\[default: "
-                "fractions of the pair's measured KL(q‖p) on the first prompt][/dim]"
-            ),
-        ),
-    ] = None,
-    draft_temperatures: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar="T[,T…]",
-            help=("Drafts that differ only in temperature: copies of the recipe's first draft at these temperatures."),
-        ),
-    ] = None,
-    max_new_tokens: common.MaxNewTokensOption = None,
-    temperature: common.TemperatureOption = None,
-    top_k: common.TopKOption = None,
-    top_p: common.TopPOption = None,
-    seed: common.SeedOption = None,
-    device: common.DeviceOption = None,
-    dtype: common.DtypeOption = None,
-    sets: common.SetOption = None,
-    chat: common.ChatOption = None,
-    as_json: common.JsonOption = False,
-    output: common.OutputOption = None,
-    plot: Annotated[
-        Optional[Path],
-        typer.Option(
-            metavar="FILE.png",
-            help=("Draw acceptance against K, and acceptance against KL for verifiers with a KL bound, to this PNG."),
-        ),
-    ] = None,
-    threads: common.ThreadsOption = None,
+    prompt_file: options.PromptFileOption = None,
+    field: options.FieldOption = None,
+    limit: options.LimitOption = None,
+    shuffle: options.ShuffleOption = False,
+    shuffle_seed: options.ShuffleSeedOption = 0,
+    drafters: _DraftersOption = None,
+    verifiers: _VerifiersOption = None,
+    num_drafts: _NumDraftsOption = "1,2,4",
+    kl: _KlOption = None,
+    draft_temperatures: _DraftTemperaturesOption = None,
+    temperature: options.TemperatureOption = None,
+    as_json: _JsonOption = False,
+    output: options.OutputOption = None,
+    plot: _PlotOption = None,
 ) -> None:
     """Acceptance probability of each verifier per number of drafts, on positions the target generates."""
-    common.apply_threads(threads)
+    common.apply_threads(model.threads)
     temperatures = common.parse_list(draft_temperatures, float, "--draft-temperatures")
-    options = common.RecipeOptions(
-        recipe=recipe,
-        sets=sets or [],
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        device=device,
-        dtype=dtype,
-        chat=chat,
-        draft_temperatures=temperatures or None,
-    )
-    resolved = options.resolve()
+    resolved = common.RecipeOptions.of(
+        model, temperature=temperature, draft_temperatures=temperatures or None
+    ).resolve()
     # Each drafter's entries, checked (an unknown drafter, one that needs an entry): one line before models load.
     sections = DrafterSection.of_recipe(resolved, common.grid_values(drafters, str, "--drafter"))
     common.check_at_least_one(limit, "--limit")

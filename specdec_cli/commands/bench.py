@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, ClassVar, Optional
 
 import typer
 from rich.console import Console
@@ -22,248 +22,231 @@ from ..bench.results import BenchResults, summarize
 from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair, turns_note
 from ..plugins.registry import VerifierRegistry
 from ..results.store import ResultsStore, load_saved
-from . import common
+from . import common, options
+
+_recipe = options.DEFAULT_RECIPE
 
 if TYPE_CHECKING:
     from ..bench.runner import BenchRunner
 
-_ReportOption = Annotated[
-    Optional[Path],
-    typer.Option(
-        "--report", metavar="FOLDER", help=("Show the results of a results folder again, without running models.")
-    ),
-]
-_PlotOption = Annotated[
-    Optional[Path], typer.Option(metavar="FILE.png", help=("Draw speedup (or token rate) against quality to this PNG."))
-]
-_AllowMixedOption = Annotated[
-    bool,
-    typer.Option(
-        "--allow-mixed-conditions",
-        metavar="",
-        help=(
-            "Resume an --output folder whose samples ran with other threads, device or versions "
-            "(the results flag the mix)."
-        ),
-    ),
-]
 
+@dataclass(kw_only=True)
+class _DataOptions:
+    """The examples: a task's own data or the user's files, shuffled and cut."""
 
-def bench(
-    task: Annotated[str, typer.Option(metavar="TASK", help="wmt, xsum, dolly or spec-bench.")] = "wmt",
-    lang_pair: Annotated[str, typer.Option(metavar="SRC-TGT", help="WMT language pair.")] = "en-fr",
-    source: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Plain-text inputs, one per line.")] = None,
+    help_panel: ClassVar[str] = "Data"
+    task: Annotated[str, typer.Option(metavar="TASK", help="wmt, xsum, dolly or spec-bench.")] = "wmt"
+    lang_pair: Annotated[str, typer.Option(metavar="SRC-TGT", help="WMT language pair.")] = "en-fr"
+    source: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Plain-text inputs, one per line.")] = None
     reference: Annotated[
         Optional[Path], typer.Option(metavar="FILE", help="Plain-text references aligned with --source.")
-    ] = None,
+    ] = None
     dataset: Annotated[
         Optional[Path], typer.Option(metavar="FILE", help="A .jsonl file of examples (Spec-Bench's format too).")
-    ] = None,
-    source_field: Annotated[
-        Optional[str], typer.Option(metavar="NAME", help="Input field of --dataset records.")
-    ] = None,
+    ] = None
+    source_field: Annotated[Optional[str], typer.Option(metavar="NAME", help="Input field of --dataset records.")] = (
+        None
+    )
     reference_field: Annotated[
         Optional[str], typer.Option(metavar="NAME", help="Reference field of --dataset records.")
-    ] = None,
+    ] = None
     template: Annotated[
         Optional[str],
         typer.Option(
             metavar="TEXT",
-            help=("Prompt template with {source}. [dim]\\[default: the task's, for the target's kind][/dim]"),
+            help="Prompt template with {source}. [dim]\\[default: the task's, for the target's kind][/dim]",
         ),
-    ] = None,
-    limit: Annotated[
-        Optional[int], typer.Option(metavar="N", help="Use only the first N examples (after --shuffle).")
-    ] = None,
-    shuffle: Annotated[
-        bool, typer.Option("--shuffle", metavar="", help="Shuffle the examples (--shuffle-seed) before --limit.")
-    ] = False,
-    shuffle_seed: Annotated[
-        int, typer.Option(metavar="N", help="Seed of --shuffle (the data order, not sampling).")
-    ] = 0,
-    seed: common.SeedOption = None,
-    seeds: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar="N[,N…]",
-            help=(
-                "Comma list of sampling seeds: every cell runs with each (mean ± std over seeds). "
-                "[dim]\\[default: --seed][/dim]"
-            ),
-        ),
-    ] = None,
-    recipe: common.RecipeOption = None,
+    ] = None
+    limit: options.LimitOption = None
+    shuffle: options.ShuffleOption = False
+    shuffle_seed: options.ShuffleSeedOption = 0
+
+    def examples(self) -> list:
+        source = DataSource(
+            task=self.task,
+            lang_pair=self.lang_pair,
+            source_file=self.source,
+            reference_file=self.reference,
+            dataset=self.dataset,
+            source_field=self.source_field,
+            reference_field=self.reference_field,
+            limit=self.limit,
+            shuffle=self.shuffle,
+            seed=self.shuffle_seed,
+        )
+        return load_examples(source)
+
+    def reference_hint(self) -> str:
+        """How to give references for this kind of data (a note says so when the examples have none)."""
+        return "name the reference field with --reference-field NAME" if self.dataset else "give --reference FILE"
+
+
+@dataclass(kw_only=True)
+class _GridOptions:
+    """The grid's axes, a comma list each (an absent one takes the recipe's value): a cell per combination."""
+
+    help_panel: ClassVar[str] = "Grid: a cell per combination of these comma lists"
     verifiers: Annotated[
         Optional[str],
         typer.Option(
-            "--verifier",
-            metavar="NAME[,NAME…]",
-            help=(f"Comma list of verifiers (grid). {common.from_recipe(common.DEFAULT_RECIPE.verifier.name)}"),
+            "--verifier", metavar="NAME[,NAME…]", help="Verifiers. " + options.from_recipe(_recipe.verifier.name)
         ),
-    ] = None,
+    ] = None
     drafters: Annotated[
         Optional[str],
         typer.Option(
             "--drafter",
             metavar="NAME[,NAME…]",
-            help=(
-                "Comma list of drafters (grid; see `specdec drafters`): each cell drafts with the recipe's entries "
-                "of it, or "
-                "one with its defaults. [dim]\\[default: the recipe's drafts][/dim]"
-            ),
+            help="Drafters (see `specdec drafters`): each cell drafts with the recipe's entries of it, or one with its "
+            "defaults. [dim]\\[default: the recipe's drafts][/dim]",
         ),
-    ] = None,
+    ] = None
     kl: Annotated[
-        Optional[str],
-        typer.Option(
-            "--kl", metavar="NATS[,NATS…]", help=("Comma list of KL bounds D in nats, for verifiers with one (grid).")
-        ),
-    ] = None,
+        Optional[str], typer.Option("--kl", metavar="NATS[,NATS…]", help="KL bounds D in nats, for verifiers with one.")
+    ] = None
     num_drafts: Annotated[
         Optional[str],
         typer.Option(
             "--num-drafts",
             metavar="K[,K…]",
-            help=(
-                f"Comma list of draft counts (grid). {common.from_recipe(common.DEFAULT_RECIPE.speculation.num_drafts)}"
-            ),
+            help="Draft counts. " + options.from_recipe(_recipe.speculation.num_drafts),
         ),
-    ] = None,
+    ] = None
     draft_length: Annotated[
         Optional[str],
         typer.Option(
             "--draft-length",
             metavar="L[,L…]",
-            help=(
-                "Comma list of draft lengths in tokens (grid). "
-                f"{common.from_recipe(common.DEFAULT_RECIPE.speculation.draft_length)}"
-            ),
+            help="Draft lengths in tokens. " + options.from_recipe(_recipe.speculation.draft_length),
         ),
-    ] = None,
+    ] = None
     temperature: Annotated[
         Optional[str],
         typer.Option(
             "--temperature",
             metavar="T[,T…]",
-            help=(
-                f"Comma list of temperatures (grid). {common.from_recipe(common.DEFAULT_RECIPE.generation.temperature)}"
-            ),
+            help="Temperatures. " + options.from_recipe(_recipe.generation.temperature),
         ),
-    ] = None,
+    ] = None
     draft_temperatures: Annotated[
         Optional[str],
         typer.Option(
+            "--draft-temperatures",
             metavar="T,T[;T,T]",
-            help=("Draft temperature sets: '1.0,1.2' is one set of two drafts; ';' separates sets (grid)."),
+            help="Draft temperature sets: '1.0,1.2' is one set of two drafts; ';' separates sets.",
         ),
-    ] = None,
+    ] = None
     batch_sizes: Annotated[
         Optional[str],
         typer.Option(
             "--batch-size",
             metavar="B[,B…]",
-            help=(
-                "Comma list of batch sizes (grid): each cell decodes B samples at a time, and its speedup is over "
-                "the target "
-                "alone at the same B (batch 1: latency; larger: throughput). [dim]\\[default: 1][/dim]"
-            ),
+            help="Batch sizes: each cell decodes B samples at a time, and its speedup is over the target alone at the "
+            "same B (batch 1: latency; larger: throughput). [dim]\\[default: 1][/dim]",
         ),
-    ] = None,
-    max_new_tokens: common.MaxNewTokensOption = None,
-    top_k: common.TopKOption = None,
-    top_p: common.TopPOption = None,
-    device: common.DeviceOption = None,
-    dtype: common.DtypeOption = None,
-    sets: common.SetOption = None,
-    compile_steps: common.CompileOption = False,
-    chat: common.ChatOption = None,
-    output: common.OutputOption = None,
-    report_dir: _ReportOption = None,
-    plot: _PlotOption = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", metavar="", help="Print results.json instead of the table.")
-    ] = False,
-    threads: common.ThreadsOption = None,
-    allow_mixed_conditions: _AllowMixedOption = False,
+    ] = None
+    seeds: Annotated[
+        Optional[str],
+        typer.Option(
+            "--seeds",
+            metavar="N[,N…]",
+            help="Sampling seeds: every cell runs with each (mean ± std over seeds). [dim]\\[default: --seed][/dim]",
+        ),
+    ] = None
+
+    def grid(self, base: Recipe) -> Grid:
+        """The grid, each absent axis at the recipe's value; checked before any model loads."""
+        sizes = tuple(common.grid_values(self.batch_sizes, int, "--batch-size")) or (1,)
+        common.check_batch_sizes(list(sizes))
+        return Grid(
+            verifiers=tuple(common.grid_values(self.verifiers, str, "--verifier") or [base.verifier.name]),
+            kl=tuple(common.grid_values(self.kl, float, "--kl")),
+            num_drafts=tuple(common.grid_values(self.num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
+            draft_lengths=tuple(
+                common.grid_values(self.draft_length, int, "--draft-length") or [base.speculation.draft_length]
+            ),
+            temperatures=tuple(
+                common.grid_values(self.temperature, float, "--temperature") or [base.generation.temperature]
+            ),
+            draft_temperatures=_draft_temperature_sets(self.draft_temperatures),
+            drafters=tuple(common.grid_values(self.drafters, str, "--drafter")) or (None,),
+            batch_sizes=sizes,
+        )
+
+    def seed_values(self, base: Recipe) -> list[int]:
+        return common.grid_values(self.seeds, int, "--seeds") or [base.seed]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Output:
+    """Where the results go: the results folder (None: nowhere), stdout as JSON or a table, a plot; or the folder
+    whose results to show again."""
+
+    help_panel: ClassVar[str] = "Results"
+    folder: options.OutputOption = None
+    report_folder: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--report", metavar="FOLDER", help="Show the results of a results folder again, without running models."
+        ),
+    ] = None
+    plot: Annotated[
+        Optional[Path],
+        typer.Option(metavar="FILE.png", help="Draw speedup (or token rate) against quality to this PNG."),
+    ] = None
+    as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print results.json instead of the table.")] = (
+        False
+    )
+    allow_mixed_conditions: Annotated[
+        bool,
+        typer.Option(
+            "--allow-mixed-conditions",
+            metavar="",
+            help="Resume an --output folder whose samples ran with other threads, device or versions (the results "
+            "flag the mix).",
+        ),
+    ] = False
+
+
+@options.takes_option_groups
+def bench(
+    data: _DataOptions,
+    grid: _GridOptions,
+    model: options.ModelOptions,
+    output: _Output,
+    compile_steps: options.CompileOption = False,
 ) -> None:
     """Benchmark speed and quality of speculative configurations against the target alone."""
-    check_plot_path(plot)
-    common.check_at_least_one(limit, "--limit")
-    common.apply_threads(threads)
-    if report_dir is not None:
-        return _report(report_dir, as_json, plot)
-    base = common.RecipeOptions(
-        recipe=recipe,
-        sets=common.with_compile(sets, compile_steps),
-        max_new_tokens=max_new_tokens,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        device=device,
-        dtype=dtype,
-        chat=chat,
-    ).resolve()
-    examples = load_examples(
-        DataSource(
-            task=task,
-            lang_pair=lang_pair,
-            source_file=source,
-            reference_file=reference,
-            dataset=dataset,
-            source_field=source_field,
-            reference_field=reference_field,
-            limit=limit,
-            shuffle=shuffle,
-            seed=shuffle_seed,
-        )
-    )
-    grid = _grid(base, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures, drafters)
-    grid = dataclasses.replace(grid, batch_sizes=_batch_sizes(batch_sizes, base))
-    hint = "name the reference field with --reference-field NAME" if dataset else "give --reference FILE"
+    check_plot_path(output.plot)
+    common.check_at_least_one(data.limit, "--limit")
+    common.apply_threads(model.threads)
+    if output.report_folder is not None:
+        return _report(dataclasses.replace(output, folder=output.report_folder))
+    base = common.RecipeOptions.of(model, sets=common.with_compile(model.sets, compile_steps)).resolve()
     plan = _Plan(
         base=base,
-        task=get_task(task),
-        lang_pair=lang_pair,
-        template=template,
-        examples=examples,
-        grid=grid,
-        seeds=common.grid_values(seeds, int, "--seeds") or [base.seed],
-        reference_hint=hint,
+        task=get_task(data.task),
+        lang_pair=data.lang_pair,
+        template=data.template,
+        examples=data.examples(),
+        grid=grid.grid(base),
+        seeds=grid.seed_values(base),
+        reference_hint=data.reference_hint(),
     )
-    _run(plan, _Output(output, as_json, plot, allow_mixed_conditions))
+    _run(plan, output)
 
 
-def _report(folder: Path, as_json: bool, plot: Path | None) -> None:
+def _report(output: _Output) -> None:
     """Show a results folder again, without running models."""
-    config, records = load_saved(folder)
+    config, records = load_saved(output.folder)
     if not records:
         raise UsageError(
-            f"'{folder}' holds no samples yet (its run stopped before the first); run bench with "
-            f"--output {folder} to fill it"
+            f"'{output.folder}' holds no samples yet (its run stopped before the first); run bench with "
+            f"--output {output.folder} to fill it"
         )
-    results, output = summarize(config, records), _Output(folder, as_json, plot, False)
+    results = summarize(config, records)
     _show(results, output, "")
     _plot(results, output)
-
-
-def _grid(base: Recipe, verifiers, kl, num_drafts, draft_length, temperature, draft_temperatures, drafters) -> Grid:
-    """The grid from the comma-list flags (``str | None`` each); an absent flag takes the recipe's value."""
-    return Grid(
-        verifiers=tuple(common.grid_values(verifiers, str, "--verifier") or [base.verifier.name]),
-        kl=tuple(common.grid_values(kl, float, "--kl")),
-        num_drafts=tuple(common.grid_values(num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
-        draft_lengths=tuple(common.grid_values(draft_length, int, "--draft-length") or [base.speculation.draft_length]),
-        temperatures=tuple(common.grid_values(temperature, float, "--temperature") or [base.generation.temperature]),
-        draft_temperatures=_draft_temperature_sets(draft_temperatures),
-        drafters=tuple(common.grid_values(drafters, str, "--drafter")) or (None,),
-    )
-
-
-def _batch_sizes(values: str | None, base: Recipe) -> tuple[int, ...]:
-    """``--batch-size``'s values, each at least 1; more than 1 needs the KV cache."""
-    sizes = tuple(common.grid_values(values, int, "--batch-size")) or (1,)
-    common.check_batch_sizes(list(sizes))
-    return sizes
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -305,16 +288,6 @@ class _Plan:
             "cells": [dataclasses.asdict(c) for c in self.cells],
             "seeds": self.seeds,
         }
-
-
-@dataclass(frozen=True)
-class _Output:
-    """Where the results go: the results folder (None: nowhere), stdout as JSON or a table, a plot."""
-
-    folder: Path | None
-    as_json: bool
-    plot: Path | None
-    allow_mixed_conditions: bool
 
 
 def _run(plan: _Plan, output: _Output) -> None:

@@ -1,15 +1,15 @@
-"""Options every model-running subcommand shares, and how they become a recipe."""
+"""What the commands share: their options resolved into a recipe, prompts read, comma lists parsed, progress
+shown and plots drawn."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Any
 
-import typer
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -25,173 +25,12 @@ from ..base.inputs import has_suffix, json_object_lines, read_stdin, read_text, 
 from ..base.recipe import Recipe, apply_overrides, build_recipe, read_recipe_file, set_path, target_alone
 from ..plugins.drafter_registry import DrafterRegistry
 from ..plugins.registry import VerifierRegistry
-
-DEFAULT_RECIPE = build_recipe(read_recipe_file(None))
-"""The shipped default recipe: where an option left out takes its value from (unless --recipe names another)."""
-
-
-def from_recipe(value: object) -> str:
-    """Help text for an option whose default is the recipe's: the default recipe's value."""
-    return f"[dim]\\[default: the recipe's; {value} in the default recipe][/dim]"
-
-
-_generation = DEFAULT_RECIPE.generation
-_speculation = DEFAULT_RECIPE.speculation
-
-RecipeOption = Annotated[
-    Optional[str],
-    typer.Option(
-        "--recipe",
-        "-r",
-        metavar="FILE|NAME",
-        help="Recipe YAML file, or the name of a shipped recipe. [dim]\\[default: default][/dim]",
-    ),
-]
-SetOption = Annotated[
-    Optional[list[str]],
-    typer.Option(
-        "--set",
-        metavar="KEY=VALUE",
-        help="Override any recipe key, e.g. --set generation.top_k=50 (value read as YAML). Repeatable.",
-    ),
-]
-VerifierOption = Annotated[
-    Optional[str],
-    typer.Option(
-        metavar="NAME[,NAME…]",
-        help="Verifier, or a comma list to compare on the same prompts: "
-        f"speculative,block,none (none: the target alone). {from_recipe(DEFAULT_RECIPE.verifier.name)}",
-    ),
-]
-DrafterOption = Annotated[
-    Optional[str],
-    typer.Option(
-        metavar="NAME",
-        help="Draft with this drafter (see `specdec drafters`): the recipe's entries for it, "
-        "or one with its defaults (prompt-lookup needs no model). Default: the recipe's drafts.",
-    ),
-]
-KlOption = Annotated[
-    Optional[float],
-    typer.Option(
-        "--kl", metavar="NATS", help="KL bound D in nats, for a verifier that has one (see `specdec verifiers`)."
-    ),
-]
-NumDraftsOption = Annotated[
-    Optional[int],
-    typer.Option(
-        metavar="K", help=f"Draft sequences sampled from each draft per block. {from_recipe(_speculation.num_drafts)}"
-    ),
-]
-DraftLengthOption = Annotated[
-    Optional[int],
-    typer.Option(metavar="L", help=f"Tokens each draft proposes per block. {from_recipe(_speculation.draft_length)}"),
-]
-MaxNewTokensOption = Annotated[
-    Optional[int],
-    typer.Option(
-        metavar="TOKENS", help=f"Most tokens to generate per sample. {from_recipe(_generation.max_new_tokens)}"
-    ),
-]
-TemperatureOption = Annotated[
-    Optional[float],
-    typer.Option(metavar="T", help=f"Sampling temperature (0 = greedy). {from_recipe(_generation.temperature)}"),
-]
-TopKOption = Annotated[
-    Optional[int],
-    typer.Option(
-        metavar="TOKENS", help=f"Sample among the k most likely tokens (0 = all). {from_recipe(_generation.top_k)}"
-    ),
-]
-TopPOption = Annotated[
-    Optional[float],
-    typer.Option(
-        metavar="MASS",
-        help=f"Sample among the most likely tokens holding this probability mass, in (0, 1] (1 = all). "
-        f"{from_recipe(_generation.top_p)}",
-    ),
-]
-FieldOption = Annotated[
-    Optional[str],
-    typer.Option(
-        metavar="NAME",
-        help="Prompt field of a .jsonl prompt file. [dim]\\[default: the first of prompt, text, instruction, "
-        "question, turns][/dim]",
-    ),
-]
-PromptFileOption = Annotated[
-    Optional[Path],
-    typer.Option(
-        metavar="FILE", help="One prompt per non-empty line, or .jsonl (Spec-Bench's format too); '-' reads stdin."
-    ),
-]
-SeedOption = Annotated[
-    Optional[int],
-    typer.Option(
-        metavar="N",
-        help=(
-            f"Sampling seed: the same seed on the same device gives the same output. {from_recipe(DEFAULT_RECIPE.seed)}"
-        ),
-    ),
-]
-DeviceOption = Annotated[
-    Optional[str],
-    typer.Option(
-        metavar="DEVICE",
-        help=(
-            "auto, cpu, cuda or cuda:N, for every model. [dim]\\[default: the recipe's; auto: CUDA when present][/dim]"
-        ),
-    ),
-]
-DtypeOption = Annotated[
-    Optional[str],
-    typer.Option(
-        metavar="DTYPE",
-        help="auto, float32, bfloat16 or float16, for every model. [dim]\\[default: the recipe's][/dim]",
-    ),
-]
-ChatOption = Annotated[
-    Optional[bool],
-    typer.Option(
-        "--chat/--no-chat",
-        metavar="",
-        help=f"Apply the target's chat template to each prompt. {from_recipe(_generation.chat)}",
-    ),
-]
-CompileOption = Annotated[
-    bool,
-    typer.Option(
-        "--compile",
-        metavar="",
-        help=(
-            "Run the verify step and the sampling laws through torch.compile (CUDA graphs on a GPU); the same as "
-            "--set speculation.compile=true. The first blocks pay the compilation."
-        ),
-    ),
-]
+from .options import ModelOptions
 
 
 def with_compile(sets: list[str] | None, compile_steps: bool) -> list[str]:
     """The --set list, with what --compile means added when it is given."""
     return [*(sets or []), *(["speculation.compile=true"] if compile_steps else [])]
-
-
-JsonOption = Annotated[
-    bool, typer.Option("--json", metavar="", help="Print the results as one JSON object instead of a table.")
-]
-OutputOption = Annotated[
-    Optional[Path],
-    typer.Option(metavar="FOLDER", help="Results folder: written as it goes; run the same command again to resume."),
-]
-PlotOption = Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Also draw the results to this PNG.")]
-ThreadsOption = Annotated[
-    Optional[int],
-    typer.Option(
-        metavar="N",
-        help="CPU threads for torch (recorded with the results). On a busy or shared CPU one thread is "
-        "often faster and steadier than all of them. [dim]\\[default: torch's, usually one per core][/dim]",
-    ),
-]
 
 
 def apply_threads(threads: int | None) -> None:
@@ -207,19 +46,6 @@ def apply_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-BatchSizeOption = Annotated[
-    int,
-    typer.Option(
-        metavar="B",
-        help=(
-            "Decode B samples at a time in one batch (each drafts, is verified and commits on its own; "
-            "finished samples "
-            "leave and waiting ones join). A sample's tokens do not depend on B, up to float rounding."
-        ),
-    ),
-]
-
-
 def check_batch_sizes(sizes: list[int]) -> None:
     """``--batch-size`` values, before any model loads: each at least 1."""
     for size in sizes:
@@ -233,27 +59,24 @@ def check_at_least_one(value: int | None, option: str) -> None:
 
 
 @dataclass(kw_only=True)
-class RecipeOptions:
-    """The recipe file plus the command-line flags that override it."""
+class RecipeOptions(ModelOptions):
+    """The recipe file plus the command-line flags that override it: the options every command shares, and those
+    a command sets from its own."""
 
-    recipe: str | None = None
-    sets: list[str] = field(default_factory=list)
     verifier: str | None = None
     drafter: str | None = None
     """Keep only the recipe's draft entries of this drafter (one with its defaults where there is none)."""
     kl: float | None = None
     num_drafts: int | None = None
     draft_length: int | None = None
-    max_new_tokens: int | None = None
     temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    device: str | None = None
-    dtype: str | None = None
-    chat: bool | None = None
     draft_temperatures: list[float] | None = None
     """Replace the drafts by copies of the first draft config at these temperatures."""
+
+    @classmethod
+    def of(cls, model: ModelOptions, **more: Any) -> RecipeOptions:
+        """The shared options of ``model`` with a command's own (``more``, which may set a shared one: ``sets``)."""
+        return cls(**{field.name: getattr(model, field.name) for field in dataclasses.fields(model)} | more)
 
     def resolve(self) -> Recipe:
         """Read the recipe, apply the named flags, then ``--set`` (most specific last), validate."""
@@ -286,7 +109,7 @@ class RecipeOptions:
         for path, value in named.items():
             if value is not None:
                 set_path(data, path, value)
-        recipe = build_recipe(apply_overrides(data, list(self.sets)))
+        recipe = build_recipe(apply_overrides(data, list(self.sets or [])))
         if self.drafter is not None:
             recipe = dataclasses.replace(recipe, drafts=DrafterRegistry().entries_of(recipe.drafts, self.drafter))
         if self.kl is None or target_alone(recipe.verifier.name):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -20,11 +19,10 @@ from rich.text import Text
 from .. import __version__
 from ..base.errors import UsageError
 from ..base.inputs import require_text
-from ..base.recipe import AUTOREGRESSIVE, Recipe, VerifierConfig, target_alone
-from ..plugins.parameters import parameter_defaults
+from ..base.recipe import AUTOREGRESSIVE, Recipe, target_alone
 from ..plugins.registry import VerifierRegistry
 from ..results.stats import GenerationResult
-from . import common
+from . import common, options
 
 if TYPE_CHECKING:  # torch and transformers load only when a command runs models
     from ..engine.decoder import SpeculativeDecoder
@@ -35,71 +33,109 @@ LOADING = "Loading models (the first run converts the GGUF weights once)…"
 INTERRUPTED_EXIT = 130  # as the shell reports a run stopped by Ctrl-C
 BROKEN_PIPE_EXIT = 141  # as the shell reports `yes` in `yes | head`: 128 + SIGPIPE
 T = TypeVar("T")
+_speculation = options.DEFAULT_RECIPE.speculation
 
 
+_PromptArgument = Annotated[
+    Optional[str],
+    typer.Argument(
+        metavar="PROMPT",
+        show_default=False,
+        help="Text to continue (piped stdin is then not read). Leave out to read --prompt-file or piped stdin.",
+    ),
+]
+_VerifierOption = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="NAME[,NAME…]",
+        help="Verifier, or a comma list to compare on the same prompts: speculative,block,none (none: the target "
+        "alone). " + options.from_recipe(options.DEFAULT_RECIPE.verifier.name),
+    ),
+]
+_DrafterOption = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="NAME",
+        help="Draft with this drafter (see `specdec drafters`): the recipe's entries for it, or one with its defaults "
+        "(prompt-lookup needs no model). Default: the recipe's drafts.",
+    ),
+]
+_KlOption = Annotated[
+    Optional[float],
+    typer.Option(
+        "--kl", metavar="NATS", help="KL bound D in nats, for a verifier that has one (see `specdec verifiers`)."
+    ),
+]
+_NumDraftsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="K",
+        help="Draft sequences sampled from each draft per block. " + options.from_recipe(_speculation.num_drafts),
+    ),
+]
+_DraftLengthOption = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="L", help=f"Tokens each draft proposes per block. {options.from_recipe(_speculation.draft_length)}"
+    ),
+]
+_NumSamplesOption = Annotated[
+    int, typer.Option(metavar="N", help="Independent samples per prompt, each with its own seed.")
+]
+_BatchSizeOption = Annotated[
+    int,
+    typer.Option(
+        metavar="B",
+        help="Decode B samples at a time in one batch (each drafts, is verified and commits on its own; finished "
+        "samples leave and waiting ones join). A sample's tokens do not depend on B, up to float rounding.",
+    ),
+]
+_AutoregressiveOption = Annotated[
+    bool,
+    typer.Option(
+        "--autoregressive",
+        metavar="",
+        help="Decode with the target alone (the baseline); the same as --verifier none.",
+    ),
+]
+_RecalibrateOption = Annotated[
+    bool,
+    typer.Option(
+        "--recalibrate",
+        metavar="",
+        help="Measure the draft's cost on this machine again instead of using the cached figure (say, after it was "
+        "measured while the machine was busy).",
+    ),
+]
+_JsonOption = Annotated[
+    bool,
+    typer.Option(
+        "--json",
+        metavar="",
+        help="Print one JSON object: the resolved recipe, the environment and every sample's text, token ids and "
+        'statistics. Stopped by Ctrl-C: the finished samples, with "interrupted": true; after an error: nothing.',
+    ),
+]
+
+
+@options.takes_option_groups
 def generate(
-    prompt: Annotated[
-        Optional[str],
-        typer.Argument(
-            metavar="PROMPT",
-            show_default=False,
-            help="Text to continue (piped stdin is then not read). Leave out to read --prompt-file or piped stdin.",
-        ),
-    ] = None,
-    prompt_file: common.PromptFileOption = None,
-    field: common.FieldOption = None,
-    recipe: common.RecipeOption = None,
-    verifier: common.VerifierOption = None,
-    drafter: common.DrafterOption = None,
-    kl: common.KlOption = None,
-    num_drafts: common.NumDraftsOption = None,
-    draft_length: common.DraftLengthOption = None,
-    max_new_tokens: common.MaxNewTokensOption = None,
-    temperature: common.TemperatureOption = None,
-    top_k: common.TopKOption = None,
-    top_p: common.TopPOption = None,
-    seed: common.SeedOption = None,
-    device: common.DeviceOption = None,
-    dtype: common.DtypeOption = None,
-    sets: common.SetOption = None,
-    compile_steps: common.CompileOption = False,
-    num_samples: Annotated[
-        int, typer.Option(metavar="N", help="Independent samples per prompt, each with its own seed.")
-    ] = 1,
-    batch_size: common.BatchSizeOption = 1,
-    chat: common.ChatOption = None,
-    autoregressive: Annotated[
-        bool,
-        typer.Option(
-            "--autoregressive",
-            metavar="",
-            help="Decode with the target alone (the baseline); the same as --verifier none.",
-        ),
-    ] = False,
-    threads: common.ThreadsOption = None,
-    recalibrate: Annotated[
-        bool,
-        typer.Option(
-            "--recalibrate",
-            metavar="",
-            help=(
-                "Measure the draft's cost on this machine again instead of using the cached figure (say, after it was "
-                "measured while the machine was busy)."
-            ),
-        ),
-    ] = False,
-    as_json: Annotated[
-        bool,
-        typer.Option(
-            "--json",
-            metavar="",
-            help=(
-                "Print one JSON object: the resolved recipe, the environment and every sample's text, token ids and "
-                'statistics. Stopped by Ctrl-C: the finished samples, with "interrupted": true; '
-                "after an error: nothing."
-            ),
-        ),
-    ] = False,
+    model: options.ModelOptions,
+    prompt: _PromptArgument = None,
+    prompt_file: options.PromptFileOption = None,
+    field: options.FieldOption = None,
+    verifier: _VerifierOption = None,
+    drafter: _DrafterOption = None,
+    kl: _KlOption = None,
+    num_drafts: _NumDraftsOption = None,
+    draft_length: _DraftLengthOption = None,
+    temperature: options.TemperatureOption = None,
+    compile_steps: options.CompileOption = False,
+    num_samples: _NumSamplesOption = 1,
+    batch_size: _BatchSizeOption = 1,
+    autoregressive: _AutoregressiveOption = False,
+    recalibrate: _RecalibrateOption = False,
+    as_json: _JsonOption = False,
 ) -> None:
     """Generate text with speculative decoding; accepted draft tokens are shown in green on a terminal.
 
@@ -115,31 +151,23 @@ def generate(
             "--batch-size decodes one configuration at a time; compare verifiers at --batch-size 1, or "
             "run each verifier on its own with --batch-size"
         )
-    options = common.RecipeOptions(
-        recipe=recipe,
-        sets=common.with_compile(sets, compile_steps),
+    resolved = common.RecipeOptions.of(
+        model,
+        sets=common.with_compile(model.sets, compile_steps),
         verifier=None if comparing else (names or [None])[0],
         drafter=drafter,
         kl=None if comparing else kl,
         num_drafts=num_drafts,
         draft_length=draft_length,
-        max_new_tokens=max_new_tokens,
         temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        device=device,
-        dtype=dtype,
-        chat=chat,
-    )
-    resolved = options.resolve()
+    ).resolve()
     common.check_batch_sizes([batch_size])
     if not comparing and target_alone(resolved.verifier.name):
         _check_nothing_to_draft(kl, num_drafts, draft_length)
     prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
     for text in prompts:  # checked before the models load, which can take a while
         require_text(text)
-    common.apply_threads(threads)
+    common.apply_threads(model.threads)
     with _quiet_when_the_reader_leaves():
         if comparing:
             _compare(resolved, names, kl, prompts, num_samples, as_json, recalibrate)
@@ -218,24 +246,9 @@ def _generate(
     _print_note(err, note_for(decoder, first, recalibrate=recalibrate))
     out = _StdoutConsole(highlight=False)
     stream = None if as_json else _Stream(decoder.target.tokenizer, out, several=len(prompts) * num_samples > 1)
-    budget = recipe.generation.max_new_tokens
-    results: list[GenerationResult] = []
     began = time.perf_counter()
     # A terminal that shows the text needs no bar; a pipe or --json would otherwise be silent.
-    with common.token_progress(len(prompts) * num_samples * budget, enabled=as_json or not out.is_terminal) as progress:
-
-        def on_block(prompt_index: int, sample_index: int, new_tokens: list[int], accepted: list[bool]) -> None:
-            progress.advance(len(new_tokens))
-            if stream is not None and batch_size == 1:
-                stream.on_block(prompt_index, sample_index, new_tokens, accepted)
-
-        def finished(result: GenerationResult) -> None:
-            results.append(result)
-            progress.advance(budget - len(result.token_ids))  # the budget an early end of text left unused
-            if stream is not None and batch_size > 1:  # a batch's samples interleave: each is shown whole
-                stream.on_block(result.prompt_index, result.sample_index, result.token_ids, result.accepted_mask)
-
-        interrupted = _until_interrupted(decoder.samples(prompts, num_samples, on_block, batch_size), finished)
+    results, interrupted = _samples(decoder, (prompts, num_samples, batch_size), stream, as_json or not out.is_terminal)
     throughput = _throughput(results, time.perf_counter() - began, batch_size)
     if stream is not None:
         stream.finish()
@@ -245,16 +258,9 @@ def _generate(
             f"those {len(results)}",
             highlight=False,
         )
-    results.sort(key=lambda result: (result.prompt_index, result.sample_index))
     if as_json:
-        _write_json(
-            _json_header(recipe, decoder, interrupted)
-            | {
-                "autoregressive": decoder.verifier is None,
-                "throughput": throughput,
-                "samples": [r.to_dict() for r in results],
-            }
-        )
+        samples = {"autoregressive": decoder.verifier is None, "throughput": throughput}
+        _write_json(_json_header(recipe, decoder, interrupted) | samples | {"samples": [r.to_dict() for r in results]})
     elif results:
         err.print(_stats_table(decoder, results, colour_caption=out.is_terminal))
         err.print(
@@ -264,6 +270,31 @@ def _generate(
         )
     if interrupted:
         raise typer.Exit(INTERRUPTED_EXIT)
+
+
+def _samples(
+    decoder: SpeculativeDecoder, work: tuple[list[str], int, int], stream: _Stream | None, show_bar: bool
+) -> tuple[list[GenerationResult], bool]:
+    """Every sample of ``work`` (prompts, samples per prompt, batch size) in prompt order, shown as it comes (a
+    sample's blocks as they commit; a batch's samples, which interleave, each whole); True when stopped."""
+    prompts, num_samples, batch_size = work
+    budget = decoder.config.generation.max_new_tokens
+    results: list[GenerationResult] = []
+    with common.token_progress(len(prompts) * num_samples * budget, enabled=show_bar) as progress:
+
+        def on_block(prompt_index: int, sample_index: int, new_tokens: list[int], accepted: list[bool]) -> None:
+            progress.advance(len(new_tokens))
+            if stream is not None and batch_size == 1:
+                stream.on_block(prompt_index, sample_index, new_tokens, accepted)
+
+        def finished(result: GenerationResult) -> None:
+            results.append(result)
+            progress.advance(budget - len(result.token_ids))  # the budget an early end of text left unused
+            if stream is not None and batch_size > 1:
+                stream.on_block(result.prompt_index, result.sample_index, result.token_ids, result.accepted_mask)
+
+        interrupted = _until_interrupted(decoder.samples(prompts, num_samples, on_block, batch_size), finished)
+    return sorted(results, key=lambda result: (result.prompt_index, result.sample_index)), interrupted
 
 
 def _throughput(results: list[GenerationResult], wall_time_s: float, batch_size: int) -> dict:
@@ -290,10 +321,10 @@ def _compare(
     as it finishes, then one table over the rounds every verifier finished."""
     from ..engine.decoder import SpeculativeDecoder
     from ..generation.calibration import note_for
-    from ..generation.comparison import Comparison
+    from ..generation.comparison import Comparison, comparison_recipes
 
     registry = VerifierRegistry()
-    recipes = _comparison_recipes(recipe, names, kl, registry)
+    recipes = comparison_recipes(recipe, names, kl, registry)
     err = Console(stderr=True)
     first = next((r for r in recipes.values() if not target_alone(r.verifier.name)), next(iter(recipes.values())))
     with err.status(LOADING):
@@ -371,34 +402,6 @@ def _json_header(recipe: Recipe, decoder: SpeculativeDecoder, interrupted: bool)
 
 def _write_json(payload: dict) -> None:
     sys.stdout.write(json.dumps(payload, indent=2) + "\n")
-
-
-def _comparison_recipes(
-    recipe: Recipe, names: list[str], kl: float | None, registry: VerifierRegistry
-) -> dict[str, Recipe]:
-    """The recipe for each listed verifier (its parameters from the recipe, --kl where it has a KL bound),
-    each checked against the recipe's drafts before any model loads."""
-    from ..engine.decoder import SpeculativeDecoder
-
-    labels = [AUTOREGRESSIVE if target_alone(n) else registry.canonical(n) for n in names]
-    if len(set(labels)) < len(labels):
-        raise UsageError(f"--verifier lists a verifier twice ({', '.join(names)}); give each once")
-    speculative = [label for label in labels if not target_alone(label)]  # not empty: two labels, at most one none
-    bounded = [label for label in speculative if registry.verifier_class(label).kl_bound_parameter]
-    if kl is not None and not bounded:  # the one-line error naming verifiers that have a bound
-        registry.with_kl_bound(speculative[0], {}, kl)
-    recipes = {}
-    for name in labels:
-        params = registry.params_for(name, recipe.verifier.params) if name in speculative else {}
-        label = name
-        if name in bounded:
-            parameter = registry.verifier_class(name).kl_bound_parameter
-            params = registry.with_kl_bound(name, params, kl) if kl is not None else params
-            bound = params.get(parameter, parameter_defaults(registry.verifier_class(name))[parameter])
-            label = f"{name} D={bound:g}"
-        recipes[label] = dataclasses.replace(recipe, verifier=VerifierConfig(name=name, params=params))
-        SpeculativeDecoder.check_recipe(recipes[label], registry)
-    return recipes
 
 
 def _comparison_table(rows: list[ConfigurationResult], samples: int) -> Table:

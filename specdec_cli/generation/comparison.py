@@ -8,11 +8,16 @@ its generation time, excluding model loading and the warm-up.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ..base.errors import UsageError
+from ..base.recipe import AUTOREGRESSIVE, Recipe, VerifierConfig, target_alone
 from ..engine.decoder import SpeculativeDecoder
+from ..plugins.parameters import parameter_defaults
+from ..plugins.registry import VerifierRegistry
 from ..results.stats import GenerationResult
 
 TokenCallback = Callable[[int], None]
@@ -121,3 +126,29 @@ class Comparison:
         if baseline is not None and baseline.tokens_per_second:
             for row in self.rows:
                 row.speedup = row.tokens_per_second / baseline.tokens_per_second
+
+
+def comparison_recipes(
+    recipe: Recipe, names: list[str], kl: float | None, registry: VerifierRegistry
+) -> dict[str, Recipe]:
+    """The recipe for each listed verifier (its parameters from the recipe, --kl where it has a KL bound),
+    each checked against the recipe's drafts before any model loads."""
+    labels = [AUTOREGRESSIVE if target_alone(n) else registry.canonical(n) for n in names]
+    if len(set(labels)) < len(labels):
+        raise UsageError(f"--verifier lists a verifier twice ({', '.join(names)}); give each once")
+    speculative = [label for label in labels if not target_alone(label)]  # not empty: two labels, at most one none
+    bounded = [label for label in speculative if registry.verifier_class(label).kl_bound_parameter]
+    if kl is not None and not bounded:  # the one-line error naming verifiers that have a bound
+        registry.with_kl_bound(speculative[0], {}, kl)
+    recipes = {}
+    for name in labels:
+        params = registry.params_for(name, recipe.verifier.params) if name in speculative else {}
+        label = name
+        if name in bounded:
+            parameter = registry.verifier_class(name).kl_bound_parameter
+            params = registry.with_kl_bound(name, params, kl) if kl is not None else params
+            bound = params.get(parameter, parameter_defaults(registry.verifier_class(name))[parameter])
+            label = f"{name} D={bound:g}"
+        recipes[label] = dataclasses.replace(recipe, verifier=VerifierConfig(name=name, params=params))
+        SpeculativeDecoder.check_recipe(recipes[label], registry)
+    return recipes
