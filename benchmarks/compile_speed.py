@@ -66,7 +66,8 @@ def main() -> None:
     parser.add_argument("--draft-length", type=int, default=8)
     parser.add_argument("--drafts", default="1,2,4", help="comma list of K")
     args = parser.parse_args()
-    start_report(args, "", f"V = {args.vocab}, L = {args.draft_length}; median of {args.repeats} after one warm-up run")
+    conditions = f"V = {args.vocab}, L = {args.draft_length}; median of {args.repeats} after one warm-up run"
+    start_report(args.threads, args.device, "", conditions)
     graphs = args.device.startswith("cuda")
     print(
         "| verifier | K | ops per block | eager ms | eager ms, GPU path | compiled ms | compiled ÷ eager | compile s |"

@@ -30,8 +30,7 @@ from specdec_cli import load_verifier
 from specdec_cli.base.randomness import Draws
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verifier_speed import block_laws  # noqa: E402
-from verify_vs_hf import device_name  # noqa: E402
+from verifier_speed import block_laws, start_report  # noqa: E402
 
 KINDS = ("peaked", "near_one_token", "one_token_equal")
 
@@ -78,15 +77,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=60)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"command: python {' '.join(sys.argv)}")
-    print(
-        f"device: {device_name('cpu')}; torch {torch.__version__}; "
-        f"date {time.strftime('%Y-%m-%d')}; V = {args.vocab}, L = {args.draft_length}, D = {args.kl}; "
-        f"median of {args.blocks} blocks; CPU time (time.process_time); load average at the start "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+    conditions = (
+        f"V = {args.vocab}, L = {args.draft_length}, D = {args.kl}; median of {args.blocks} blocks; "
+        f"CPU time (time.process_time) on {os.cpu_count()} CPUs"
     )
+    start_report(args.threads, "cpu", "", conditions)
     print("| laws | speculative ms | mentored ms | mentored ÷ speculative | accepted: speculative | mentored |")
     print("|---|---|---|---|---|---|")
     for kind in KINDS:

@@ -145,14 +145,15 @@ def benchmark_arguments(description: str, repeats: int) -> argparse.ArgumentPars
     return parser
 
 
-def start_report(args: argparse.Namespace, versions: str, conditions: str) -> None:
-    """Set torch's CPU threads, then print the command and the machine with the load the timings start
-    under: on a shared CPU both change every figure, and one thread is often the steadier."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def start_report(threads: int, device: str, versions: str, conditions: str) -> None:
+    """Set torch's CPU threads (0: its default), then print the command and the machine with the load the
+    timings start under: on a shared CPU both change every figure, and one thread is often the steadier.
+    The verifier benchmarks (this one, compile_speed.py and mentored_speed.py) all start with it."""
+    if threads:
+        torch.set_num_threads(threads)
     print(f"command: python {' '.join(sys.argv)}")
     print(
-        f"device: {device_name(args.device)}, load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}"
+        f"device: {device_name(device)}, load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}"
         f"{versions}; date {time.strftime('%Y-%m-%d')}; {conditions}\n"
     )
 
@@ -197,7 +198,7 @@ def main() -> None:
         "--same-tokens", action="store_true", help="every row draws row 0's tokens (all rows alive until a correction)"
     )
     args = parser.parse_args()
-    start_report(args, f", transformers {transformers.__version__}", f"median of {args.repeats}")
+    start_report(args.threads, args.device, f", transformers {transformers.__version__}", f"median of {args.repeats}")
     graphs = args.device.startswith("cuda")
     print(
         "| verifier | V | K | L | ops per block | host reads | verification ms | ÷ target forward |"

@@ -26,18 +26,9 @@ from specdec_cli.plugins.laws import (
     ratio_acceptance,
     uniforms_like,
 )
-from specdec_cli.plugins.verifiers import (
-    Verifier,
-    decide_problems,
-    prefix_agreement,
-    problem_members,
-    reads_are_free,
-    walk_reading,
-)
+from specdec_cli.plugins.verifiers import Verifier
 
-from .speculative import SpeculativeSampling
-
-_ONE_DRAFT = SpeculativeSampling()  # built once: torch.compile cannot trace a verifier's construction
+from ._problem_walk import verify_by_problems
 
 
 class SpecInfer(Verifier):
@@ -62,17 +53,11 @@ class SpecInfer(Verifier):
         return first_accepted(uniforms_like(accepts, randomness), accepts, draft_tokens, residual, randomness)
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
-        """Every (leader, position) problem solved at once on a device; on the CPU, where reads are free, the
-        walk tests one candidate at a time and updates the residual only after a rejection. Both test
-        candidate j at offset t with the uniform (ACCEPT, t, j) and draw the residual or bonus token alike.
-        With one draft the rule is speculative sampling, whose block is decided in fewer operations."""
-        if draft_tokens.shape[0] == 1:
-            return _ONE_DRAFT.verify_block(target_probs, draft_probs, draft_tokens, randomness)
-        if reads_are_free(target_probs):
-            return walk_reading(_step_reading(target_probs, draft_probs), target_probs, draft_tokens, randomness)
-        agreement = prefix_agreement(draft_tokens)  # [K, K, L+1]
-        accepts, residuals = _problem_chains(target_probs, draft_probs, draft_tokens, problem_members(agreement))
-        return decide_problems(accepts, residuals, agreement, target_probs, draft_tokens, randomness)
+        """Every (leader, position) problem solved at once on a device (:func:`_problem_chains`); on the CPU, where
+        reads are free, the walk tests one candidate at a time and updates the residual only after a rejection
+        (:func:`_step_reading`). With one draft the rule is speculative sampling, whose block is decided in fewer
+        operations (:func:`._problem_walk.verify_by_problems`)."""
+        return verify_by_problems(target_probs, draft_probs, draft_tokens, randomness, _step_reading, _problem_chains)
 
     def acceptance_probability(self, target_probs, draft_probs):
         all_rejected = torch.ones_like(target_probs[..., 0])  # [...]

@@ -39,20 +39,10 @@ import torch
 
 from specdec_cli.base.errors import UsageError
 from specdec_cli.plugins.laws import TINY, first_accepted, normalized_or, one_hot_mass, ratio_acceptance, uniforms_like
-from specdec_cli.plugins.verifiers import (
-    BlockDecision,
-    Verifier,
-    decide_problems,
-    prefix_agreement,
-    problem_members,
-    reads_are_free,
-    walk_reading,
-)
+from specdec_cli.plugins.verifiers import BlockDecision, Verifier, reads_are_free
 
+from ._problem_walk import verify_by_problems
 from ._workspace import per_thread
-from .speculative import SpeculativeSampling
-
-_ONE_DRAFT = SpeculativeSampling()  # built once: torch.compile cannot trace a verifier's construction
 
 NEWTON_STEPS = 6
 """Newton steps inside the root's segment. From the better of two starting points (the segment's end and
@@ -108,12 +98,10 @@ class SpecTr(Verifier):
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None) -> BlockDecision:
         """The walk of :class:`Verifier` (stream ACCEPT: lane k = candidate k at offset t; RESIDUAL at the
-        position that ends the block; BONUS at offset L), decided as one computation."""
-        if draft_tokens.shape[0] == 1:  # ρ = 1: speculative sampling
-            return _ONE_DRAFT.verify_block(target_probs, draft_probs, draft_tokens, randomness)
-        if reads_are_free(target_probs):
-            return _walk_on_host(target_probs, draft_probs, draft_tokens, randomness)
-        return _walk_on_device(target_probs, draft_probs, draft_tokens, randomness)
+        position that ends the block; BONUS at offset L), decided as one computation: for one row as speculative
+        sampling (ρ = 1), on the CPU by :func:`_host_step`, on a device by :func:`_solve_problems`
+        (:func:`._problem_walk.verify_by_problems`)."""
+        return verify_by_problems(target_probs, draft_probs, draft_tokens, randomness, _host_step, _solve_problems)
 
 
 def _identical_law(draft_probs: torch.Tensor) -> torch.Tensor:
@@ -298,24 +286,23 @@ def _solve_run(q_run, p_run, counts, below_q, above_p, upper_edge) -> tuple[torc
 # --------------------------------------------------------------------------- the block decision
 
 
-def _walk_on_device(target_probs, draft_probs, draft_tokens, randomness) -> BlockDecision:
-    """Every problem (k, t) of :func:`problem_members` solved at once, then :func:`decide_problems`' look-ups:
-    a fixed number of operations and no read. Problem (k, t) has K' = its member count and row k's laws."""
+def _solve_problems(target_probs, draft_probs, draft_tokens, members) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every problem (k, t) of :func:`problem_members` (members ``[K, L, K]``) solved at once, for
+    :func:`decide_problems`' look-ups: a fixed number of operations and no read. Problem (k, t) has K' = its
+    member count and row k's laws → (accepts ``[K, L, K]``, residuals ``[K, L, V]``)."""
     num_rows, draft_length = draft_tokens.shape
-    agreement = prefix_agreement(draft_tokens)  # [K, K, L+1]
-    members = problem_members(agreement)  # [K, L, K]
     q, p = target_probs[:, :draft_length], draft_probs  # [K, L, V] each
     rho, p_acc, beta = _solve(q.double(), p.double(), members.sum(-1, keepdim=True).double())  # [K, L, 1] each
     candidates = draft_tokens.t().unsqueeze(0).expand(num_rows, -1, -1)  # [K, L, K]: candidate j's token at t
     accepts = ratio_acceptance(q, p, candidates, rho) * members  # [K, L, K]
     residuals = _excess(q, p, rho, p_acc, beta)  # [K, L, V]
-    return decide_problems(accepts, residuals, agreement, target_probs, draft_tokens, randomness)
+    return accepts, residuals
 
 
-def _walk_on_host(target_probs, draft_probs, draft_tokens, randomness) -> BlockDecision:
-    """The same walk on the CPU, reading as it goes (:func:`walk_reading`): candidate by candidate, stopping at
-    the first acceptance (:meth:`_HostProblem.accepts`); ρ itself is solved only where every candidate is
-    rejected (:meth:`_HostProblem.solve`), from what those tests found."""
+def _host_step(target_probs, draft_probs):
+    """One position of the same walk on the CPU, reading as it goes (for :func:`walk_reading`): candidate by
+    candidate, stopping at the first acceptance (:meth:`_HostProblem.accepts`); ρ itself is solved only where
+    every candidate is rejected (:meth:`_HostProblem.solve`), from what those tests found."""
 
     def decide(t: int, alive: list[int], tokens: list[list[int]], uniforms: list[list[float]]):
         problem = _HostProblem(target_probs[alive[0], t], draft_probs[alive[0], t], len(alive))  # the alive rows' laws
@@ -324,7 +311,7 @@ def _walk_on_host(target_probs, draft_probs, draft_tokens, randomness) -> BlockD
             return alive[accepted], None
         return None, _excess(problem.q, problem.p, *problem.solve())
 
-    return walk_reading(decide, target_probs, draft_tokens, randomness)
+    return decide
 
 
 def _first_accepted(problem: "_HostProblem", tokens: list[int], uniforms: list[float]) -> int | None:

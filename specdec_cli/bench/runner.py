@@ -104,19 +104,14 @@ class BenchRunner:
         mine = self.my_examples()
         self._on_failure = on_failure
         prepared = self._prepare(mine)
-        budget = self.recipe.generation.max_new_tokens
         for seed in self.seeds:
             for index, example in mine:
                 for cell, run in prepared.items():
-                    if cell.batch_size > 1 or self.store.done((cell.key, seed, example.id)):
-                        continue
-                    if cell.key not in self.failures:
+                    if cell.batch_size <= 1:
                         self._decode(cell, run, seed, [(index, example)], on_tokens)
-                    elif on_tokens is not None:
-                        on_tokens(cell.key, budget)  # a skipped sample's share of the progress
             for cell, run in prepared.items():  # a batch holds several examples: each batched cell runs them together
                 if cell.batch_size > 1:
-                    self._batch(cell, run, seed, mine, on_tokens)
+                    self._decode(cell, run, seed, mine, on_tokens)
 
     def _prepare(self, mine: list[tuple[int, Example]]) -> dict[GridCell, _CellRun]:
         """A decoder for every cell with pending samples, each pending prompt encoded once (and so checked
@@ -142,32 +137,24 @@ class BenchRunner:
                 prepared[cell] = _CellRun(decoder, prompt_ids)
         return prepared
 
-    def _batch(
-        self,
-        cell: GridCell,
-        run: _CellRun,
-        seed: int,
-        mine: list[tuple[int, Example]],
-        on_tokens: Callable[[str, int], None] | None,
-    ) -> None:
-        """The batched cell's pending examples of ``seed``, decoded ``cell.batch_size`` at a time."""
-        pending = [(index, example) for index, example in mine if not self.store.done((cell.key, seed, example.id))]
-        if cell.key in self.failures:
-            if on_tokens is not None:
-                on_tokens(cell.key, len(pending) * self.recipe.generation.max_new_tokens)
-            return
-        self._decode(cell, run, seed, pending, on_tokens)
-
     def _decode(
         self,
         cell: GridCell,
         run: _CellRun,
         seed: int,
-        pending: list[tuple[int, Example]],
+        examples: list[tuple[int, Example]],
         on_tokens: Callable[[str, int], None] | None,
     ) -> None:
-        """The (index, example) pairs ``pending`` of ``seed``, decoded ``cell.batch_size`` at a time; each sample is
-        kept as it finishes, with the key it has alone (a resumed run's batches differ, its samples do not)."""
+        """The (index, example) pairs of ``examples`` that the store lacks for ``seed``, decoded ``cell.batch_size``
+        at a time; each sample is kept as it finishes, with the key it has alone (a resumed run's batches differ,
+        its samples do not). A cell that failed skips them, reporting their share of the progress."""
+        pending = [(index, example) for index, example in examples if not self.store.done((cell.key, seed, example.id))]
+        if not pending:
+            return
+        if cell.key in self.failures:
+            if on_tokens is not None:
+                on_tokens(cell.key, len(pending) * self.recipe.generation.max_new_tokens)
+            return
         by_index = dict(pending)
         decoder = run.decoder
         progress = None if on_tokens is None else (lambda _p, _s, new, _mask: on_tokens(cell.key, len(new)))
