@@ -68,62 +68,11 @@ def tiny_model(kind: str, seed: int, layers: int = 2, vocab_size: int = len(TINY
     ``vocab_size`` larger than the tokenizer's gives padded embeddings (as T5 and OPT have);
     ``sharpness`` scales the output layer so distributions are far from uniform.
     """
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSeq2SeqLM,
-        BartConfig,
-        GPT2Config,
-        LlamaConfig,
-        T5Config,
-    )
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    special = {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": None}
-    if kind == "llama":
-        config = LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=layers,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            tie_word_embeddings=False,
-            **special,
-        )
-    elif kind == "gpt2":
-        config = GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=layers, n_head=2, n_positions=128, **special)
-    elif kind == "t5":
-        config = T5Config(
-            vocab_size=vocab_size,
-            d_model=16,
-            d_kv=8,
-            d_ff=32,
-            num_layers=layers,
-            num_decoder_layers=layers,
-            num_heads=2,
-            decoder_start_token_id=PAD_ID,
-            tie_word_embeddings=False,
-            **special,
-        )
-    elif kind == "bart":  # an encoder-decoder with a position limit (64), unlike T5
-        config = BartConfig(
-            vocab_size=vocab_size,
-            d_model=16,
-            encoder_layers=layers,
-            decoder_layers=layers,
-            encoder_attention_heads=2,
-            decoder_attention_heads=2,
-            encoder_ffn_dim=32,
-            decoder_ffn_dim=32,
-            max_position_embeddings=64,
-            decoder_start_token_id=PAD_ID,
-            forced_eos_token_id=None,
-            **special,
-        )
-    else:
-        raise ValueError(f"unknown tiny model kind {kind!r}")
+    config = _tiny_config(kind, layers, vocab_size)
     torch.manual_seed(seed)
-    auto = AutoModelForSeq2SeqLM if kind in ("t5", "bart") else AutoModelForCausalLM
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     model = auto.from_config(config)
     with torch.no_grad():
         head = model.get_output_embeddings().weight
@@ -131,6 +80,62 @@ def tiny_model(kind: str, seed: int, layers: int = 2, vocab_size: int = len(TINY
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = PAD_ID
     return model.eval()
+
+
+def _tiny_config(kind: str, layers: int, vocab_size: int) -> Any:
+    """The configuration of :func:`tiny_model`: 16 wide, two heads, ``layers`` deep (each stack of an
+    encoder-decoder)."""
+    import transformers
+
+    shapes: dict[str, tuple[str, dict[str, Any]]] = {
+        "llama": (
+            "LlamaConfig",
+            {
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": layers,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 128,
+                "tie_word_embeddings": False,
+            },
+        ),
+        "gpt2": ("GPT2Config", {"n_embd": 16, "n_layer": layers, "n_head": 2, "n_positions": 128}),
+        "t5": (
+            "T5Config",
+            {
+                "d_model": 16,
+                "d_kv": 8,
+                "d_ff": 32,
+                "num_layers": layers,
+                "num_decoder_layers": layers,
+                "num_heads": 2,
+                "decoder_start_token_id": PAD_ID,
+                "tie_word_embeddings": False,
+            },
+        ),
+        # An encoder-decoder with a position limit (64), unlike T5.
+        "bart": (
+            "BartConfig",
+            {
+                "d_model": 16,
+                "encoder_layers": layers,
+                "decoder_layers": layers,
+                "encoder_attention_heads": 2,
+                "decoder_attention_heads": 2,
+                "encoder_ffn_dim": 32,
+                "decoder_ffn_dim": 32,
+                "max_position_embeddings": 64,
+                "decoder_start_token_id": PAD_ID,
+                "forced_eos_token_id": None,
+            },
+        ),
+    }
+    if kind not in shapes:
+        raise ValueError(f"unknown tiny model kind {kind!r}")
+    name, shape = shapes[kind]
+    special = {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": None}
+    return getattr(transformers, name)(vocab_size=vocab_size, **shape, **special)
 
 
 def save_tiny_model(path: str | Path, kind: str, seed: int, **kwargs: Any) -> Path:
