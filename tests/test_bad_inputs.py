@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.conftest import tiny_recipe
+from tests.conftest import acceptance_of_one_prompt, tiny_recipe
 from tests.test_cli import _one_error_line, run  # noqa: F401  (the fixture)
 
 GENERATE = [
@@ -60,36 +60,31 @@ ACCEPTANCE = [
     ("acceptance -r {recipe} --prompt ab --plot {dir}/no/such/plot.png", "does not exist or is not writable"),
 ]
 BENCH_DATA = "--source {dir}/source.txt --reference {dir}/reference.txt"
+BENCH_ON_DATA = "bench -r {recipe} %s " % BENCH_DATA  # then the options of the row
 BENCH = [
+    (BENCH_ON_DATA + "--temperature -1", "grid cell 'baseline T=-1': generation.temperature: must be >= 0"),
+    (BENCH_ON_DATA + "--draft-temperatures=-1", "drafts.0.temperature: must be >= 0"),
+    (BENCH_ON_DATA + "--draft-length 0", "grid cell 'speculative K=1 L=0 T=1': speculation.draft_length"),
+    (BENCH_ON_DATA + "--num-drafts 0", "speculation.num_drafts: must be >= 1"),
     (
-        "bench -r {recipe} %s --temperature -1" % BENCH_DATA,
-        "grid cell 'baseline T=-1': generation.temperature: must be >= 0",
-    ),
-    ("bench -r {recipe} %s --draft-temperatures=-1" % BENCH_DATA, "drafts.0.temperature: must be >= 0"),
-    (
-        "bench -r {recipe} %s --draft-length 0" % BENCH_DATA,
-        "grid cell 'speculative K=1 L=0 T=1': speculation.draft_length",
-    ),
-    ("bench -r {recipe} %s --num-drafts 0" % BENCH_DATA, "speculation.num_drafts: must be >= 1"),
-    (
-        "bench -r {recipe} %s --verifier is-lp,speculative --set verifier.params.max_support=0" % BENCH_DATA,
+        BENCH_ON_DATA + "--verifier is-lp,speculative --set verifier.params.max_support=0",
         "grid cell 'is-lp K=1 L=3 T=1': verifier 'is-lp': max_support must be >= 1",
     ),
-    ("bench -r {recipe} %s --verifier mentored --kl -1" % BENCH_DATA, "kl must be a finite number >= 0"),
+    (BENCH_ON_DATA + "--verifier mentored --kl -1", "kl must be a finite number >= 0"),
     (
-        "bench -r {recipe} %s --verifier spectr --num-drafts 2 --draft-temperatures 1.0,1.2" % BENCH_DATA,
+        BENCH_ON_DATA + "--verifier spectr --num-drafts 2 --draft-temperatures 1.0,1.2",
         "no speculative configuration to compare with the baseline (skipped: verifier 'spectr' needs identical drafts",
     ),
-    ("bench -r {recipe} %s --verifier nosuch" % BENCH_DATA, "unknown verifier 'nosuch'"),
-    ("bench -r {recipe} %s --draft-length x" % BENCH_DATA, "--draft-length expects a comma list of int"),
+    (BENCH_ON_DATA + "--verifier nosuch", "unknown verifier 'nosuch'"),
+    (BENCH_ON_DATA + "--draft-length x", "--draft-length expects a comma list of int"),
     ("bench -r {recipe} --dataset {dir}/duplicate-ids.jsonl --source-field text", "examples 1 and 2 share the id '1'"),
     ("bench -r {recipe} --dataset {dir}/null.jsonl --source-field prompt", "'prompt' must be text"),
     ("bench -r {recipe} --source {dir}/binary.txt", "is not UTF-8 text"),
     ("bench -r {recipe} --source {dir}/source.txt --reference {dir}/short.txt", "the files must be aligned"),
     ("bench -r {recipe} --task nosuch", "unknown task 'nosuch'"),
     ("bench -r {recipe} --lang-pair enfr %s" % BENCH_DATA, "--lang-pair expects SRC-TGT"),
-    ("bench -r {recipe} %s --output {dir}/source.txt" % BENCH_DATA, "is a file; give a folder"),
-    ("bench -r {recipe} %s --plot {dir}/plot.jpeg" % BENCH_DATA, "name a .png, .pdf, .svg file"),
+    (BENCH_ON_DATA + "--output {dir}/source.txt", "is a file; give a folder"),
+    (BENCH_ON_DATA + "--plot {dir}/plot.jpeg", "name a .png, .pdf, .svg file"),
     ("bench --report {dir}", "is not a specdec bench results directory"),
     ("bench --report {dir}/damaged-config", "config.json' is damaged"),
     ("bench --report {dir}/empty-record", "line 1 is not a sample record; delete that line"),
@@ -213,21 +208,7 @@ def test_a_plot_that_fails_never_hides_the_table(run, inputs, monkeypatch, tmp_p
 
     monkeypatch.setattr(report, "plot", broken_plot)
     code, out, err = run(
-        [
-            "acceptance",
-            "-r",
-            inputs["recipe"],
-            "--prompt",
-            "a b",
-            "--num-drafts",
-            "1",
-            "--verifier",
-            "speculative",
-            "--max-new-tokens",
-            "3",
-            "--plot",
-            str(tmp_path / "plot.png"),
-        ]
+        acceptance_of_one_prompt(inputs["recipe"], "--max-new-tokens", "3", "--plot", str(tmp_path / "plot.png"))
     )
     assert code == 1
     assert "token-level acceptance probability" in out  # the table came first

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import interruptible, tiny_recipe
+from tests.conftest import (
+    BASELINE_CELL,
+    SPECULATIVE_CELL,
+    bench_on_files,
+    interruptible,
+    read_cells,
+    read_samples,
+    specdec_args,
+    tiny_recipe,
+)
 from tests.test_cli import run  # noqa: F401  (the CLI fixture)
 
 SOURCES = ["a b c", "d e a", "c c b", "e d c b", "b a", "d d e", "a e", "c b a d"]
@@ -42,53 +51,18 @@ def recipe_path(tiny_models, write_recipe) -> str:
     return str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12})))
 
 
-def _bench_args(recipe: str, data: dict, out: Path, *extra: str) -> list[str]:
-    return [
-        "bench",
-        "-r",
-        recipe,
-        "--source",
-        str(data["source"]),
-        "--reference",
-        str(data["reference"]),
-        "--template",
-        "{source}",
-        "--output",
-        str(out),
-        *extra,
-    ]
-
-
-def _samples(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-
-
-def _by_cell(out: Path) -> dict:
-    return {c["key"]: c for c in json.loads((out / "results.json").read_text())["cells"]}
-
-
 def test_metrics_in_results_equal_recomputation_from_samples(run, recipe_path, data, tmp_path):  # noqa: F811
     from sacrebleu.metrics import BLEU, CHRF
 
     out = tmp_path / "out"
     code, stdout, _ = run(
-        _bench_args(
-            recipe_path,
-            data,
-            out,
-            "--verifier",
-            "speculative,specinfer",
-            "--num-drafts",
-            "1,2",
-            "--draft-length",
-            "2,3",
-            "--seeds",
-            "0,1",
+        bench_on_files(
+            recipe_path, data, out, verifier="speculative,specinfer", num_drafts="1,2", draft_length="2,3", seeds="0,1"
         )
     )
     assert code == 0 and "speculative K=1 L=2 T=1" in stdout and "baseline T=1" in stdout
-    samples = _samples(out)
-    cells = _by_cell(out)
+    samples = read_samples(out)
+    cells = read_cells(out)
     # baseline + speculative (K=1, L=2,3) + specinfer (K=1,2, L=2,3) = 7 cells, 2 seeds, 8 examples
     assert len(cells) == 7 and len(samples) == 7 * 2 * 8
     for key, cell in cells.items():
@@ -118,11 +92,11 @@ def test_metrics_in_results_equal_recomputation_from_samples(run, recipe_path, d
 def test_same_seed_cells_share_the_baseline_and_lossless_cells_agree(run, recipe_path, data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     code, _, _ = run(
-        _bench_args(recipe_path, data, out, "--verifier", "speculative,specinfer,spectr,block", "--temperature", "0")
+        bench_on_files(recipe_path, data, out, "--verifier", "speculative,specinfer,spectr,block", "--temperature", "0")
     )
     assert code == 0
     texts = {}
-    for sample in _samples(out):
+    for sample in read_samples(out):
         texts.setdefault(sample["cell"], {})[sample["example_id"]] = sample["token_ids"]
     # Greedy: every lossless configuration reproduces the baseline's output exactly.
     baseline = texts.pop("baseline T=0")
@@ -131,9 +105,11 @@ def test_same_seed_cells_share_the_baseline_and_lossless_cells_agree(run, recipe
 
 def test_block_level_cells_have_no_per_token_figures(run, recipe_path, data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    code, stdout, _ = run(_bench_args(recipe_path, data, out, "--verifier", "block,speculative", "--draft-length", "3"))
+    code, stdout, _ = run(
+        bench_on_files(recipe_path, data, out, "--verifier", "block,speculative", "--draft-length", "3")
+    )
     assert code == 0
-    cells = _by_cell(out)
+    cells = read_cells(out)
     block, speculative = cells["block K=1 L=3 T=1"], cells["speculative K=1 L=3 T=1"]
     for name in ("token_acceptance", "expected_speedup", "efficiency_vs_expected"):
         assert name not in block["summary"] and name in speculative["summary"]
@@ -149,55 +125,32 @@ def test_rouge_for_summaries_and_spec_bench_categories(run, recipe_path, data, t
 
     out = tmp_path / "xsum"
     code, _, _ = run(
-        [
-            "bench",
-            "-r",
-            recipe_path,
-            "--task",
-            "xsum",
-            "--dataset",
-            str(data["dataset"]),
-            "--template",
-            "{source}",
-            "--limit",
-            "5",
-            "--output",
-            str(out),
-        ]
+        specdec_args(
+            "bench", recipe_path, task="xsum", dataset=data["dataset"], template="{source}", limit=5, output=out
+        )
     )
     assert code == 0
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    for key, cell in _by_cell(out).items():
-        mine = [s for s in _samples(out) if s["cell"] == key]
+    for key, cell in read_cells(out).items():
+        mine = [s for s in read_samples(out) if s["cell"] == key]
         assert len(mine) == 5
         expected = 100 * sum(scorer.score(s["reference"], s["text"])["rougeL"].fmeasure for s in mine) / len(mine)
         assert cell["per_seed"]["0"]["rougeL"] == pytest.approx(expected)
     out = tmp_path / "spec-bench"
     code, _, _ = run(
-        [
-            "bench",
-            "-r",
-            recipe_path,
-            "--task",
-            "spec-bench",
-            "--dataset",
-            str(data["dataset"]),
-            "--output",
-            str(out),
-            "--json",
-        ]
+        specdec_args("bench", recipe_path, "--json", task="spec-bench", dataset=data["dataset"], output=out)
     )
     assert code == 0
-    speculative = _by_cell(out)["speculative K=1 L=3 T=1"]["per_seed"]["0"]
+    speculative = read_cells(out)["speculative K=1 L=3 T=1"]["per_seed"]["0"]
     assert set(speculative["tokens_per_second_by_category"]) == {"cat0", "cat1"}
 
 
 def test_changed_configuration_is_refused_and_report_rerenders(run, recipe_path, data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    assert run(_bench_args(recipe_path, data, out, "--limit", "3"))[0] == 0
-    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "4"))
+    assert run(bench_on_files(recipe_path, data, out, "--limit", "3"))[0] == 0
+    code, _, err = run(bench_on_files(recipe_path, data, out, "--limit", "4"))
     assert code == 2 and "holds results of a different configuration (changed: data)" in err
-    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "3", "--max-new-tokens", "5"))
+    code, _, err = run(bench_on_files(recipe_path, data, out, "--limit", "3", "--max-new-tokens", "5"))
     assert code == 2 and "(changed: recipe)" in err
     picture = tmp_path / "plot.png"
     code, stdout, _ = run(["bench", "--report", str(out), "--plot", str(picture)])
@@ -208,37 +161,27 @@ def test_changed_configuration_is_refused_and_report_rerenders(run, recipe_path,
 def test_a_rerun_with_other_cells_reuses_the_shared_samples(run, recipe_path, data, tmp_path):  # noqa: F811
     """Adding a cell (or replacing a failing one) keeps the baseline's and the other cells' samples."""
     out = tmp_path / "out"
-    assert run(_bench_args(recipe_path, data, out, "--limit", "3"))[0] == 0
+    assert run(bench_on_files(recipe_path, data, out, "--limit", "3"))[0] == 0
     before = (out / "samples.jsonl").read_text()
-    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "3", "--draft-length", "3,5"))
+    code, _, err = run(bench_on_files(recipe_path, data, out, "--limit", "3", "--draft-length", "3,5"))
     assert code == 0, err
     after = (out / "samples.jsonl").read_text()
     assert after.startswith(before) and len(after.splitlines()) == len(before.splitlines()) + 3  # only L=5 ran
-    assert set(_by_cell(out)) == {"baseline T=1", "speculative K=1 L=3 T=1", "speculative K=1 L=5 T=1"}
-    code, _, err = run(_bench_args(recipe_path, data, out, "--limit", "3", "--draft-length", "5"))
+    assert set(read_cells(out)) == {"baseline T=1", "speculative K=1 L=3 T=1", "speculative K=1 L=5 T=1"}
+    code, _, err = run(bench_on_files(recipe_path, data, out, "--limit", "3", "--draft-length", "5"))
     assert code == 0 and (out / "samples.jsonl").read_text() == after  # nothing left to run
-    assert set(_by_cell(out)) == {"baseline T=1", "speculative K=1 L=5 T=1"}
+    assert set(read_cells(out)) == {"baseline T=1", "speculative K=1 L=5 T=1"}
 
 
 def test_grid_expansion(run, recipe_path, data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     code, _, err = run(
-        _bench_args(
-            recipe_path,
-            data,
-            out,
-            "--limit",
-            "2",
-            "--verifier",
-            "speculative,mentored,spectr",
-            "--kl",
-            "0.1,0.3",
-            "--num-drafts",
-            "1,2",
+        bench_on_files(
+            recipe_path, data, out, limit=2, verifier="speculative,mentored,spectr", kl="0.1,0.3", num_drafts="1,2"
         )
     )
     assert code == 0
-    keys = set(_by_cell(out))
+    keys = set(read_cells(out))
     assert keys == {
         "baseline T=1",
         "speculative K=1 L=3 T=1",
@@ -260,15 +203,17 @@ def _command(recipe: str, data: dict, out: Path) -> list[str]:
         sys.executable,
         "-m",
         "specdec_cli",
-        *_bench_args(recipe, data, out, "--verifier", "speculative,specinfer", "--num-drafts", "1,2", "--seeds", "0,1"),
+        *bench_on_files(
+            recipe, data, out, "--verifier", "speculative,specinfer", "--num-drafts", "1,2", "--seeds", "0,1"
+        ),
     ]
 
 
 def _final_numbers(out: Path) -> dict:
-    samples = {(s["cell"], s["seed"], s["example_id"]): s["token_ids"] for s in _samples(out)}
+    samples = {(s["cell"], s["seed"], s["example_id"]): s["token_ids"] for s in read_samples(out)}
     cells = {
         k: {m: v for m, v in c["per_seed"]["1"].items() if m in ("block_efficiency", "acceptance_rate", "bleu")}
-        for k, c in _by_cell(out).items()
+        for k, c in read_cells(out).items()
     }
     return {"samples": samples, "cells": cells}
 
@@ -328,15 +273,15 @@ def test_spec_bench_per_category_speedups_and_the_multi_turn_note(run, recipe_pa
     )
     assert code == 0, err
     assert "2 of 4 questions have 2 turns; only the first turn of each is generated" in err
-    metrics = _by_cell(out)["speculative K=1 L=3 T=1"]["per_seed"]["0"]
+    metrics = read_cells(out)["speculative K=1 L=3 T=1"]["per_seed"]["0"]
     assert set(metrics["speedup_by_category"]) == {"cat0", "cat1"} and min(metrics["speedup_by_category"].values()) > 0
     assert "tokens/s per category" in stdout and "Tokens/s per category" in (out / "table.md").read_text()
 
 
 def test_cells_run_example_by_example_so_drift_cancels(run, recipe_path, data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    assert run(_bench_args(recipe_path, data, out, "--limit", "3", "--draft-length", "2,3"))[0] == 0
-    order = [(s["example_id"], s["cell"]) for s in _samples(out)]
+    assert run(bench_on_files(recipe_path, data, out, "--limit", "3", "--draft-length", "2,3"))[0] == 0
+    order = [(s["example_id"], s["cell"]) for s in read_samples(out)]
     cells = ["baseline T=1", "speculative K=1 L=2 T=1", "speculative K=1 L=3 T=1"]
     assert order == [(example, cell) for example in ("0", "1", "2") for cell in cells]
 
@@ -372,16 +317,7 @@ def test_per_category_speedup_compares_the_examples_both_runs_finished():
             "stats": stats,
         }
 
-    baseline = {
-        "verifier": "none",
-        "kl": None,
-        "num_drafts": 0,
-        "draft_length": 0,
-        "temperature": 1.0,
-        "draft_temperatures": None,
-    }
-    speculative = {**baseline, "verifier": "speculative", "num_drafts": 1, "draft_length": 3}
-    config = {"cells": [baseline, speculative], "task": {"metrics": [], "per_category": True}}
+    config = {"cells": [BASELINE_CELL, SPECULATIVE_CELL], "task": {"metrics": [], "per_category": True}}
     records = [
         record("baseline T=1", "0", "a", 10, 1.0),  # the baseline never ran example 1
         record("speculative K=1 L=3 T=1", "0", "a", 10, 0.5),
@@ -395,31 +331,16 @@ def test_drafters_are_a_grid_axis(run, recipe_path, data, tmp_path):  # noqa: F8
     """`bench --task xsum --drafter model,prompt-lookup` runs one cell per drafter beside the baseline, in one table
     with their ROUGE-L; the prompt-lookup cell runs no draft forward."""
     out = tmp_path / "out"
-    code, stdout, err = run(
-        [
-            "bench",
-            "-r",
-            recipe_path,
-            "--task",
-            "xsum",
-            "--dataset",
-            str(data["dataset"]),
-            "--template",
-            "{source}",
-            "--output",
-            str(out),
-            "--drafter",
-            "model,prompt-lookup",
-        ]
-    )
+    args = specdec_args("bench", recipe_path, task="xsum", dataset=data["dataset"], template="{source}", output=out)
+    code, stdout, err = run([*args, "--drafter", "model,prompt-lookup"])
     assert code == 0, err
-    cells = _by_cell(out)
+    cells = read_cells(out)
     assert set(cells) == {
         "baseline T=1",
         "speculative K=1 L=3 T=1 drafter=model",
         "speculative K=1 L=3 T=1 drafter=prompt-lookup",
     }
-    lookup = [s["stats"] for s in _samples(out) if s["cell"].endswith("drafter=prompt-lookup")]
+    lookup = [s["stats"] for s in read_samples(out) if s["cell"].endswith("drafter=prompt-lookup")]
     assert lookup and all(stats["draft_forwards"] == 0 for stats in lookup)
     table = " ".join(stdout.replace("│", " ").split())
     assert "ROUGE-L" in table and "drafter=model " in table and "drafter=prompt-lookup " in table

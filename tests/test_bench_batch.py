@@ -11,27 +11,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import interruptible
-from tests.test_bench import _bench_args, _by_cell, _samples, data, recipe_path  # noqa: F401 (fixtures)
+from tests.conftest import bench_on_files, interruptible, read_cells, read_samples
+from tests.test_bench import data, recipe_path  # noqa: F401 (fixtures)
 from tests.test_cli import run  # noqa: F401 (the CLI fixture)
 
 
 def _tokens(out: Path) -> dict:
-    return {(s["cell"], s["seed"], s["example_id"]): s["token_ids"] for s in _samples(out)}
+    return {(s["cell"], s["seed"], s["example_id"]): s["token_ids"] for s in read_samples(out)}
 
 
 def test_batch_size_is_a_grid_axis_with_its_own_baseline(run, recipe_path, data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    code, stdout, err = run(_bench_args(recipe_path, data, out, "--batch-size", "1,3", "--json"))
+    code, stdout, err = run(bench_on_files(recipe_path, data, out, "--batch-size", "1,3", "--json"))
     assert code == 0, err
-    cells = _by_cell(out)
+    cells = read_cells(out)
     assert set(cells) == {"baseline T=1", "baseline T=1 B=3", "speculative K=1 L=3 T=1", "speculative K=1 L=3 T=1 B=3"}
     tokens = _tokens(out)
     for (cell, seed, example), ids in tokens.items():  # a sample's tokens do not depend on its batch
         alone = cell.removesuffix(" B=3")
         assert tokens[(alone, seed, example)] == ids
     # The batched cell's speedup is its throughput over the batched baseline's: tokens over the samples' shares.
-    samples = _samples(out)
+    samples = read_samples(out)
 
     def throughput(cell: str) -> float:
         mine = [s["stats"] for s in samples if s["cell"] == cell]
@@ -53,7 +53,7 @@ def test_batch_size_is_a_grid_axis_with_its_own_baseline(run, recipe_path, data,
     ],
 )
 def test_bad_batch_sizes_are_one_line_before_any_model_loads(run, recipe_path, data, tmp_path, args, message):  # noqa: F811
-    code, _, err = run(_bench_args(recipe_path, data, tmp_path / "out", *args))
+    code, _, err = run(bench_on_files(recipe_path, data, tmp_path / "out", *args))
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "out" / "samples.jsonl").exists()
 
@@ -64,24 +64,14 @@ def test_a_killed_batched_run_resumes_to_the_same_samples(recipe_path, data, tmp
             sys.executable,
             "-m",
             "specdec_cli",
-            *_bench_args(
-                recipe_path,
-                data,
-                out,
-                "--batch-size",
-                "3",
-                "--verifier",
-                "speculative,specinfer",
-                "--num-drafts",
-                "1,2",
-                "--seeds",
-                "0,1",
+            *bench_on_files(
+                recipe_path, data, out, batch_size=3, verifier="speculative,specinfer", num_drafts="1,2", seeds="0,1"
             ),
         ]
 
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     subprocess.run(command(reference), check=True, capture_output=True)
-    total = len(_samples(reference))
+    total = len(read_samples(reference))
     samples = resumed / "samples.jsonl"
     process = subprocess.Popen(
         command(resumed), stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible
@@ -95,4 +85,4 @@ def test_a_killed_batched_run_resumes_to_the_same_samples(recipe_path, data, tmp
     assert kept < total, "the run finished before it was killed"
     subprocess.run(command(resumed), check=True, capture_output=True)
     assert _tokens(resumed) == _tokens(reference)
-    assert len(_samples(resumed)) == total
+    assert len(read_samples(resumed)) == total

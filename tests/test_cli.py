@@ -272,22 +272,9 @@ def test_seq2seq_through_the_cli(run, tiny_models, write_recipe):
 
 def test_generate_compares_verifiers_on_the_same_prompts_and_seeds(run, recipe_path):
     """A comma list runs each verifier on the same prompts and seeds: each one's samples equal a run of it alone."""
+    same = ["--max-new-tokens", "6", "--num-samples", "2", "--json", "c d e"]  # the comparison's and each single run's
     code, out, err = run(
-        [
-            "generate",
-            "-r",
-            recipe_path,
-            "--verifier",
-            "speculative,mentored,none",
-            "--kl",
-            "0.3",
-            "--max-new-tokens",
-            "6",
-            "--num-samples",
-            "2",
-            "--json",
-            "c d e",
-        ]
+        ["generate", "-r", recipe_path, "--verifier", "speculative,mentored,none", "--kl", "0.3", *same]
     )
     assert code == 0, err
     payload = json.loads(out)
@@ -301,9 +288,7 @@ def test_generate_compares_verifiers_on_the_same_prompts_and_seeds(run, recipe_p
         ("mentored D=0.3", ["--verifier", "mentored", "--kl", "0.3"]),
         ("none", ["--autoregressive"]),
     ):
-        code, alone, _ = run(
-            ["generate", "-r", recipe_path, *single, "--max-new-tokens", "6", "--num-samples", "2", "--json", "c d e"]
-        )
+        code, alone, _ = run(["generate", "-r", recipe_path, *single, *same])
         expected = [(s["token_ids"], s["accepted_mask"]) for s in json.loads(alone)["samples"]]
         assert [(s["token_ids"], s["accepted_mask"]) for s in rows[label]["samples"]] == expected, label
     code, out, _ = run(["generate", "-r", recipe_path, "--verifier", "speculative,block", "--max-new-tokens", "4", "a"])

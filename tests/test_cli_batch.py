@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import tiny_recipe
+from tests.conftest import specdec_args, tiny_recipe
 from tests.test_cli import _one_error_line, recipe_path, run  # noqa: F401 (fixtures)
 
 
@@ -18,18 +18,9 @@ def _prompt_file(tmp_path) -> str:
 
 
 def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path, tmp_path):  # noqa: F811
-    args = [
-        "generate",
-        "-r",
-        recipe_path,
-        "--json",
-        "--num-samples",
-        "3",
-        "--max-new-tokens",
-        "8",
-        "--prompt-file",
-        _prompt_file(tmp_path),
-    ]
+    args = specdec_args(
+        "generate", recipe_path, "--json", num_samples=3, max_new_tokens=8, prompt_file=_prompt_file(tmp_path)
+    )
     code, out, err = run([*args, "--batch-size", "4"])
     assert code == 0, err
     batched = json.loads(out)
@@ -45,17 +36,7 @@ def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path, 
 
 
 def test_a_batch_shows_each_sample_whole(run, recipe_path, tmp_path):  # noqa: F811
-    args = [
-        "generate",
-        "-r",
-        recipe_path,
-        "--num-samples",
-        "2",
-        "--max-new-tokens",
-        "6",
-        "--prompt-file",
-        _prompt_file(tmp_path),
-    ]
+    args = specdec_args("generate", recipe_path, num_samples=2, max_new_tokens=6, prompt_file=_prompt_file(tmp_path))
     code, out, err = run([*args, "--batch-size", "2"])
     assert code == 0, err
     samples = json.loads(run([*args, "--json"])[1])["samples"]

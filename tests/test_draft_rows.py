@@ -18,8 +18,8 @@ from specdec_cli.engine.decoder import SpeculativeDecoder
 from specdec_cli.plugins.draft_rows import DraftRows, round_robin
 from specdec_cli.plugins.drafter_registry import draft_law, recipe_draft_rows
 from specdec_cli.plugins.registry import VerifierRegistry
-from tests.conftest import tiny_recipe
-from tests.test_bench import _bench_args, data  # noqa: F401  (the data fixture)
+from tests.conftest import bench_on_files, tiny_recipe
+from tests.test_bench import data  # noqa: F401  (the data fixture)
 from tests.test_cli import run  # noqa: F401  (the CLI fixture)
 
 
@@ -101,16 +101,8 @@ def test_bench_skips_the_cells_the_engine_refuses_on_two_drafts(run, tiny_models
     identical drafts"; the cells are now skipped with a note and the others run."""
     recipe = _two_draft_recipe(tiny_models, generation={"max_new_tokens": 4})
     out = tmp_path / "out"
-    args = _bench_args(
-        str(write_recipe(recipe)),
-        data,
-        out,
-        "--verifier",
-        "specinfer,spectr,speculative",
-        "--num-drafts",
-        "1,2",
-        "--limit",
-        "2",
+    args = bench_on_files(
+        str(write_recipe(recipe)), data, out, verifier="specinfer,spectr,speculative", num_drafts="1,2", limit=2
     )
     code, _, err = run(args)
     assert code == 0, err

@@ -11,15 +11,12 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from specdec_cli.results.store import SAMPLES, ResultsStore
-from tests.conftest import interruptible, tiny_recipe
+from tests.conftest import specdec_args, start_specdec, tiny_recipe, wait_for_samples
 from tests.test_cli import _one_error_line, run  # noqa: F401  (the fixture)
 
 EXAMPLES = 16
@@ -29,25 +26,12 @@ EXAMPLES = 16
 def bench_args(tiny_models, write_recipe, tmp_path):
     """bench_args(output) -> the arguments of one small bench run (3 cells × EXAMPLES samples)."""
     recipe = write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 16}))
-    (tmp_path / "source.txt").write_text("".join(f"the cat {i} sat on a mat\n" for i in range(EXAMPLES)))
-    (tmp_path / "reference.txt").write_text("".join(f"le chat {i}\n" for i in range(EXAMPLES)))
+    data = {"source": tmp_path / "source.txt", "reference": tmp_path / "reference.txt"}
+    data["source"].write_text("".join(f"the cat {i} sat on a mat\n" for i in range(EXAMPLES)))
+    data["reference"].write_text("".join(f"le chat {i}\n" for i in range(EXAMPLES)))
 
     def args(output: Path) -> list[str]:
-        return [
-            "bench",
-            "-r",
-            str(recipe),
-            "--source",
-            str(tmp_path / "source.txt"),
-            "--reference",
-            str(tmp_path / "reference.txt"),
-            "--verifier",
-            "speculative,mentored",
-            "--kl",
-            "0.1",
-            "--output",
-            str(output),
-        ]
+        return specdec_args("bench", recipe, **data, verifier="speculative,mentored", kl=0.1, output=output)
 
     return args
 
@@ -72,34 +56,15 @@ def reference(run, bench_args, tmp_path) -> dict:
     return records
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "specdec_cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=interruptible,
-    )
-
-
-def _wait_for_samples(folder: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    path = folder / SAMPLES
-    while time.monotonic() < deadline and process.poll() is None:
-        if path.exists() and path.read_bytes().count(b"\n") >= count:
-            return
-        time.sleep(0.005)
-
-
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_bench_resumes_to_the_uninterrupted_records(run, bench_args, reference, tmp_path, signum):
     generator = random.Random(int(signum))
     output = tmp_path / "killed"
     for _ in range(2):  # killed twice at random points, then run to the end
         done = (output / SAMPLES).read_bytes().count(b"\n") if (output / SAMPLES).exists() else 0
-        process = _start(bench_args(output))
+        process = start_specdec(bench_args(output))
         last = 3 * EXAMPLES - 1
-        _wait_for_samples(output, generator.randint(min(done + 1, last), last), process)
+        wait_for_samples(output, generator.randint(min(done + 1, last), last), process)
         running = process.poll() is None
         process.send_signal(signum)
         _, err = process.communicate(timeout=120)
@@ -158,9 +123,9 @@ def test_a_full_disk_stops_with_one_line_and_the_rerun_completes(run, bench_args
 
 def test_a_second_writer_is_refused_and_named(run, bench_args, tmp_path):
     output = tmp_path / "shared"
-    first = _start(bench_args(output))
+    first = start_specdec(bench_args(output))
     try:
-        _wait_for_samples(output, 1, first)
+        wait_for_samples(output, 1, first)
         assert first.poll() is None, "the first run ended before the second started"
         code, _, err = run(bench_args(output))
         assert code == 2
@@ -176,22 +141,10 @@ def acceptance_args(tiny_models, write_recipe, tmp_path):
     recipe = write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12}))
     (tmp_path / "prompts.txt").write_text("".join(f"the cat {i} sat\n" for i in range(EXAMPLES)))
 
+    compared = {"num_drafts": "1,2", "verifier": "speculative,specinfer,mentored", "kl": 0.1}
+
     def args(output: Path) -> list[str]:
-        return [
-            "acceptance",
-            "-r",
-            str(recipe),
-            "--prompt-file",
-            str(tmp_path / "prompts.txt"),
-            "--num-drafts",
-            "1,2",
-            "--verifier",
-            "speculative,specinfer,mentored",
-            "--kl",
-            "0.1",
-            "--output",
-            str(output),
-        ]
+        return specdec_args("acceptance", recipe, prompt_file=tmp_path / "prompts.txt", output=output, **compared)
 
     return args
 
@@ -207,8 +160,8 @@ def test_a_killed_acceptance_resumes_to_the_uninterrupted_table(run, acceptance_
     assert code == 0, err
     reference = _acceptance(tmp_path / "reference")
     output = tmp_path / "killed"
-    process = _start(acceptance_args(output))
-    _wait_for_samples(output, random.Random(int(signum)).randint(1, EXAMPLES - 2), process)
+    process = start_specdec(acceptance_args(output))
+    wait_for_samples(output, random.Random(int(signum)).randint(1, EXAMPLES - 2), process)
     running = process.poll() is None
     process.send_signal(signum)
     process.communicate(timeout=120)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import acceptance_of_one_prompt, specdec_args, start_specdec, wait_for_samples
 from tests.test_acceptance import LOOKUP_PROMPTS, TRIGRAM_LOOKUP, _with_drafts
 from tests.test_bad_inputs import inputs  # noqa: F401  (the prepared files and recipe)
 from tests.test_cli import _one_error_line, run  # noqa: F401  (the CLI fixture)
-from tests.test_faults import _start, _wait_for_samples
 
 
 def test_a_draft_count_that_cannot_fit_in_memory_is_one_line(run, inputs):  # noqa: F811
@@ -29,21 +29,7 @@ def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_
     from specdec_cli.results import store as results_store
 
     out = tmp_path / "out"
-    args = [
-        "acceptance",
-        "-r",
-        inputs["recipe"],
-        "--prompt",
-        "a b",
-        "--num-drafts",
-        "1",
-        "--verifier",
-        "speculative",
-        "--max-new-tokens",
-        "3",
-        "--output",
-        str(out),
-    ]
+    args = acceptance_of_one_prompt(inputs["recipe"], "--max-new-tokens", "3", "--output", str(out))
     assert run(args)[0] == 0
     before = (out / "acceptance.json").read_text()
 
@@ -70,28 +56,16 @@ def test_killed_drafter_sections_resume_to_the_same_records(run, tiny_models, wr
         "".join(f"{prompt} {i % 3 * 'e '}\n" for i, prompt in enumerate(LOOKUP_PROMPTS * 2))
     )
 
+    compared = {"drafter": "model,prompt-lookup", "verifier": "speculative,specinfer", "num_drafts": "1,2"}
+
     def args(output: Path) -> list[str]:
-        return [
-            "acceptance",
-            "-r",
-            str(recipe),
-            "--prompt-file",
-            str(tmp_path / "prompts.txt"),
-            "--drafter",
-            "model,prompt-lookup",
-            "--verifier",
-            "speculative,specinfer",
-            "--num-drafts",
-            "1,2",
-            "--output",
-            str(output),
-        ]
+        return specdec_args("acceptance", recipe, prompt_file=tmp_path / "prompts.txt", output=output, **compared)
 
     code, _, err = run(args(tmp_path / "reference"))
     assert code == 0, err
     killed = tmp_path / "killed"
-    process = _start(args(killed))
-    _wait_for_samples(killed, 3, process)  # mid-way through the second prompt's two records, or later
+    process = start_specdec(args(killed))
+    wait_for_samples(killed, 3, process)  # mid-way through the second prompt's two records, or later
     process.send_signal(signum)
     process.communicate(timeout=120)
     assert process.returncode in (0, 130, -signal.SIGKILL)  # 0: it finished before the signal landed

@@ -13,8 +13,19 @@ import pytest
 import torch
 
 from specdec_cli.base.recipe import build_recipe
+from specdec_cli.bench.metrics import STAT_TOTALS
 from specdec_cli.plugins.registry import VerifierRegistry
-from tests.conftest import tiny_recipe
+from tests.conftest import (
+    BASELINE_CELL,
+    SPECULATIVE_CELL,
+    acceptance_of_one_prompt,
+    bench_on_files,
+    read_cells,
+    read_results,
+    read_samples,
+    specdec_args,
+    tiny_recipe,
+)
 from tests.test_cli import _one_error_line, run  # noqa: F401  (the CLI fixture)
 
 SOURCES = ["a b c", "d e a", "c c b", "e d c b"]
@@ -41,35 +52,6 @@ def data(tmp_path) -> dict[str, str]:
 @pytest.fixture
 def recipe_path(tiny_models, write_recipe) -> str:
     return str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 6})))
-
-
-def _bench(recipe: str, data: dict, out: Path | None, *extra: str) -> list[str]:
-    folder = ["--output", str(out)] if out is not None else []
-    return [
-        "bench",
-        "-r",
-        recipe,
-        "--source",
-        data["source"],
-        "--reference",
-        data["reference"],
-        "--template",
-        "{source}",
-        *folder,
-        *extra,
-    ]
-
-
-def _samples(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-
-
-def _results(out: Path) -> dict:
-    return json.loads((out / "results.json").read_text())
-
-
-def _cells(out: Path) -> dict:
-    return {cell["key"]: cell for cell in _results(out)["cells"]}
 
 
 # --------------------------------------------------------------------------- a cell that fails
@@ -119,9 +101,9 @@ def test_a_cell_whose_generation_fails_is_reported_and_the_others_kept(
     assert code == 1, err
     _one_error_line(err, f"cell '{SPECULATIVE}' failed on {where}: ")
     assert "draft" in err and "its other samples and every other cell are kept" in err
-    done = {(s["cell"], s["example_id"]) for s in _samples(out)}
+    done = {(s["cell"], s["example_id"]) for s in read_samples(out)}
     assert done == {("baseline T=1", e) for e in "0123"} | {(SPECULATIVE, e) for e in kept}
-    cells = _cells(out)
+    cells = read_cells(out)
     assert cells[SPECULATIVE]["failed"].startswith(f"on {where}: ") and cells["baseline T=1"]["failed"] is None
     assert f"{SPECULATIVE} (failed)" in stdout and f"{SPECULATIVE}: failed on {where}" in (out / "table.md").read_text()
 
@@ -152,13 +134,13 @@ def test_a_plugin_that_raises_at_run_time_fails_its_cell_only(run, recipe_path, 
         lambda self, name: FailsAfterTenBlocks if name == FailsAfterTenBlocks.name else load_class(self, name),
     )
     out = tmp_path / "out"
-    code, _, err = run(_bench(recipe_path, data, out, "--verifier", "fails-later,speculative"))
+    code, _, err = run(bench_on_files(recipe_path, data, out, "--verifier", "fails-later,speculative"))
     assert code == 1, err
     _one_error_line(err, "cell 'fails-later K=1 L=3 T=1' failed on example ")
     assert "fails-later" in err and "Traceback" not in err
-    cells = _cells(out)
+    cells = read_cells(out)
     assert cells["fails-later K=1 L=3 T=1"]["failed"] and not cells[SPECULATIVE]["failed"]
-    assert sum(s["cell"] == SPECULATIVE for s in _samples(out)) == len(SOURCES)  # ran on after the failure
+    assert sum(s["cell"] == SPECULATIVE for s in read_samples(out)) == len(SOURCES)  # ran on after the failure
 
 
 # --------------------------------------------------------------------------- conditions of a resume
@@ -166,7 +148,7 @@ def test_a_plugin_that_raises_at_run_time_fails_its_cell_only(run, recipe_path, 
 
 def _edit_samples(out: Path, edit) -> None:
     """Rewrite every sample line of ``out`` through ``edit(record)``."""
-    records = _samples(out)
+    records = read_samples(out)
     for record in records:
         edit(record)
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -174,26 +156,26 @@ def _edit_samples(out: Path, edit) -> None:
 
 def test_a_resume_under_other_threads_is_refused_or_flagged(run, recipe_path, data, tmp_path):
     out = tmp_path / "out"
-    assert run(_bench(recipe_path, data, out, "--threads", "1"))[0] == 0
-    assert {s["conditions"]["threads"] for s in _samples(out)} == {1}
+    assert run(bench_on_files(recipe_path, data, out, "--threads", "1"))[0] == 0
+    assert {s["conditions"]["threads"] for s in read_samples(out)} == {1}
     # A new cell measured with 2 threads against a baseline measured with 1 would not compare.
-    code, _, err = run(_bench(recipe_path, data, out, "--threads", "2", "--draft-length", "3,2"))
+    code, _, err = run(bench_on_files(recipe_path, data, out, "--threads", "2", "--draft-length", "3,2"))
     assert code == 2
     _one_error_line(err, "holds samples run with threads 1 but this run has 2")
     assert "--threads 1" in err and "--allow-mixed-conditions" in err and "new --output" in err
     code, stdout, err = run(
-        _bench(recipe_path, data, out, "--threads", "2", "--draft-length", "3,2", "--allow-mixed-conditions")
+        bench_on_files(recipe_path, data, out, "--threads", "2", "--draft-length", "3,2", "--allow-mixed-conditions")
     )
     assert code == 0, err
-    results = _results(out)
+    results = read_results(out)
     assert results["mixed_conditions"] is True
     assert [(p["conditions"]["threads"], p["samples"]) for p in results["conditions"]] == [(1, 8), (2, 4)]
-    cells = _cells(out)
+    cells = read_cells(out)
     assert cells["speculative K=1 L=2 T=1"]["mixed_conditions"] and not cells[SPECULATIVE]["mixed_conditions"]
     assert "speculative K=1 L=2 T=1 *" in stdout
     assert "* mixed conditions: threads 1 (8 samples); threads 2 (4 samples)" in (out / "table.md").read_text()
     # Nothing left to run: the folder is shown again whatever the conditions.
-    assert run(_bench(recipe_path, data, out, "--threads", "1", "--draft-length", "3,2"))[0] == 0
+    assert run(bench_on_files(recipe_path, data, out, "--threads", "1", "--draft-length", "3,2"))[0] == 0
 
 
 @pytest.mark.parametrize(
@@ -202,39 +184,16 @@ def test_a_resume_under_other_threads_is_refused_or_flagged(run, recipe_path, da
 )
 def test_each_stored_condition_that_differs_is_named(run, recipe_path, data, tmp_path, condition, stored):
     out = tmp_path / "out"
-    assert run(_bench(recipe_path, data, out, "--limit", "2"))[0] == 0
+    assert run(bench_on_files(recipe_path, data, out, "--limit", "2"))[0] == 0
     _edit_samples(out, lambda record: record["conditions"].update({condition: stored}))
-    code, _, err = run(_bench(recipe_path, data, out, "--limit", "2", "--draft-length", "2"))
+    code, _, err = run(bench_on_files(recipe_path, data, out, "--limit", "2", "--draft-length", "2"))
     assert code == 2
     _one_error_line(err, f"holds samples run with {condition} {stored} but this run has ")
 
 
-BASELINE_CELL = {
-    "verifier": "none",
-    "kl": None,
-    "num_drafts": 0,
-    "draft_length": 0,
-    "temperature": 1.0,
-    "draft_temperatures": None,
-}
-SPECULATIVE_CELL = {**BASELINE_CELL, "verifier": "speculative", "num_drafts": 1, "draft_length": 3}
-
-
 def _record(cell: str, seed: int, example: str, seconds: float) -> dict:
     """A sample record of 10 tokens in ``seconds``, run with 3 threads on a 'Test CPU'."""
-    stats = {
-        name: 1
-        for name in (
-            "target_forwards",
-            "draft_forwards",
-            "drafted_tokens",
-            "verified_tokens",
-            "accepted_tokens",
-            "draft_time_s",
-            "target_time_s",
-            "verify_time_s",
-        )
-    }
+    stats = dict.fromkeys(STAT_TOTALS, 1)
     stats |= {"new_tokens": 10, "wall_time_s": seconds, "drafted_per_position": [1], "accepted_per_position": [1]}
     conditions = {"threads": 3, "device": "cpu: Test CPU", "torch": "x", "transformers": "y", "specdec": "z"}
     return {
@@ -271,25 +230,11 @@ def test_the_per_example_speedups_spread_next_to_the_pooled_one():
 
 def test_threads_are_set_before_the_models_and_recorded(run, recipe_path, data, tmp_path):
     out = tmp_path / "out"
-    code, _, err = run(_bench(recipe_path, data, out, "--limit", "1", "--threads", "1"))
+    code, _, err = run(bench_on_files(recipe_path, data, out, "--limit", "1", "--threads", "1"))
     assert code == 0, err
-    assert _results(out)["environment"]["threads"] == 1 and _samples(out)[0]["conditions"]["threads"] == 1
+    assert read_results(out)["environment"]["threads"] == 1 and read_samples(out)[0]["conditions"]["threads"] == 1
     code, _, err = run(
-        [
-            "acceptance",
-            "-r",
-            recipe_path,
-            "--prompt",
-            "a b",
-            "--num-drafts",
-            "1",
-            "--verifier",
-            "speculative",
-            "--threads",
-            "1",
-            "--output",
-            str(tmp_path / "acceptance"),
-        ]
+        acceptance_of_one_prompt(recipe_path, "--threads", "1", "--output", str(tmp_path / "acceptance"))
     )
     assert code == 0, err
     assert json.loads((tmp_path / "acceptance" / "acceptance.json").read_text())["environment"]["threads"] == 1
@@ -319,7 +264,7 @@ def test_a_stopped_run_says_whether_it_can_resume(run, recipe_path, data, tmp_pa
     _stop_after_samples(monkeypatch, 3)
     out = tmp_path / "out" if folder else None
     try:
-        code, _, err = run(_bench(recipe_path, data, out))
+        code, _, err = run(bench_on_files(recipe_path, data, out))
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert code == 130
@@ -333,50 +278,22 @@ def test_a_stopped_run_says_whether_it_can_resume(run, recipe_path, data, tmp_pa
 def test_data_without_references_is_noted_before_the_run(run, recipe_path, data, tmp_path):
     out = tmp_path / "wmt"
     code, _, err = run(
-        [
-            "bench",
-            "-r",
-            recipe_path,
-            "--source",
-            data["source"],
-            "--template",
-            "{source}",
-            "--limit",
-            "1",
-            "--output",
-            str(out),
-        ]
+        specdec_args("bench", recipe_path, source=data["source"], template="{source}", limit=1, output=out)
     )
     assert code == 0, err
     note = "no references: BLEU and chrF are not computed; give --reference FILE"
-    assert err.count(note) == 1 and note in _results(out)["notes"]
+    assert err.count(note) == 1 and note in read_results(out)["notes"]
     dataset = tmp_path / "articles.jsonl"
     dataset.write_text(
         "".join(
             json.dumps({"document": s, **({"summary": "a"} if i else {})}) + "\n" for i, s in enumerate(SOURCES[:2])
         )
     )
-    code, _, err = run(
-        [
-            "bench",
-            "-r",
-            recipe_path,
-            "--task",
-            "xsum",
-            "--dataset",
-            str(dataset),
-            "--template",
-            "{source}",
-            "--limit",
-            "1",
-        ]
-    )
+    code, _, err = run(specdec_args("bench", recipe_path, task="xsum", dataset=dataset, template="{source}", limit=1))
     assert (
         code == 0 and "no references: ROUGE-L is not computed; name the reference field with --reference-field" in err
     )
-    code, _, err = run(
-        ["bench", "-r", recipe_path, "--task", "xsum", "--dataset", str(dataset), "--template", "{source}"]
-    )
+    code, _, err = run(specdec_args("bench", recipe_path, task="xsum", dataset=dataset, template="{source}"))
     assert code == 0 and "1 of 2 examples have no reference; ROUGE-L is computed on the other 1" in err
 
 
@@ -508,7 +425,7 @@ BAD = [  # (arguments after `bench -r RECIPE --source … --reference …` unles
 @pytest.mark.parametrize(("arguments", "message"), BAD)
 def test_bad_bench_input_is_one_line(run, recipe_path, data, odd, arguments, message):
     extra = arguments.format(**odd).split()
-    args = ["bench", *extra] if extra[0] == "--report" else _bench(recipe_path, data, None, *extra)
+    args = ["bench", *extra] if extra[0] == "--report" else bench_on_files(recipe_path, data, None, *extra)
     code, _, err = run(args)
     assert code == 2, err
     _one_error_line(err, message.format(**odd))

@@ -273,10 +273,11 @@ FOLDERS = {  # folder name -> {file name: content}; a None content makes a folde
 }
 BENCH_OUT = "bench -r {recipe} %s --output {dir}/" % BENCH_DATA
 ACCEPTANCE_OUT = "acceptance -r {recipe} --prompt ab --output {dir}/"
+REPORT = "bench --report {dir}/"
 READ_ONLY = "/proc/specdec-test/out"  # /proc takes no new folders, not even from root
 DISK = [  # (command, the one error line must hold)
     (
-        "bench --report {dir}/acceptance-folder",
+        REPORT + "acceptance-folder",
         "'{dir}/acceptance-folder' holds acceptance results (written by specdec acceptance); bench --report reads",
     ),
     (BENCH_OUT + "acceptance-folder", "holds acceptance results (written by specdec acceptance); give specdec bench"),
@@ -284,22 +285,22 @@ DISK = [  # (command, the one error line must hold)
     (BENCH_OUT + "lock-dir", "cannot open the lock file '{dir}/lock-dir/.lock' (Is a directory); remove it"),
     (ACCEPTANCE_OUT + "lock-dir", "cannot open the lock file '{dir}/lock-dir/.lock' (Is a directory)"),
     (BENCH_OUT + "lock-dangling", "cannot open the lock file '{dir}/lock-dangling/.lock' (No such file"),
-    ("bench --report {dir}/config-list", "config-list/config.json' is not a specdec results configuration"),
+    (REPORT + "config-list", "config-list/config.json' is not a specdec results configuration"),
     (BENCH_OUT + "config-list", "config-list/config.json' is not a specdec results configuration"),
-    ("bench --report {dir}/config-cells-3", "is not a specdec bench configuration; give a bench --output folder"),
-    ("bench --report {dir}/config-seeds-text", "is not a specdec bench configuration"),
-    ("bench --report {dir}/config-cell-shape", "is not a specdec bench configuration"),
-    ("bench --report {dir}/config-task-null", "is not a specdec bench configuration"),
-    ("bench --report {dir}/config-dir", "cannot read '{dir}/config-dir/config.json' (Is a directory)"),
+    (REPORT + "config-cells-3", "is not a specdec bench configuration; give a bench --output folder"),
+    (REPORT + "config-seeds-text", "is not a specdec bench configuration"),
+    (REPORT + "config-cell-shape", "is not a specdec bench configuration"),
+    (REPORT + "config-task-null", "is not a specdec bench configuration"),
+    (REPORT + "config-dir", "cannot read '{dir}/config-dir/config.json' (Is a directory)"),
     (BENCH_OUT + "config-dir", "cannot read '{dir}/config-dir/config.json' (Is a directory)"),
-    ("bench --report {dir}/config-cut", "config-cut/config.json' is damaged (Expecting"),
+    (REPORT + "config-cut", "config-cut/config.json' is damaged (Expecting"),
     (BENCH_OUT + "config-cut", "if the samples beside it came from this same command, delete just config.json"),
-    ("bench --report {dir}/record-list", "samples.jsonl' line 1 is not a sample record; delete that line"),
-    ("bench --report {dir}/record-unhashable", "samples.jsonl' line 1 is not a sample record"),
-    ("bench --report {dir}/record-null-stats", "samples.jsonl' line 1 is not a sample record"),
-    ("bench --report {dir}/record-number-text", "samples.jsonl' line 1 is not a sample record"),
+    (REPORT + "record-list", "samples.jsonl' line 1 is not a sample record; delete that line"),
+    (REPORT + "record-unhashable", "samples.jsonl' line 1 is not a sample record"),
+    (REPORT + "record-null-stats", "samples.jsonl' line 1 is not a sample record"),
+    (REPORT + "record-number-text", "samples.jsonl' line 1 is not a sample record"),
     (BENCH_OUT + "samples-only-unhashable", "samples.jsonl' line 1 is not a sample record"),
-    ("bench --report {dir}/samples-dir", "cannot read '{dir}/samples-dir/samples.jsonl' (Is a directory)"),
+    (REPORT + "samples-dir", "cannot read '{dir}/samples-dir/samples.jsonl' (Is a directory)"),
     (BENCH_OUT + "samples-dir-only", "cannot use '{dir}/samples-dir-only/samples.jsonl' (Is a directory)"),
     ("bench -r {recipe} %s --output %s" % (BENCH_DATA, READ_ONLY), f"cannot write to --output '{READ_ONLY}'"),
     ("acceptance -r {recipe} --prompt ab --output " + READ_ONLY, f"cannot write to --output '{READ_ONLY}'"),

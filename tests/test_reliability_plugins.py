@@ -560,16 +560,13 @@ class RefusesBadly(Rogue):
         raise AttributeError("no attribute 'limit'")
 
 
-class AcceptsBadly(BlockVerifier):
-    """A token-level plugin whose acceptance_probability raises (acceptance calls it on real laws)."""
+class AcceptsBadly(Rogue):
+    """A token-level plugin whose acceptance_probability raises (acceptance calls it on real laws); its verify_block
+    is Rogue's, which raises NotImplementedError."""
 
     name = "accepts-badly"
-    lossless = True
     max_drafts = 1
     token_level = True
-
-    def verify_block(self, target_probs, draft_probs, draft_tokens, generator=None):
-        raise NotImplementedError
 
     def acceptance_probability(self, target_probs, draft_probs):
         raise IndexError("index 7 is out of bounds")
