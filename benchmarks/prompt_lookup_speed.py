@@ -38,6 +38,30 @@ from vs_hf_assisted import ForwardCounter, print_table, rate_ratio, run_interlea
 PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "grounded_prompts.jsonl"
 
 
+def report(totals: dict, args: argparse.Namespace, prompts: int, generation) -> None:
+    """The run's conditions, the table, the two ratios and the raw figures, as committed under results/."""
+    print(f"command: python {' '.join(sys.argv)}")
+    print(
+        f"device: cpu ({cpu_name()}, {torch.get_num_threads()} threads); torch {torch.__version__}, "
+        f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}"
+    )
+    print(
+        f"{prompts} chat prompts from examples/grounded_prompts.jsonl × {args.rounds} rounds, max_new_tokens "
+        f"{args.max_new_tokens}, T = {generation.temperature}, top-p {generation.top_p}; L = {args.draft_length}, "
+        f"n-grams up to {args.max_ngram}; float32 target\n"
+    )
+    print_table(totals)
+    print(
+        f"\nspecdec prompt lookup ÷ specdec target alone, tokens/s: "
+        f"{rate_ratio(totals, 'specdec prompt lookup', 'specdec target alone'):.2f}"
+    )
+    print(
+        f"specdec prompt lookup ÷ transformers prompt lookup, tokens/s: "
+        f"{rate_ratio(totals, 'specdec prompt lookup', 'transformers prompt lookup'):.2f}"
+    )
+    print("\nraw:\n```json\n" + json.dumps(totals, indent=1) + "\n```")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -88,27 +112,7 @@ def main() -> None:
         "specdec target alone": lambda ids, seed: run_specdec(alone, ids, seed),
         "transformers target alone": lambda ids, seed: run_hf(0, ids, seed),
     }
-    totals = run_interleaved(configs, encoded, args.rounds)
-    print(f"command: python {' '.join(sys.argv)}")
-    print(
-        f"device: cpu ({cpu_name()}, {torch.get_num_threads()} threads); torch {torch.__version__}, "
-        f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}"
-    )
-    print(
-        f"{len(prompts)} chat prompts from examples/grounded_prompts.jsonl × {args.rounds} rounds, max_new_tokens "
-        f"{args.max_new_tokens}, T = {generation.temperature}, top-p {generation.top_p}; L = {args.draft_length}, "
-        f"n-grams up to {args.max_ngram}; float32 target\n"
-    )
-    print_table(totals)
-    print(
-        f"\nspecdec prompt lookup ÷ specdec target alone, tokens/s: "
-        f"{rate_ratio(totals, 'specdec prompt lookup', 'specdec target alone'):.2f}"
-    )
-    print(
-        f"specdec prompt lookup ÷ transformers prompt lookup, tokens/s: "
-        f"{rate_ratio(totals, 'specdec prompt lookup', 'transformers prompt lookup'):.2f}"
-    )
-    print("\nraw:\n```json\n" + json.dumps(totals, indent=1) + "\n```")
+    report(run_interleaved(configs, encoded, args.rounds), args, len(prompts), generation)
 
 
 if __name__ == "__main__":

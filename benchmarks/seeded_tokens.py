@@ -187,16 +187,39 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def describe_run(threads: int, elapsed: float, models: dict[str, Path]) -> dict[str, Any]:
+    """The file's "meta": where and with what the cases ran (never compared)."""
+    import torch
+    import transformers
+
+    import specdec_cli
+
+    return {
+        "format": FORMAT,
+        "specdec_cli": str(Path(specdec_cli.__file__).resolve().parent),
+        "version": getattr(specdec_cli, "__version__", "?"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "threads": threads,
+        "cpu": cpu_model(),
+        "seconds": round(elapsed, 1),
+        "prompts": PROMPTS,
+        "num_samples": NUM_SAMPLES,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "seed": SEED,
+        "models": {name: file_digest(path) for name, path in models.items()},
+    }
+
+
 def run_in(work: Path, args: argparse.Namespace) -> int:
     os.environ["SPECDEC_CACHE"] = str(work / "cache")  # before specdec_cli is imported
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     import torch
-    import transformers
     from transformers.utils import logging as hf_logging
 
-    import specdec_cli
     from specdec_cli.testing import save_tiny_model
 
     hf_logging.disable_progress_bar()
@@ -229,22 +252,7 @@ def run_in(work: Path, args: argparse.Namespace) -> int:
             flush=True,
         )
     elapsed = time.perf_counter() - started
-    meta = {
-        "format": FORMAT,
-        "specdec_cli": str(Path(specdec_cli.__file__).resolve().parent),
-        "version": getattr(specdec_cli, "__version__", "?"),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "threads": args.threads,
-        "cpu": cpu_model(),
-        "seconds": round(elapsed, 1),
-        "prompts": PROMPTS,
-        "num_samples": NUM_SAMPLES,
-        "max_new_tokens": MAX_NEW_TOKENS,
-        "seed": SEED,
-        "models": {name: file_digest(path) for name, path in models.items()},
-    }
+    meta = describe_run(args.threads, elapsed, models)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_results(out, meta, results)
