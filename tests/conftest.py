@@ -5,12 +5,16 @@ back."""
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests import isolation
@@ -25,7 +29,12 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from specdec_cli.kit.testing import save_tiny_model  # noqa: E402
+from specdec_cli.base.randomness import Draws  # noqa: E402
+from specdec_cli.cli import main  # noqa: E402
+from specdec_cli.kit.testing import random_sequence_laws, save_tiny_model  # noqa: E402
+from specdec_cli.plugins.drafter_registry import DrafterRegistry  # noqa: E402
+from specdec_cli.plugins.registry import VerifierRegistry, load_verifier  # noqa: E402
+from specdec_cli.plugins.verifiers import BlockVerifier  # noqa: E402
 from specdec_cli.results.store import SAMPLES  # noqa: E402
 
 # transformers' own bars (saving and loading tiny models) would land in the stderr tests inspect.
@@ -167,3 +176,269 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\n{left}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# The CLI run in this process, and what the CLI tests check and prepare; the count of device reads.
+
+
+@pytest.fixture
+def run(capsys, monkeypatch):
+    """run(args, stdin=None) -> (exit code, stdout, stderr) of `specdec ARGS` in this process."""
+
+    def invoke(args: list[str], stdin: str | None = None):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin or ""))
+        try:
+            main(args)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return invoke
+
+
+@pytest.fixture
+def recipe_path(tiny_models, write_recipe):
+    return str(write_recipe(tiny_recipe(tiny_models, "llama")))
+
+
+def one_error_line(err: str, pattern: str) -> None:
+    """``err`` is one line, ``error: …`` holding ``pattern``, and no traceback."""
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert pattern in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+BENCH_DATA = "--source {dir}/source.txt --reference {dir}/reference.txt"
+"""Bench options naming the source and reference files :func:`inputs` prepares."""
+
+
+@pytest.fixture
+def inputs(tmp_path, tiny_models, write_recipe):
+    """The prepared files, and the substitutions for ``{dir}`` and ``{recipe}``."""
+    lines = {
+        "null.jsonl": [{"prompt": None}],
+        "empty-turns.jsonl": [{"turns": []}],
+        "number-turns.jsonl": [{"turns": [5]}],
+        "other-field.jsonl": [{"body": "a b"}],
+        "duplicate-ids.jsonl": [{"id": 1, "text": "a b"}, {"id": 1, "text": "c d"}],
+    }
+    for name, records in lines.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)) * 3)
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "source.txt").write_text("a b\nc d\n")
+    (tmp_path / "reference.txt").write_text("e f\ng h\n")
+    (tmp_path / "short.txt").write_text("e f\n")
+    (tmp_path / "damaged-config").mkdir()
+    (tmp_path / "damaged-config" / "config.json").write_text('{"cells": [')
+    (tmp_path / "empty-record").mkdir()
+    (tmp_path / "empty-record" / "config.json").write_text('{"cells": []}')
+    (tmp_path / "empty-record" / "samples.jsonl").write_text("{}\n{}\n")
+    return {"dir": str(tmp_path), "recipe": str(write_recipe(tiny_recipe(tiny_models, "llama")))}
+
+
+TENSOR_CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__array__")
+"""The Tensor methods that read a tensor into Python (or host memory)."""
+
+
+@pytest.fixture
+def conversions(monkeypatch):
+    """A Counter of Tensor → Python conversions made while the fixture is active."""
+    counter: Counter = Counter()
+    for name in TENSOR_CONVERSIONS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            counter[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counter
+
+
+# Random verifier blocks: the device-path, compile, CUDA and batch tests decide them.
+
+BLOCK_KINDS = ("peaked", "near_one_token", "one_token_equal", "equal", "disjoint", "flat_draft")
+LP_SUPPORT = 16  # is-lp needs a bounded draft support (as top-k sampling gives)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    num_drafts: int
+    kl: float | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-K{self.num_drafts}" + ("" if self.kl is None else f"-kl{self.kl}")
+
+    @property
+    def host_lp(self) -> bool:
+        """Importance sampling with two or more drafts keeps one host read, for its LP."""
+        return self.name in ("is-lp", "is-truncated") and self.num_drafts > 1
+
+    def verifier(self) -> BlockVerifier:
+        return load_verifier(self.name, {} if self.kl is None else {"kl": self.kl})
+
+    @functools.cached_property
+    def identical_drafts(self) -> bool:
+        return type(self.verifier()).identical_drafts
+
+
+CASES = [
+    Case("speculative", 1),
+    Case("block", 1),
+    Case("mentored", 1, 0.0),
+    Case("mentored", 1, 0.3),
+    *(Case("specinfer", k) for k in (1, 2, 3, 4)),
+    *(Case("spectr", k) for k in (2, 4)),
+    *(Case(name, k) for name in ("is-lp", "is-truncated") for k in (2, 4)),
+]
+
+
+def random_block(
+    kind: str,
+    num_drafts: int,
+    draft_length: int,
+    vocab: int,
+    seed: int,
+    identical_drafts: bool,
+    support: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Target laws ``[K, L+1, V]``, draft laws ``[K, L, V]`` and the draft tokens drawn from them ``[K, L]``.
+
+    Rows share position 0's target law (the committed prefix); later positions differ a little per
+    row. ``support`` cuts the draft laws to their most likely tokens.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randn(1, draft_length + 1, vocab, generator=generator) * 3  # [1, L+1, V]
+    per_row = torch.randn(num_drafts, draft_length + 1, vocab, generator=generator) * 0.5  # [K, L+1, V]
+    per_row[:, 0] = 0
+    target_logits = shared + per_row  # [K, L+1, V]
+    noise_rows = 1 if identical_drafts else num_drafts
+    noise = torch.randn(noise_rows, draft_length, vocab, generator=generator).expand(num_drafts, -1, -1)  # [K, L, V]
+    draft_logits = {
+        "peaked": target_logits[:, :-1] + noise,
+        "near_one_token": (target_logits[:, :-1] + 0.1 * noise) * 12,
+        "one_token_equal": target_logits[:, :-1] * 1e4,  # q = p, both one token (float32 softmax is one-hot)
+        "equal": target_logits[:, :-1],
+        "disjoint": -target_logits[:, :-1] * 3,
+        "flat_draft": 0.01 * noise,
+    }[kind]  # [K, L, V]
+    if identical_drafts:
+        draft_logits = draft_logits[:1].expand(num_drafts, -1, -1)
+    if support is not None:
+        kth = draft_logits.topk(support, -1).values[..., -1:]  # [K, L, 1]
+        draft_logits = draft_logits.masked_fill(draft_logits < kth, float("-inf"))
+    if kind in ("near_one_token", "one_token_equal"):
+        target_logits = target_logits * (12 if kind == "near_one_token" else 1e4)
+    draft_probs = draft_logits.softmax(-1)  # [K, L, V]
+    target_probs = target_logits.softmax(-1)  # [K, L+1, V]
+    if kind in ("equal", "one_token_equal"):
+        target_probs = torch.cat([draft_probs, target_probs[:, -1:]], 1)  # q = p at the drafted positions
+    tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=generator)  # [K L, 1]
+    return target_probs, draft_probs, tokens.view(num_drafts, draft_length)
+
+
+def random_blocks(case: Case, draft_length: int, vocab: int):
+    """Every kind of :func:`random_block` for ``case``, with its keyed draws."""
+    support = LP_SUPPORT if case.name == "is-lp" else None
+    for seed, kind in enumerate(BLOCK_KINDS):
+        block = random_block(kind, case.num_drafts, draft_length, vocab, seed, case.identical_drafts, support)
+        yield kind, block, Draws.create(key=1000 + seed, block_start=17 * seed)
+
+
+class WithExtra:
+    """A registry's installed plugins plus ``extra`` (name → class), through the registry's overridable loading
+    (mixed in before a registry class)."""
+
+    def __init__(self, extra: dict[str, type]):
+        super().__init__()
+        self.extra = extra
+
+    def names(self):
+        return sorted([*super().names(), *self.extra])
+
+    def load_class(self, name):
+        return self.extra[name] if name in self.extra else super().load_class(name)
+
+
+class VerifierRegistryWith(WithExtra, VerifierRegistry):
+    """The installed verifiers plus ``extra``."""
+
+
+class DrafterRegistryWith(WithExtra, DrafterRegistry):
+    """The installed drafters plus ``extra`` (name → class)."""
+
+
+def block_inputs(num_drafts: int, identical: bool, vocab: int = 4, draft_length: int = 3):
+    """float32 laws as the engine passes them: rows share their first draft token, so their alive sets differ later."""
+    generator = torch.Generator().manual_seed(21)
+    target_law = random_sequence_laws(generator, vocab, draft_length + 1, sparsity=0.0)
+    # Drafts close to the target, as real drafts are: long accepted prefixes, where block and token-wise differ.
+    draft_law_sets = [
+        {prefix: 0.6 * target_law[prefix] + 0.4 * law for prefix, law in noise.items()}
+        for noise in (random_sequence_laws(generator, vocab, draft_length, sparsity=0.0) for _ in range(num_drafts))
+    ]
+    if identical:
+        draft_law_sets = draft_law_sets[:1] * num_drafts
+    # Rows follow the target's two likeliest tokens at each position, sharing their first token.
+    rows = []
+    for second_choice in [(), (1,), (2,)][:num_drafts]:
+        row: tuple[int, ...] = ()
+        for t in range(draft_length):
+            ranked = target_law[row].argsort(descending=True).tolist()
+            row += (ranked[1] if t in second_choice else ranked[0],)
+        rows.append(row)
+    target_probs = torch.stack([torch.stack([target_law[r[:t]] for t in range(draft_length + 1)]) for r in rows])
+    draft_probs = torch.stack(
+        [torch.stack([laws[r[:t]] for t in range(draft_length)]) for laws, r in zip(draft_law_sets, rows)]
+    )
+    return target_probs.float(), draft_probs.float(), torch.tensor(rows)
+
+
+TRIGRAM_LOOKUP = {"drafter": "prompt-lookup", "params": {"min_ngram": 3, "max_ngram": 3}}
+"""Trigrams over the tiny vocabulary: along a continuation the lookup both hits and misses."""
+LOOKUP_PROMPTS = ["a b c d a b c", "c d e c d", "e a b e a"]
+
+
+def recipe_with_drafts(models, family: str, drafts: list[dict], **sections) -> dict:
+    """A tiny recipe whose drafts are ``drafts`` ('draft' as a model: the family's tiny draft model)."""
+    recipe = tiny_recipe(models, family, **sections)
+    recipe.pop("draft")
+    recipe["drafts"] = [
+        {"model": str(models[f"{family}-draft"]), "device": "cpu"} if d == "draft" else d for d in drafts
+    ]
+    return recipe
+
+
+# The bench tests' inputs: source and reference lines, as files and as a dataset.
+
+SOURCES = ["a b c", "d e a", "c c b", "e d c b", "b a", "d d e", "a e", "c b a d"]
+REFERENCES = ["a b c d", "d e", "c b", "e d c", "b a a", "d e", "a e e", "c b a"]
+
+
+@pytest.fixture
+def data(tmp_path) -> dict[str, Path]:
+    source, reference, dataset = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "data.jsonl"
+    source.write_text("\n".join(SOURCES) + "\n")
+    reference.write_text("\n".join(REFERENCES) + "\n")
+    dataset.write_text(
+        "".join(
+            json.dumps(
+                {"id": i, "question_id": i, "document": s, "summary": r, "turns": [s], "category": "cat" + str(i % 2)}
+            )
+            + "\n"
+            for i, (s, r) in enumerate(zip(SOURCES, REFERENCES))
+        )
+    )
+    return {"source": source, "reference": reference, "dataset": dataset}
+
+
+@pytest.fixture
+def bench_recipe_path(tiny_models, write_recipe) -> str:
+    return str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12})))

@@ -13,8 +13,7 @@ from specdec_cli.acceptance import OPTIMUM, AcceptanceAnalysis, AcceptanceReques
 from specdec_cli.base.randomness import sample_key
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.plugins.registry import VerifierRegistry
-from tests.conftest import tiny_recipe
-from tests.test_cli import _one_error_line, run  # noqa: F401  (the CLI fixture)
+from tests.conftest import LOOKUP_PROMPTS, TRIGRAM_LOOKUP, one_error_line, recipe_with_drafts, tiny_recipe
 
 PROMPTS = ["a b c", "d e", "e e a b", "c"]
 
@@ -256,20 +255,6 @@ def test_cli_leaves_out_verifiers_that_cannot_apply_and_derives_the_kl_grid(run,
 
 # --------------------------------------------------------------------------- drafters (issue 21)
 
-TRIGRAM_LOOKUP = {"drafter": "prompt-lookup", "params": {"min_ngram": 3, "max_ngram": 3}}
-"""Trigrams over the tiny vocabulary: along a continuation the lookup both hits and misses."""
-LOOKUP_PROMPTS = ["a b c d a b c", "c d e c d", "e a b e a"]
-
-
-def _with_drafts(models, family: str, drafts: list[dict], **sections) -> dict:
-    """A tiny recipe whose drafts are ``drafts`` ('draft' as a model: the family's tiny draft model)."""
-    recipe = tiny_recipe(models, family, **sections)
-    recipe.pop("draft")
-    recipe["drafts"] = [
-        {"model": str(models[f"{family}-draft"]), "device": "cpu"} if d == "draft" else d for d in drafts
-    ]
-    return recipe
-
 
 def _lookup_law(haystack: list[int], size: int, offset: int) -> int | None:
     """By brute force: the token ``offset`` places after the latest earlier occurrence of the haystack's last
@@ -302,7 +287,7 @@ def _brute_force_lookup(analysis, prompts, offset: int) -> tuple[float, float]:
 def test_prompt_lookup_acceptance_is_q_of_the_looked_up_token(tiny_models, family):
     """K = 1 through speculative: at each position q of the token the lookup proposes, 0 where it misses; the
     coverage is the share of hits. A wrong law (q of the token after the proposed one) does not match."""
-    recipe = build_recipe(_with_drafts(tiny_models, family, [TRIGRAM_LOOKUP], generation={"max_new_tokens": 14}))
+    recipe = build_recipe(recipe_with_drafts(tiny_models, family, [TRIGRAM_LOOKUP], generation={"max_new_tokens": 14}))
     analysis = AcceptanceAnalysis(recipe, AcceptanceRequest(verifiers=("speculative",), num_drafts=(1,)))
     report = analysis.run(LOOKUP_PROMPTS)
     expected, hit_share = _brute_force_lookup(analysis, LOOKUP_PROMPTS, offset=1)
@@ -317,8 +302,8 @@ def test_prompt_lookup_acceptance_is_q_of_the_looked_up_token(tiny_models, famil
 def test_drafter_sections_each_on_its_own(run, tiny_models, write_recipe):  # noqa: F811
     """--drafter model,prompt-lookup: a section each; the model's equals a run with the model entry alone."""
     sections = {"generation": {"max_new_tokens": 8}}
-    both = write_recipe(_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], **sections))
-    model_only = write_recipe(_with_drafts(tiny_models, "llama", ["draft"], **sections))
+    both = write_recipe(recipe_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], **sections))
+    model_only = write_recipe(recipe_with_drafts(tiny_models, "llama", ["draft"], **sections))
     args = [*LOOKUP_PROMPTS, "--verifier", "speculative,specinfer", "--num-drafts", "1,2", "--json"]
     code, out, err = run(["acceptance", "-r", str(both), "--drafter", "model,prompt-lookup", *args])
     assert code == 0, err
@@ -340,7 +325,7 @@ def test_drafter_sections_each_on_its_own(run, tiny_models, write_recipe):  # no
 def test_mixed_model_and_lookup_rows_go_through_specinfer(run, tiny_models, write_recipe, tmp_path):  # noqa: F811
     """No --drafter: the entries together, K = 2 rows of different laws; speculative is left out with its reason."""
     recipe = write_recipe(
-        _with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8})
+        recipe_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8})
     )
     out_folder, picture = tmp_path / "out", tmp_path / "plot.png"
     code, out, err = run(
@@ -386,7 +371,7 @@ def test_a_drafter_that_cannot_work_here_is_one_line(run, tiny_models, write_rec
     recipe = write_recipe(tiny_recipe(tiny_models, "llama"))
     code, _, err = run(["acceptance", "-r", str(recipe), "a b", "--drafter", value])
     assert code == 2
-    _one_error_line(err, message)
+    one_error_line(err, message)
 
 
 def test_derived_kl_bounds_come_from_the_first_entry_with_a_model_whatever_the_drafter_order(
@@ -395,7 +380,7 @@ def test_derived_kl_bounds_come_from_the_first_entry_with_a_model_whatever_the_d
     write_recipe,  # noqa: F811
 ):
     recipe = write_recipe(
-        _with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8})
+        recipe_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8})
     )
     tables = {}
     for order in ("model,prompt-lookup", "prompt-lookup,model"):

@@ -12,8 +12,7 @@ import json
 
 import pytest
 
-from tests.conftest import acceptance_of_one_prompt, tiny_recipe
-from tests.test_cli import _one_error_line, run  # noqa: F401  (the fixture)
+from tests.conftest import BENCH_DATA, acceptance_of_one_prompt, one_error_line, tiny_recipe
 
 GENERATE = [
     ("generate -r {recipe} --verifier mentored --kl inf ab", "kl must be a finite number >= 0"),
@@ -59,7 +58,6 @@ ACCEPTANCE = [
     ("acceptance -r {recipe} --prompt ab --plot {dir}/plot.txt", "name a .png, .pdf, .svg file"),
     ("acceptance -r {recipe} --prompt ab --plot {dir}/no/such/plot.png", "does not exist or is not writable"),
 ]
-BENCH_DATA = "--source {dir}/source.txt --reference {dir}/reference.txt"
 BENCH_ON_DATA = "bench -r {recipe} %s " % BENCH_DATA  # then the options of the row
 BENCH = [
     (BENCH_ON_DATA + "--temperature -1", "grid cell 'baseline T=-1': generation.temperature: must be >= 0"),
@@ -101,36 +99,11 @@ PARSER = [  # the option parser's own errors: one line too, naming the command's
 ]
 
 
-@pytest.fixture
-def inputs(tmp_path, tiny_models, write_recipe):
-    """The prepared files, and the substitutions for ``{dir}`` and ``{recipe}``."""
-    lines = {
-        "null.jsonl": [{"prompt": None}],
-        "empty-turns.jsonl": [{"turns": []}],
-        "number-turns.jsonl": [{"turns": [5]}],
-        "other-field.jsonl": [{"body": "a b"}],
-        "duplicate-ids.jsonl": [{"id": 1, "text": "a b"}, {"id": 1, "text": "c d"}],
-    }
-    for name, records in lines.items():
-        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
-    (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)) * 3)
-    (tmp_path / "list.yaml").write_text("- a\n- b\n")
-    (tmp_path / "source.txt").write_text("a b\nc d\n")
-    (tmp_path / "reference.txt").write_text("e f\ng h\n")
-    (tmp_path / "short.txt").write_text("e f\n")
-    (tmp_path / "damaged-config").mkdir()
-    (tmp_path / "damaged-config" / "config.json").write_text('{"cells": [')
-    (tmp_path / "empty-record").mkdir()
-    (tmp_path / "empty-record" / "config.json").write_text('{"cells": []}')
-    (tmp_path / "empty-record" / "samples.jsonl").write_text("{}\n{}\n")
-    return {"dir": str(tmp_path), "recipe": str(write_recipe(tiny_recipe(tiny_models, "llama")))}
-
-
 @pytest.mark.parametrize(("command", "message"), GENERATE + ACCEPTANCE + BENCH + PARSER, ids=lambda v: v[:60])
 def test_bad_input_gives_one_line_and_exit_2(run, inputs, command, message):
     code, out, err = run(command.format(**inputs).split())
     assert code == 2, (out, err)
-    _one_error_line(err, message.format(**inputs))
+    one_error_line(err, message.format(**inputs))
 
 
 def test_the_table_covers_every_command():
@@ -143,7 +116,7 @@ def test_world_size_without_torchrun_is_one_line(run, inputs, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     code, _, err = run(["bench", "-r", inputs["recipe"], "--source", f"{inputs['dir']}/source.txt"])
     assert code == 2
-    _one_error_line(err, "WORLD_SIZE=2 is set without RANK")
+    one_error_line(err, "WORLD_SIZE=2 is set without RANK")
 
 
 def test_an_unwritable_cache_is_refused_before_the_conversion(tmp_path, monkeypatch):
@@ -169,14 +142,14 @@ def test_a_damaged_safetensors_file_is_one_line(run, tiny_models, write_recipe, 
     recipe["target"]["model"] = str(broken)
     code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "a b"])
     assert code == 1
-    _one_error_line(err, "weights in")
+    one_error_line(err, "weights in")
 
 
 def test_binary_stdin_is_one_line(run, inputs):
     """A C locale hands undecodable bytes over as lone surrogates rather than raising."""
     code, _, err = run(["generate", "-r", inputs["recipe"]], stdin="a \udcff b")
     assert code == 2
-    _one_error_line(err, "standard input is not UTF-8 text")
+    one_error_line(err, "standard input is not UTF-8 text")
 
 
 @pytest.mark.parametrize(
@@ -212,4 +185,4 @@ def test_a_plot_that_fails_never_hides_the_table(run, inputs, monkeypatch, tmp_p
     )
     assert code == 1
     assert "token-level acceptance probability" in out  # the table came first
-    _one_error_line(err, "could not write the plot")
+    one_error_line(err, "could not write the plot")

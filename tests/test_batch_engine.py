@@ -27,10 +27,7 @@ from specdec_cli.plugins.verifiers import device_path
 from specdec_plugins.model_drafter import ModelDrafter
 from specdec_plugins.prompt_lookup import PromptLookup
 from specdec_plugins.speculative import SpeculativeSampling
-from tests.conftest import tiny_recipe
-from tests.test_device_reads import conversions  # noqa: F401 (a fixture)
-from tests.test_drafters import RegistryWith as DrafterRegistryWith
-from tests.test_reliability_plugins import RegistryWith as VerifierRegistryWith
+from tests.conftest import DrafterRegistryWith, VerifierRegistryWith, tiny_recipe
 
 PROMPTS = ["a b c d", "e e a", "b", "d c b a e d c b a"]
 LOSSLESS = [

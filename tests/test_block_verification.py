@@ -25,7 +25,7 @@ from specdec_cli.kit.testing import (
 )
 from specdec_cli.plugins.registry import load_verifier
 from specdec_cli.plugins.verifiers import BlockDecision
-from tests.test_cli import run  # noqa: F401  (the CLI fixture)
+from tests.conftest import block_inputs
 
 
 def _random_cases(vocab: int, draft_length: int, count: int = 5):
@@ -129,32 +129,6 @@ def test_token_level_block_laws_are_the_target_law(name, num_drafts):
 # --------------------------------------------------------------------------- verify_block samples its law
 
 
-def _block_inputs(num_drafts: int, identical: bool, vocab: int = 4, draft_length: int = 3):
-    """float32 laws as the engine passes them: rows share their first draft token, so their alive sets differ later."""
-    generator = torch.Generator().manual_seed(21)
-    target_law = random_sequence_laws(generator, vocab, draft_length + 1, sparsity=0.0)
-    # Drafts close to the target, as real drafts are: long accepted prefixes, where block and token-wise differ.
-    draft_law_sets = [
-        {prefix: 0.6 * target_law[prefix] + 0.4 * law for prefix, law in noise.items()}
-        for noise in (random_sequence_laws(generator, vocab, draft_length, sparsity=0.0) for _ in range(num_drafts))
-    ]
-    if identical:
-        draft_law_sets = draft_law_sets[:1] * num_drafts
-    # Rows follow the target's two likeliest tokens at each position, sharing their first token.
-    rows = []
-    for second_choice in [(), (1,), (2,)][:num_drafts]:
-        row: tuple[int, ...] = ()
-        for t in range(draft_length):
-            ranked = target_law[row].argsort(descending=True).tolist()
-            row += (ranked[1] if t in second_choice else ranked[0],)
-        rows.append(row)
-    target_probs = torch.stack([torch.stack([target_law[r[:t]] for t in range(draft_length + 1)]) for r in rows])
-    draft_probs = torch.stack(
-        [torch.stack([laws[r[:t]] for t in range(draft_length)]) for laws, r in zip(draft_law_sets, rows)]
-    )
-    return target_probs.float(), draft_probs.float(), torch.tensor(rows)
-
-
 def _sampled_outcomes(verifier, target_probs, draft_probs, draft_tokens, samples: int) -> Counter:
     generator = torch.Generator().manual_seed(5)
     counts: Counter = Counter()
@@ -194,7 +168,7 @@ def _p_value(counts: Counter, law: dict) -> float:
 )
 def test_verify_block_samples_its_exact_law(name, params, num_drafts, identical):
     verifier = load_verifier(name, params)
-    inputs = _block_inputs(num_drafts, identical)
+    inputs = block_inputs(num_drafts, identical)
     samples = (
         1500 if name.startswith("is-") else 2000 if name in ("mentored", "spectr") else 4000
     )  # bisections are slow
@@ -206,7 +180,7 @@ def test_verify_block_samples_its_exact_law(name, params, num_drafts, identical)
 
 
 def test_verify_block_is_deterministic_given_the_generator():
-    target_probs, draft_probs, draft_tokens = _block_inputs(1, True)
+    target_probs, draft_probs, draft_tokens = block_inputs(1, True)
     for name in ("block", "speculative", "mentored"):
         verifier = load_verifier(name)
         first = [
@@ -225,7 +199,7 @@ def test_verify_block_is_deterministic_given_the_generator():
 def test_walk_follows_a_surviving_row():
     """With several drafts, the committed tokens follow the row the decision names."""
     verifier = load_verifier("specinfer")
-    target_probs, draft_probs, draft_tokens = _block_inputs(3, False)
+    target_probs, draft_probs, draft_tokens = block_inputs(3, False)
     generator = torch.Generator().manual_seed(0)
     rows_seen = set()
     for _ in range(300):

@@ -14,37 +14,7 @@ import torch
 
 from specdec_cli.cli import main
 from specdec_cli.kit.testing import tiny_model, tiny_tokenizer
-from tests.conftest import tiny_recipe
-
-
-@pytest.fixture
-def run(capsys, monkeypatch):
-    """run(args, stdin=None) -> (exit code, stdout, stderr) of `specdec ARGS` in this process."""
-
-    def invoke(args: list[str], stdin: str | None = None):
-        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin or ""))
-        try:
-            main(args)
-            code = 0
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return invoke
-
-
-@pytest.fixture
-def recipe_path(tiny_models, write_recipe):
-    return str(write_recipe(tiny_recipe(tiny_models, "llama")))
-
-
-def _one_error_line(err: str, pattern: str) -> None:
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: ")
-    assert pattern in lines[0], lines[0]
-    assert "Traceback" not in err
+from tests.conftest import one_error_line, tiny_recipe
 
 
 def test_version_and_help(run):
@@ -158,7 +128,7 @@ def test_bad_recipe_and_flags(run, recipe_path, args, code, message):
         args = ["-r", recipe_path, *args]
     got, _, err = run(["generate", *args, "a b"])
     assert got == code
-    _one_error_line(err, message)
+    one_error_line(err, message)
 
 
 def test_yaml_syntax_error(run, tmp_path):
@@ -166,14 +136,14 @@ def test_yaml_syntax_error(run, tmp_path):
     path.write_text("target: {model: x\n")
     code, _, err = run(["generate", "-r", str(path), "a"])
     assert code == 2
-    _one_error_line(err, "YAML syntax error")
+    one_error_line(err, "YAML syntax error")
     assert "line " in err
 
 
 def test_empty_prompt(run, recipe_path):
     code, _, err = run(["generate", "-r", recipe_path, "   "])
     assert code == 2
-    _one_error_line(err, "the prompt is empty")
+    one_error_line(err, "the prompt is empty")
 
 
 def test_no_prompt_at_all(run, recipe_path, monkeypatch):
@@ -193,7 +163,7 @@ def test_no_prompt_at_all(run, recipe_path, monkeypatch):
 def test_prompt_longer_than_context(run, recipe_path):
     code, _, err = run(["generate", "-r", recipe_path, " ".join(["a"] * 130)])
     assert code == 2
-    _one_error_line(err, "the model's context of 128 positions cannot hold")
+    one_error_line(err, "the model's context of 128 positions cannot hold")
 
 
 @pytest.mark.parametrize(("max_new_tokens", "code"), [(100, 2), (20, 0)])
@@ -204,7 +174,7 @@ def test_encoder_decoder_context_is_checked_before_generating(run, tiny_models, 
     assert got == code, err
     if code:
         assert not out
-        _one_error_line(err, "the decoder's context of 64 positions cannot hold max_new_tokens 100")
+        one_error_line(err, "the decoder's context of 64 positions cannot hold max_new_tokens 100")
 
 
 def test_model_not_found(run, tiny_models, write_recipe):
@@ -212,7 +182,7 @@ def test_model_not_found(run, tiny_models, write_recipe):
     recipe["target"]["model"] = "no-such-org/no-such-model"
     code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "a"])
     assert code == 1
-    _one_error_line(err, "model 'no-such-org/no-such-model' not found")
+    one_error_line(err, "model 'no-such-org/no-such-model' not found")
     assert "could not be reached" in err and "local directory" in err
 
 
@@ -224,7 +194,7 @@ def test_tokenizer_mismatch(run, tiny_models, write_recipe, tmp_path):
     recipe["draft"]["model"] = str(other)
     code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "a"])
     assert code == 1
-    _one_error_line(err, "does not share the target's tokenizer")
+    one_error_line(err, "does not share the target's tokenizer")
 
 
 @pytest.mark.parametrize("command", [["generate", "a b"], ["acceptance", "--prompt", "a b", "--num-drafts", "1"]])
@@ -240,7 +210,7 @@ def test_nan_logits_are_reported(run, tiny_models, write_recipe, tmp_path, comma
     recipe["target"]["model"] = str(broken)
     code, _, err = run([command[0], "-r", str(write_recipe(recipe)), "--temperature", temperature, *command[1:]])
     assert code == 1
-    _one_error_line(err, "the target produced NaN or infinite logits")
+    one_error_line(err, "the target produced NaN or infinite logits")
 
 
 def test_debug_shows_the_traceback(recipe_path):
@@ -307,7 +277,7 @@ def test_generate_compares_verifiers_on_the_same_prompts_and_seeds(run, recipe_p
 def test_generate_comparison_inputs_are_checked_before_loading(run, recipe_path, verifiers, pattern):
     code, _, err = run(["generate", "-r", recipe_path, "--verifier", verifiers, "--kl", "0.1", "a"])
     assert code == 2
-    _one_error_line(err, pattern)
+    one_error_line(err, pattern)
 
 
 def test_stats_table_names_the_configuration_and_skips_draft_rows_for_the_target_alone(run, recipe_path):

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import specdec_args, tiny_recipe
-from tests.test_cli import _one_error_line, recipe_path, run  # noqa: F401 (fixtures)
+from tests.conftest import one_error_line, specdec_args, tiny_recipe
 
 
 def _prompt_file(tmp_path) -> str:
@@ -61,11 +60,11 @@ def test_a_batch_shows_each_sample_whole(run, recipe_path, tmp_path):  # noqa: F
 def test_bad_batch_uses_are_one_line(run, recipe_path, args, message):  # noqa: F811
     code, _, err = run(["generate", "-r", recipe_path, *args, "a b"])
     assert code == 2
-    _one_error_line(err, message)
+    one_error_line(err, message)
 
 
 def test_a_target_that_cannot_batch_is_one_line(run, tiny_models, write_recipe):  # noqa: F811
     path = str(write_recipe(tiny_recipe(tiny_models, "bart")))
     code, _, err = run(["generate", "-r", path, "--batch-size", "2", "a b"])
     assert code == 2
-    _one_error_line(err, "use --batch-size 1")
+    one_error_line(err, "use --batch-size 1")

@@ -13,8 +13,7 @@ from specdec_cli.base.recipe import build_recipe
 from specdec_cli.plugins.registry import VerifierRegistry, load_verifier
 from specdec_cli.plugins.verifiers import device_path
 from specdec_plugins.speculative import SpeculativeSampling
-from tests.conftest import tiny_recipe
-from tests.test_device_path import random_block
+from tests.conftest import random_block, tiny_recipe
 
 
 class GeneratorPlugin(SpeculativeSampling):

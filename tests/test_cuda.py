@@ -25,8 +25,7 @@ from specdec_cli.engine.device_path import capture_cuda_graph, count_block
 from specdec_cli.engine.graphs import CapturedVerifyStep
 from specdec_cli.plugins.registry import VerifierFault, VerifierRegistry, load_verifier
 from specdec_plugins.speculative import SpeculativeSampling
-from tests.conftest import tiny_recipe
-from tests.test_device_path import BLOCK_KINDS, CASES, Case, _blocks, random_block
+from tests.conftest import BLOCK_KINDS, CASES, Case, random_block, random_blocks, tiny_recipe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -46,7 +45,7 @@ def _cuda_draws(draws: Draws) -> Draws:
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_the_device_path_counts_on_cuda_as_on_the_cpu(case):
     verifier = case.verifier()
-    for kind, block, draws in _blocks(case, 8, VOCAB):
+    for kind, block, draws in random_blocks(case, 8, VOCAB):
         on_cpu = count_block(verifier, *block, draws)
         on_gpu = count_block(verifier, *_on_cuda(block), _cuda_draws(draws))
         assert (on_gpu.ops, on_gpu.reads) == (on_cpu.ops, on_cpu.reads), kind
@@ -55,7 +54,7 @@ def test_the_device_path_counts_on_cuda_as_on_the_cpu(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_a_block_synchronises_with_the_host_only_for_the_lp(case):
     verifier = case.verifier()
-    for kind, block, draws in _blocks(case, 8, VOCAB):
+    for kind, block, draws in random_blocks(case, 8, VOCAB):
         block, draws = _on_cuda(block), _cuda_draws(draws)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
@@ -78,7 +77,7 @@ def _capture(verifier, block, draws):
 @pytest.mark.parametrize("case", GRAPH_CASES, ids=lambda case: case.id)
 def test_a_block_captured_in_a_cuda_graph_decides_as_eager_on_new_laws(case):
     verifier = case.verifier()
-    blocks = list(_blocks(case, 8, VOCAB))
+    blocks = list(random_blocks(case, 8, VOCAB))
     _, first, first_draws = blocks[0]
     static, static_draws = _on_cuda(first), _cuda_draws(first_draws)
     replay, captured = _capture(verifier, static, static_draws)
@@ -102,7 +101,9 @@ def test_a_block_captured_in_a_cuda_graph_decides_as_eager_on_new_laws(case):
 
 def test_a_captured_step_hands_out_decisions_the_next_replay_does_not_overwrite():
     step = CapturedVerifyStep(load_verifier("speculative"), fallback=None)
-    blocks = [(_on_cuda(block), _cuda_draws(draws)) for _, block, draws in _blocks(Case("speculative", 1), 8, VOCAB)]
+    blocks = [
+        (_on_cuda(block), _cuda_draws(draws)) for _, block, draws in random_blocks(Case("speculative", 1), 8, VOCAB)
+    ]
     first = step(*blocks[0][0], blocks[0][1])
     kept = first.tokens.clone(), first.num_accepted.clone()
     for block, draws in blocks[1:]:
@@ -205,6 +206,6 @@ def test_the_graph_check_sees_a_sync():
             float(target_probs[0, 0, 0])  # a host read mid-block
             return super().verify_block(target_probs, draft_probs, draft_tokens, randomness)
 
-    _, block, draws = next(_blocks(Case("speculative", 1), 4, VOCAB))
+    _, block, draws = next(random_blocks(Case("speculative", 1), 4, VOCAB))
     with pytest.raises(RuntimeError):
         _capture(Reads(), _on_cuda(block), _cuda_draws(draws))

@@ -12,56 +12,21 @@ Negative controls show that each check fails on what it must catch.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from specdec_cli import BlockDecision, BlockVerifier, load_verifier
-from specdec_cli.base.randomness import Draws
+from specdec_cli import BlockDecision, BlockVerifier
 from specdec_cli.engine.device_path import BlockCount, OperationCount, count_block, is_host_copy
 from specdec_cli.plugins.verifiers import device_path
+from tests.conftest import CASES, Case, random_blocks
 
 VOCABULARIES = (64, 4096)
 LENGTHS = (4, 8)
 GRAPH_VOCABULARY = 32  # dynamo traces the same code at any V; a small one keeps its checks fast
-BLOCK_KINDS = ("peaked", "near_one_token", "one_token_equal", "equal", "disjoint", "flat_draft")
-LP_SUPPORT = 16  # is-lp needs a bounded draft support (as top-k sampling gives)
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    num_drafts: int
-    kl: float | None = None
-
-    @property
-    def id(self) -> str:
-        return f"{self.name}-K{self.num_drafts}" + ("" if self.kl is None else f"-kl{self.kl}")
-
-    @property
-    def host_lp(self) -> bool:
-        """Importance sampling with two or more drafts keeps one host read, for its LP."""
-        return self.name in ("is-lp", "is-truncated") and self.num_drafts > 1
-
-    def verifier(self) -> BlockVerifier:
-        return load_verifier(self.name, {} if self.kl is None else {"kl": self.kl})
-
-    @functools.cached_property
-    def identical_drafts(self) -> bool:
-        return type(self.verifier()).identical_drafts
-
-
-CASES = [
-    Case("speculative", 1),
-    Case("block", 1),
-    Case("mentored", 1, 0.0),
-    Case("mentored", 1, 0.3),
-    *(Case("specinfer", k) for k in (1, 2, 3, 4)),
-    *(Case("spectr", k) for k in (2, 4)),
-    *(Case(name, k) for name in ("is-lp", "is-truncated") for k in (2, 4)),
-]
 GRAPH_CASES = [case for case in CASES if case.num_drafts in (1, 4)]
 """Dynamo's trace takes seconds: each verifier's code is traced once with one draft and once with four
 (K = 2, 3 run the same code as four; one draft takes the single-draft path)."""
@@ -75,57 +40,6 @@ def _params(cases=CASES, lengths=LENGTHS):
             yield pytest.param(case, length, id=f"{case.id}-L{length}")
 
 
-def random_block(
-    kind: str,
-    num_drafts: int,
-    draft_length: int,
-    vocab: int,
-    seed: int,
-    identical_drafts: bool,
-    support: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Target laws ``[K, L+1, V]``, draft laws ``[K, L, V]`` and the draft tokens drawn from them ``[K, L]``.
-
-    Rows share position 0's target law (the committed prefix); later positions differ a little per
-    row. ``support`` cuts the draft laws to their most likely tokens.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    shared = torch.randn(1, draft_length + 1, vocab, generator=generator) * 3  # [1, L+1, V]
-    per_row = torch.randn(num_drafts, draft_length + 1, vocab, generator=generator) * 0.5  # [K, L+1, V]
-    per_row[:, 0] = 0
-    target_logits = shared + per_row  # [K, L+1, V]
-    noise_rows = 1 if identical_drafts else num_drafts
-    noise = torch.randn(noise_rows, draft_length, vocab, generator=generator).expand(num_drafts, -1, -1)  # [K, L, V]
-    draft_logits = {
-        "peaked": target_logits[:, :-1] + noise,
-        "near_one_token": (target_logits[:, :-1] + 0.1 * noise) * 12,
-        "one_token_equal": target_logits[:, :-1] * 1e4,  # q = p, both one token (float32 softmax is one-hot)
-        "equal": target_logits[:, :-1],
-        "disjoint": -target_logits[:, :-1] * 3,
-        "flat_draft": 0.01 * noise,
-    }[kind]  # [K, L, V]
-    if identical_drafts:
-        draft_logits = draft_logits[:1].expand(num_drafts, -1, -1)
-    if support is not None:
-        kth = draft_logits.topk(support, -1).values[..., -1:]  # [K, L, 1]
-        draft_logits = draft_logits.masked_fill(draft_logits < kth, float("-inf"))
-    if kind in ("near_one_token", "one_token_equal"):
-        target_logits = target_logits * (12 if kind == "near_one_token" else 1e4)
-    draft_probs = draft_logits.softmax(-1)  # [K, L, V]
-    target_probs = target_logits.softmax(-1)  # [K, L+1, V]
-    if kind in ("equal", "one_token_equal"):
-        target_probs = torch.cat([draft_probs, target_probs[:, -1:]], 1)  # q = p at the drafted positions
-    tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=generator)  # [K L, 1]
-    return target_probs, draft_probs, tokens.view(num_drafts, draft_length)
-
-
-def _blocks(case: Case, draft_length: int, vocab: int):
-    support = LP_SUPPORT if case.name == "is-lp" else None
-    for seed, kind in enumerate(BLOCK_KINDS):
-        block = random_block(kind, case.num_drafts, draft_length, vocab, seed, case.identical_drafts, support)
-        yield kind, block, Draws.create(key=1000 + seed, block_start=17 * seed)
-
-
 @functools.cache
 def block_counts(case: Case, draft_length: int) -> tuple[tuple[str, BlockCount], ...]:
     """("V=…, kind", count) for every random block of the case at both vocabulary sizes."""
@@ -133,7 +47,7 @@ def block_counts(case: Case, draft_length: int) -> tuple[tuple[str, BlockCount],
     return tuple(
         (f"V={vocab} {kind}", count_block(verifier, *block, draws))
         for vocab in VOCABULARIES
-        for kind, block, draws in _blocks(case, draft_length, vocab)
+        for kind, block, draws in random_blocks(case, draft_length, vocab)
     )
 
 
@@ -190,7 +104,7 @@ def test_no_host_read_except_the_lp(case, draft_length):
 
 @pytest.mark.parametrize(("case", "draft_length"), _params(GRAPH_CASES, lengths=(4,)))
 def test_verify_block_traces_into_one_graph(case, draft_length):
-    _, block, draws = next(_blocks(case, draft_length, GRAPH_VOCABULARY))
+    _, block, draws = next(random_blocks(case, draft_length, GRAPH_VOCABULARY))
     assert len(graph_breaks(case.verifier(), block, draws)) <= (1 if case.host_lp else 0)
 
 
@@ -262,7 +176,8 @@ def test_the_counter_sees_no_read_in_pure_tensor_code():
 def test_the_checks_see_a_data_dependent_loop():
     verifier = _DataDependentLoop()
     counts = [
-        (kind, count_block(verifier, *block, draws)) for kind, block, draws in _blocks(Case("speculative", 1), 4, 4096)
+        (kind, count_block(verifier, *block, draws))
+        for kind, block, draws in random_blocks(Case("speculative", 1), 4, 4096)
     ]
     assert varying_count(counts) is not None
     assert unexpected_reads(counts, 0) is not None
@@ -270,5 +185,5 @@ def test_the_checks_see_a_data_dependent_loop():
 
 
 def test_the_graph_check_sees_a_generator_draw():
-    _, block, _ = next(_blocks(Case("speculative", 1), 4, GRAPH_VOCABULARY))
+    _, block, _ = next(random_blocks(Case("speculative", 1), 4, GRAPH_VOCABULARY))
     assert graph_breaks(_GeneratorDraw(), block, torch.Generator().manual_seed(0))

@@ -11,8 +11,6 @@ budget without a GPU.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -22,26 +20,10 @@ from specdec_cli.base.recipe import build_recipe
 from specdec_cli.plugins.verifiers import device_path
 from tests.conftest import tiny_recipe
 
-CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__array__")
 READS_PER_BLOCK = 1
 HOST_LP_READS = {"is-lp", "is-truncated"}
 """Importance sampling with two or more drafts solves its free LP on the host: one more read per block
 (issue #20 allows it for these schemes)."""
-
-
-@pytest.fixture
-def conversions(monkeypatch):
-    """A Counter of Tensor → Python conversions made while the fixture is active."""
-    counter: Counter = Counter()
-    for name in CONVERSIONS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _name=name, _original=original, **kwargs):
-            counter[_name] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return counter
 
 
 def _decoder(models, family: str, name: str, num_drafts: int, params=None, **generation) -> SpeculativeDecoder:

@@ -19,8 +19,6 @@ from specdec_cli.plugins.draft_rows import DraftRows, round_robin
 from specdec_cli.plugins.drafter_registry import draft_law, recipe_draft_rows
 from specdec_cli.plugins.registry import VerifierRegistry
 from tests.conftest import bench_on_files, tiny_recipe
-from tests.test_bench import data  # noqa: F401  (the data fixture)
-from tests.test_cli import run  # noqa: F401  (the CLI fixture)
 
 
 def _two_draft_recipe(models, temperatures=(1.0, 1.5), **sections) -> dict:

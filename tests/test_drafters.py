@@ -22,16 +22,10 @@ from specdec_cli.plugins.drafter_registry import DrafterRegistry
 from specdec_cli.plugins.drafting import DraftSetup, SequenceProposal, SequenceRequest, block_length
 from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_plugins.prompt_lookup import PromptLookup
-from tests.conftest import tiny_recipe
-from tests.test_cli import _one_error_line, run  # noqa: F401
-from tests.test_reliability_plugins import WithExtra
+from tests.conftest import DrafterRegistryWith, one_error_line, tiny_recipe
 
 PROMPT = "a b c d a b c"  # repeats, so that prompt lookup finds matches from the first block
 LOOKUP = {"drafter": "prompt-lookup"}
-
-
-class RegistryWith(WithExtra, DrafterRegistry):
-    """The installed drafters plus ``extra`` (name → class)."""
 
 
 def _decoder(models, drafts: list[dict] | None = None, family: str = "llama", drafters=None, **sections):
@@ -305,7 +299,7 @@ def test_a_misbehaving_drafter_stops_with_one_line_naming_the_plugin(tiny_models
     decoder = _decoder(
         tiny_models,
         [{"drafter": "broken"}],
-        drafters=RegistryWith({"broken": broken}),
+        drafters=DrafterRegistryWith({"broken": broken}),
         generation={"max_new_tokens": 8},
     )
     with pytest.raises(SpecdecError, match="drafter 'broken' ") as caught:
@@ -367,14 +361,14 @@ def test_a_bad_draft_entry_is_one_line_before_any_model_loads(run, tiny_models, 
             draft["model"] = str(tiny_models["llama-draft"])
     code, _, err = run(["generate", "-r", str(write_recipe(recipe)), PROMPT])
     assert code == 2
-    _one_error_line(err, message)
+    one_error_line(err, message)
 
 
 def test_drafter_flag_needs_an_entry_for_a_drafter_with_a_model(run, tiny_models, write_recipe):
     recipe = write_recipe(tiny_recipe(tiny_models))
     code, _, err = run(["generate", "-r", str(recipe), "--drafter", "early-exit", PROMPT])
     assert code == 2
-    _one_error_line(err, "--drafter early-exit drafts with a model that the recipe does not name")
+    one_error_line(err, "--drafter early-exit drafts with a model that the recipe does not name")
 
 
 def test_acceptance_with_a_drafter_without_a_model_runs(run, tiny_models, write_recipe):
@@ -434,7 +428,7 @@ def test_acceptance_names_a_draft_entry_without_its_model(run, tiny_models, writ
     recipe["draft"] = {"temperature": 0.5}
     code, _, err = run(["acceptance", "-r", str(write_recipe(recipe)), PROMPT])
     assert code == 2
-    _one_error_line(err, "drafts.0: the model drafter needs 'model'")
+    one_error_line(err, "drafts.0: the model drafter needs 'model'")
 
 
 @pytest.mark.parametrize(
@@ -483,4 +477,4 @@ class FailsInSetup(PromptLookup):
 )
 def test_a_drafter_raising_outside_propose_is_its_fault_in_one_line(tiny_models, plugin, message):
     with pytest.raises(SpecdecError, match=message):
-        _decoder(tiny_models, [{"drafter": "fails"}], drafters=RegistryWith({"fails": plugin}))
+        _decoder(tiny_models, [{"drafter": "fails"}], drafters=DrafterRegistryWith({"fails": plugin}))

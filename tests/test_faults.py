@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from specdec_cli.results.store import SAMPLES, ResultsStore
-from tests.conftest import specdec_args, start_specdec, tiny_recipe, wait_for_samples
-from tests.test_cli import _one_error_line, run  # noqa: F401  (the fixture)
+from tests.conftest import one_error_line, specdec_args, start_specdec, tiny_recipe, wait_for_samples
 
 EXAMPLES = 16
 
@@ -113,7 +112,7 @@ def test_a_full_disk_stops_with_one_line_and_the_rerun_completes(run, bench_args
     monkeypatch.setattr(ResultsStore, "__init__", tight)
     code, _, err = run(bench_args(output))
     assert code == 1
-    _one_error_line(err, "No space left on device")
+    one_error_line(err, "No space left on device")
     assert not (output / SAMPLES).read_text().endswith("\n")  # the disk filled mid-line
     monkeypatch.setattr(ResultsStore, "__init__", original)
     code, _, err = run(bench_args(output))
@@ -129,7 +128,7 @@ def test_a_second_writer_is_refused_and_named(run, bench_args, tmp_path):
         assert first.poll() is None, "the first run ended before the second started"
         code, _, err = run(bench_args(output))
         assert code == 2
-        _one_error_line(err, f"is being written by another specdec run (pid {first.pid})")
+        one_error_line(err, f"is being written by another specdec run (pid {first.pid})")
     finally:
         first.kill()
         first.communicate()

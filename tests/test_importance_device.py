@@ -27,9 +27,8 @@ from specdec_cli.plugins.verifiers import device_path, walk_alive_rows
 from specdec_plugins import _pair_selection
 from specdec_plugins._importance import BlockUniforms, Problems, commit_runs
 from specdec_plugins.is_truncated import ImportanceSamplingTruncated
-from tests.test_block_verification import _block_inputs
-from tests.test_device_path import BLOCK_KINDS as DEVICE_BLOCK_KINDS
-from tests.test_device_path import random_block
+from tests.conftest import BLOCK_KINDS as DEVICE_BLOCK_KINDS
+from tests.conftest import block_inputs, random_block
 
 IMPORTANCE = ("is-lp", "is-truncated")
 KINDS = ("peaked", "near_one_token", "disjoint", "flat_draft")
@@ -245,7 +244,7 @@ def test_keyed_blocks_follow_the_block_law():
     same samples reject SpecInfer's block law (the check has power). is-lp runs the same code."""
     name = "is-truncated"
     verifier = load_verifier(name)
-    inputs = _block_inputs(3, identical=False)
+    inputs = block_inputs(3, identical=False)
     counts: Counter = Counter()
     for key in range(300):
         decision = verifier.verify_block(*inputs, Draws.create(key=key, block_start=2))

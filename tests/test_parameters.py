@@ -14,8 +14,7 @@ from specdec_cli.plugins.parameters import UNCHECKED, parameter_specs, parameter
 from specdec_cli.plugins.registry import PluginParameterError, VerifierRegistry
 from specdec_plugins.early_exit_drafter import EarlyExitDrafter
 from specdec_plugins.speculative import SpeculativeSampling
-from tests.conftest import tiny_recipe
-from tests.test_cli import _one_error_line, run  # noqa: F401
+from tests.conftest import one_error_line, tiny_recipe
 
 
 class Typed:
@@ -140,7 +139,7 @@ def test_an_ill_typed_parameter_on_the_command_line_is_one_line(run, tiny_models
         ["generate", "-r", str(recipe), "--verifier", "mentored", "--set", "verifier.params.kl=half", "a b"]
     )
     assert code == 2
-    _one_error_line(err, "verifier 'mentored': kl must be a number, got 'half'")
+    one_error_line(err, "verifier 'mentored': kl must be a number, got 'half'")
 
 
 @pytest.mark.parametrize("command, kind", [("verifiers", "verifier"), ("drafters", "drafter")])

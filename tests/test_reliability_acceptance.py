@@ -9,16 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import acceptance_of_one_prompt, specdec_args, start_specdec, wait_for_samples
-from tests.test_acceptance import LOOKUP_PROMPTS, TRIGRAM_LOOKUP, _with_drafts
-from tests.test_bad_inputs import inputs  # noqa: F401  (the prepared files and recipe)
-from tests.test_cli import _one_error_line, run  # noqa: F401  (the CLI fixture)
+from tests.conftest import (
+    LOOKUP_PROMPTS,
+    TRIGRAM_LOOKUP,
+    acceptance_of_one_prompt,
+    one_error_line,
+    recipe_with_drafts,
+    specdec_args,
+    start_specdec,
+    wait_for_samples,
+)
 
 
 def test_a_draft_count_that_cannot_fit_in_memory_is_one_line(run, inputs):  # noqa: F811
     code, out, err = run(f"acceptance -r {inputs['recipe']} --prompt ab --num-drafts 100000000".split())
     assert code == 2, (out, err)
-    _one_error_line(err, "lower --num-drafts or --max-new-tokens")
+    one_error_line(err, "lower --num-drafts or --max-new-tokens")
 
 
 def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_table(
@@ -41,7 +47,7 @@ def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_
     code, out_text, err = run(args)
     assert code == 1
     assert "token-level acceptance probability" in out_text  # the table came first
-    _one_error_line(err, "could not write the summary")
+    one_error_line(err, "could not write the summary")
     assert (out / "acceptance.json").read_text() == before
 
 
@@ -50,7 +56,7 @@ def test_killed_drafter_sections_resume_to_the_same_records(run, tiny_models, wr
     """--drafter model,prompt-lookup writes a record per (section, prompt): a run killed between or inside a prompt's
     records resumes to the records and summary of a run never stopped."""
     recipe = write_recipe(
-        _with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 10})
+        recipe_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 10})
     )
     (tmp_path / "prompts.txt").write_text(
         "".join(f"{prompt} {i % 3 * 'e '}\n" for i, prompt in enumerate(LOOKUP_PROMPTS * 2))

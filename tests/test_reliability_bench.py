@@ -20,13 +20,13 @@ from tests.conftest import (
     SPECULATIVE_CELL,
     acceptance_of_one_prompt,
     bench_on_files,
+    one_error_line,
     read_cells,
     read_results,
     read_samples,
     specdec_args,
     tiny_recipe,
 )
-from tests.test_cli import _one_error_line, run  # noqa: F401  (the CLI fixture)
 
 SOURCES = ["a b c", "d e a", "c c b", "e d c b"]
 REFERENCES = ["a b", "d e", "c b", "e d"]
@@ -99,7 +99,7 @@ def test_a_cell_whose_generation_fails_is_reported_and_the_others_kept(
         ]
     )
     assert code == 1, err
-    _one_error_line(err, f"cell '{SPECULATIVE}' failed on {where}: ")
+    one_error_line(err, f"cell '{SPECULATIVE}' failed on {where}: ")
     assert "draft" in err and "its other samples and every other cell are kept" in err
     done = {(s["cell"], s["example_id"]) for s in read_samples(out)}
     assert done == {("baseline T=1", e) for e in "0123"} | {(SPECULATIVE, e) for e in kept}
@@ -136,7 +136,7 @@ def test_a_plugin_that_raises_at_run_time_fails_its_cell_only(run, recipe_path, 
     out = tmp_path / "out"
     code, _, err = run(bench_on_files(recipe_path, data, out, "--verifier", "fails-later,speculative"))
     assert code == 1, err
-    _one_error_line(err, "cell 'fails-later K=1 L=3 T=1' failed on example ")
+    one_error_line(err, "cell 'fails-later K=1 L=3 T=1' failed on example ")
     assert "fails-later" in err and "Traceback" not in err
     cells = read_cells(out)
     assert cells["fails-later K=1 L=3 T=1"]["failed"] and not cells[SPECULATIVE]["failed"]
@@ -161,7 +161,7 @@ def test_a_resume_under_other_threads_is_refused_or_flagged(run, recipe_path, da
     # A new cell measured with 2 threads against a baseline measured with 1 would not compare.
     code, _, err = run(bench_on_files(recipe_path, data, out, "--threads", "2", "--draft-length", "3,2"))
     assert code == 2
-    _one_error_line(err, "holds samples run with threads 1 but this run has 2")
+    one_error_line(err, "holds samples run with threads 1 but this run has 2")
     assert "--threads 1" in err and "--allow-mixed-conditions" in err and "new --output" in err
     code, stdout, err = run(
         bench_on_files(recipe_path, data, out, "--threads", "2", "--draft-length", "3,2", "--allow-mixed-conditions")
@@ -188,7 +188,7 @@ def test_each_stored_condition_that_differs_is_named(run, recipe_path, data, tmp
     _edit_samples(out, lambda record: record["conditions"].update({condition: stored}))
     code, _, err = run(bench_on_files(recipe_path, data, out, "--limit", "2", "--draft-length", "2"))
     assert code == 2
-    _one_error_line(err, f"holds samples run with {condition} {stored} but this run has ")
+    one_error_line(err, f"holds samples run with {condition} {stored} but this run has ")
 
 
 def _record(cell: str, seed: int, example: str, seconds: float) -> dict:
@@ -389,7 +389,7 @@ def test_report_names_a_damaged_record_in_one_line(run, finished, tmp_path, edit
     _edit_samples(folder, edit)
     code, _, err = run(["bench", "--report", str(folder)])
     assert code == 2
-    _one_error_line(err, message)
+    one_error_line(err, message)
     assert "the sample of cell '" in err
 
 
@@ -428,19 +428,19 @@ def test_bad_bench_input_is_one_line(run, recipe_path, data, odd, arguments, mes
     args = ["bench", *extra] if extra[0] == "--report" else bench_on_files(recipe_path, data, None, *extra)
     code, _, err = run(args)
     assert code == 2, err
-    _one_error_line(err, message.format(**odd))
+    one_error_line(err, message.format(**odd))
 
 
 def test_acceptance_threads_is_checked_first(run, recipe_path):
     code, _, err = run(["acceptance", "-r", recipe_path, "--prompt", "a b", "--threads", "-1"])
     assert code == 2
-    _one_error_line(err, "--threads must be at least 1, got -1")
+    one_error_line(err, "--threads must be at least 1, got -1")
 
 
 def test_a_plot_path_that_is_a_folder_is_refused_first(run, finished, odd):
     code, stdout, err = run(["bench", "--report", odd["xsum"], "--plot", f"{odd['dir']}/folder.png"])
     assert code == 2 and not stdout
-    _one_error_line(err, "is a folder; name a file in it")
+    one_error_line(err, "is a folder; name a file in it")
 
 
 # --------------------------------------------------------------------------- plots say what was run

@@ -22,9 +22,7 @@ import pytest
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.engine.decoder import SpeculativeDecoder
 from specdec_cli.generation import calibration
-from tests.conftest import tiny_recipe
-from tests.test_bad_inputs import BENCH_DATA, inputs  # noqa: F401  (the fixture)
-from tests.test_cli import _one_error_line, run  # noqa: F401  (the fixture)
+from tests.conftest import BENCH_DATA, one_error_line, tiny_recipe
 
 PROMPT = [3, 4, 5]
 
@@ -227,7 +225,7 @@ def test_a_full_disk_while_a_rerun_adds_cells_keeps_config_json(run, inputs, ful
     full_disk_for("config.json")
     code, _, err = run([*bench, "--verifier", "speculative,mentored", "--kl", "0.1"])
     assert code == 1
-    _one_error_line(err, "No space left on device")
+    one_error_line(err, "No space left on device")
     assert (folder / "config.json").read_text() == before
     assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
     code, out, err = run(["bench", "--report", str(folder)])  # the folder still loads
@@ -329,7 +327,7 @@ def folders(inputs):  # noqa: F811
 def test_a_folder_that_cannot_be_used_is_one_line(run, folders, command, message):
     code, out, err = run(command.format(**folders).split())
     assert code == 2, (out, err)
-    _one_error_line(err, message.format(**folders))
+    one_error_line(err, message.format(**folders))
 
 
 @pytest.mark.parametrize(
@@ -349,7 +347,7 @@ def test_a_lock_refused_says_why(run, inputs, monkeypatch, error, message):  # n
     monkeypatch.setattr(fcntl, "flock", refuse)
     code, _, err = run((BENCH_OUT + "out").format(**inputs).split())
     assert code == 2
-    _one_error_line(err, message)
+    one_error_line(err, message)
 
 
 def test_bench_report_on_a_folder_acceptance_wrote_names_it(run, inputs, tmp_path):  # noqa: F811
@@ -359,7 +357,7 @@ def test_bench_report_on_a_folder_acceptance_wrote_names_it(run, inputs, tmp_pat
     assert code == 0, err
     code, _, err = run(["bench", "--report", str(folder)])
     assert code == 2
-    _one_error_line(err, f"'{folder}' holds acceptance results (written by specdec acceptance)")
+    one_error_line(err, f"'{folder}' holds acceptance results (written by specdec acceptance)")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes whatever the permissions say")
@@ -376,4 +374,4 @@ def test_a_folder_without_permissions_is_one_line(run, folders, command):
         for path in folder.iterdir():
             path.chmod(0o644)
     assert code == 2, (out, err)
-    _one_error_line(err, "Permission denied")
+    one_error_line(err, "Permission denied")

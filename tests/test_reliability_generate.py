@@ -20,8 +20,7 @@ import torch
 
 from specdec_cli.base.errors import NonFiniteLogitsError
 from specdec_cli.engine.decoder import DecodingRun
-from tests.test_bad_inputs import inputs  # noqa: F401  (the fixture)
-from tests.test_cli import _one_error_line, recipe_path, run  # noqa: F401  (the fixtures)
+from tests.conftest import one_error_line
 
 PROMPTS = ["a b", "c d", "e a", "b c", "d e", "a c"]
 BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for `yes` in `yes | head`
@@ -143,7 +142,7 @@ def test_a_runtime_error_in_a_later_sample_prints_no_partial_json(run, recipe_pa
     )
     assert code == 1 and out == ""
     notes = [line for line in err.splitlines() if line.startswith("note: ")]  # the draft-cost note may come first
-    _one_error_line(err.replace("\n".join(notes), ""), "NaN or infinite logits")
+    one_error_line(err.replace("\n".join(notes), ""), "NaN or infinite logits")
 
 
 CONFLICTS = [
@@ -170,7 +169,7 @@ CONFLICTS = [
 def test_conflicting_flags_are_one_line_and_exit_2(run, inputs, flags, message):  # noqa: F811
     code, out, err = run(["generate", "-r", inputs["recipe"], *flags.format(**inputs).split()])
     assert code == 2, (out, err)
-    _one_error_line(err, message)
+    one_error_line(err, message)
 
 
 def test_redundant_flags_that_agree_still_run(run, recipe_path):

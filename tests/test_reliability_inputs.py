@@ -25,9 +25,7 @@ from specdec_cli.base.recipe import check_expanded_size
 from specdec_cli.base.sampling import SamplingParams, sampling_law
 from specdec_cli.bench.tasks import DataSource, load_examples
 from specdec_cli.models.loading import STALE_STAGING_AFTER_S, _cached_gguf_conversion, remove_stale_staging
-from tests.conftest import tiny_recipe
-from tests.test_bad_inputs import inputs  # noqa: F401  (the fixture)
-from tests.test_cli import _one_error_line, recipe_path, run  # noqa: F401  (fixtures)
+from tests.conftest import one_error_line, tiny_recipe
 
 BOM = "\ufeff"
 
@@ -152,7 +150,7 @@ RECIPES = [
 def test_bad_input_gives_one_line_and_exit_2(run, files, command, message):
     code, out, err = run(command.format(**files).split())
     assert code == 2, (out, err)
-    _one_error_line(err, message.format(**files))
+    one_error_line(err, message.format(**files))
 
 
 # --------------------------------------------------------------------------- inputs that now read right
@@ -212,7 +210,7 @@ def test_a_billion_laughs_recipe_is_refused_at_once(tmp_path):
             [sys.executable, "-m", "specdec_cli", *command], capture_output=True, text=True, timeout=20
         )
         assert result.returncode == 2 and time.monotonic() - started < 20, result.stderr
-        _one_error_line(result.stderr, f"{source} expands to more than 10000 values through its YAML aliases")
+        one_error_line(result.stderr, f"{source} expands to more than 10000 values through its YAML aliases")
 
 
 def test_the_expansion_check_is_fast_and_lets_shared_settings_through():
@@ -475,4 +473,4 @@ def test_a_missing_gguf_file_is_one_line(run, tiny_gguf, tiny_models, write_reci
     recipe["target"] = {key: value.format(folder=folder) for key, value in target.items()} | {"device": "cpu"}
     code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "--autoregressive", "a b"])
     assert code == 1
-    _one_error_line(err, message.format(folder=folder))
+    one_error_line(err, message.format(folder=folder))

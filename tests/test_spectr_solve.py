@@ -20,7 +20,7 @@ from specdec_cli.base.randomness import Draws
 from specdec_cli.engine.device_path import OperationCount, count_block
 from specdec_cli.kit.testing import adversarial_distribution_pairs, random_distributions
 from specdec_cli.plugins.verifiers import Verifier, device_path
-from tests.test_device_path import BLOCK_KINDS, random_block
+from tests.conftest import BLOCK_KINDS, random_block
 
 mpmath.mp.dps = 40
 

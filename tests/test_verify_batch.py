@@ -19,7 +19,7 @@ from specdec_cli import BlockDecision, BlockVerifier, load_verifier
 from specdec_cli.base.randomness import Draws, block_generator
 from specdec_cli.engine.device_path import OperationCount
 from specdec_cli.plugins.verifiers import BatchDecision, device_path
-from tests.test_device_path import random_block
+from tests.conftest import random_block
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
