@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
 import sys
 import textwrap
 import time
@@ -26,8 +27,7 @@ from specdec_cli.base.errors import SpecdecError, UsageError
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.plugins.registry import PluginEntry, VerifierRegistry
 from specdec_cli.plugins.verifiers import BlockDecision, BlockVerifier
-from tests.conftest import tiny_recipe
-from tests.test_cli import _one_error_line, run  # noqa: F401
+from tests.conftest import VerifierRegistryWith, one_error_line, tiny_recipe
 
 # --------------------------------------------------------------------------- a verify_block that misbehaves
 
@@ -51,25 +51,6 @@ class Rogue(BlockVerifier):
 
 def rogue_deciding(decide: Decide) -> type[Rogue]:
     return type("Rogue", (Rogue,), {"decide": staticmethod(decide), "__module__": __name__})
-
-
-class WithExtra:
-    """A registry's installed plugins plus ``extra`` (name → class), through the registry's overridable loading
-    (mixed in before a registry class)."""
-
-    def __init__(self, extra: dict[str, type]):
-        super().__init__()
-        self.extra = extra
-
-    def names(self):
-        return sorted([*super().names(), *self.extra])
-
-    def load_class(self, name):
-        return self.extra[name] if name in self.extra else super().load_class(name)
-
-
-class RegistryWith(WithExtra, VerifierRegistry):
-    """The installed verifiers plus ``extra``."""
 
 
 def _long(value: int) -> torch.Tensor:
@@ -157,7 +138,7 @@ def _decoder(tiny_models, registry: VerifierRegistry, verifier: str = "rogue", *
     ("decide", "returned"), [row[1:] for row in MISBEHAVIOURS], ids=[row[0] for row in MISBEHAVIOURS]
 )
 def test_a_misbehaving_verify_block_stops_with_one_line_naming_the_plugin(tiny_models, decide, returned):
-    decoder = _decoder(tiny_models, RegistryWith({"rogue": rogue_deciding(decide)}))
+    decoder = _decoder(tiny_models, VerifierRegistryWith({"rogue": rogue_deciding(decide)}))
     with pytest.raises(SpecdecError) as caught:
         decoder.generate(["a b c"])
     message = str(caught.value)
@@ -168,7 +149,7 @@ def test_a_misbehaving_verify_block_stops_with_one_line_naming_the_plugin(tiny_m
 
 def test_a_plugins_exception_stays_chained_for_debug(tiny_models):
     error = ZeroDivisionError("division by zero")
-    decoder = _decoder(tiny_models, RegistryWith({"rogue": rogue_deciding(_raising(error))}))
+    decoder = _decoder(tiny_models, VerifierRegistryWith({"rogue": rogue_deciding(_raising(error))}))
     with pytest.raises(SpecdecError) as caught:
         decoder.generate(["a b c"])
     assert caught.value.__cause__ is error
@@ -177,7 +158,7 @@ def test_a_plugins_exception_stays_chained_for_debug(tiny_models):
 def test_a_plugin_that_decides_right_passes_the_checks(tiny_models):
     """Negative control: the checks refuse nothing a correct decision returns (accept none, or all)."""
     for num_accepted in (0, None):
-        decoder = _decoder(tiny_models, RegistryWith({"rogue": rogue_deciding(_accepting(num_accepted))}))
+        decoder = _decoder(tiny_models, VerifierRegistryWith({"rogue": rogue_deciding(_accepting(num_accepted))}))
         stats = decoder.generate(["a b c"], max_new_tokens=13)[0].stats
         # Accepting all keeps every token but each block's bonus (an EOS may cut the last block short).
         accepted_all = stats.new_tokens - stats.blocks <= stats.accepted_tokens <= stats.drafted_tokens
@@ -194,7 +175,7 @@ def test_a_misbehaving_plugin_in_generate_is_one_line_and_exit_1(run, tiny_model
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", speculation={"draft_length": DRAFT_LENGTH})))
     code, _, err = run(["generate", "-r", recipe, "--verifier", "rogue", "a b c"])
     assert code == 1
-    _one_error_line(err, "verifier 'rogue' returned num_accepted 5 for a block of 3 draft tokens")
+    one_error_line(err, "verifier 'rogue' returned num_accepted 5 for a block of 3 draft tokens")
 
 
 class FailsToStart(Rogue):
@@ -206,7 +187,9 @@ class FailsToStart(Rogue):
 
 @pytest.mark.parametrize("error", [RuntimeError("no GPU found"), KeyError("weights"), AttributeError("x")])
 def test_a_constructor_raising_other_than_a_parameter_error_is_one_line(tiny_models, error):
-    registry = RegistryWith({"rogue": type("FailsToStart", (FailsToStart,), {"error": error, "__module__": __name__})})
+    registry = VerifierRegistryWith(
+        {"rogue": type("FailsToStart", (FailsToStart,), {"error": error, "__module__": __name__})}
+    )
     with pytest.raises(SpecdecError) as caught:
         registry.create("rogue", {"strength": 2.0})
     assert not isinstance(caught.value, UsageError) and caught.value.__cause__ is error
@@ -347,7 +330,7 @@ def test_a_plugin_exiting_on_import_is_listed_and_other_commands_work(
     assert run(["generate", "-r", recipe, "a b"])[0] == 0
     code, _, err = run(["generate", "-r", recipe, "--verifier", "exits", "a b"])
     assert code == 2
-    _one_error_line(err, "verifier 'exits' is installed but failed to load: it called sys.exit(3) on import")
+    one_error_line(err, "verifier 'exits' is installed but failed to load: it called sys.exit(3) on import")
 
 
 def test_the_built_in_wins_a_name_and_the_other_is_listed_as_a_conflict(run, plugin_modules, monkeypatch, tmp_path):
@@ -575,7 +558,7 @@ class AcceptsBadly(Rogue):
 def test_a_draft_check_that_raises_is_one_line_in_the_engine_and_the_grid(tiny_models):
     from specdec_cli.bench.grid import Grid
 
-    registry = RegistryWith({"rogue": RefusesBadly})
+    registry = VerifierRegistryWith({"rogue": RefusesBadly})
     with pytest.raises(
         SpecdecError, match=r"verifier 'rogue' raised AttributeError: no attribute 'limit' in reason_to_refuse"
     ):
@@ -590,10 +573,42 @@ def test_an_acceptance_probability_that_raises_is_one_line_naming_the_plugin(tin
     from specdec_cli.acceptance.analysis import AcceptanceAnalysis
     from specdec_cli.acceptance.results import AcceptanceRequest
 
-    registry = RegistryWith({"accepts-badly": AcceptsBadly})
+    registry = VerifierRegistryWith({"accepts-badly": AcceptsBadly})
     recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 3}))
     analysis = AcceptanceAnalysis(
         recipe, AcceptanceRequest(verifiers=("accepts-badly",), num_drafts=(1,)), registry=registry
     )
     with pytest.raises(SpecdecError, match=r"verifier 'accepts-badly' raised IndexError: index 7 is out of bounds"):
         analysis.run(["a b"])
+
+
+_LIST_VERIFIERS = (
+    "from specdec_cli.plugins.registry import VerifierRegistry\n"
+    "print(sorted(entry.name for entry in VerifierRegistry().entry_points()))"
+)
+
+
+def _listed_verifiers(cache: Path) -> subprocess.CompletedProcess:
+    """The verifiers a fresh process finds, with stevedore's entry-point cache under ``cache``."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "SPECDEC_CACHE": str(cache / "specdec")}
+    checkout = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [sys.executable, "-c", _LIST_VERIFIERS], env=env, cwd=checkout, capture_output=True, text=True
+    )
+
+
+def test_plugins_are_found_through_stevedores_cache_and_a_damaged_one_is_not_trusted(tmp_path):
+    """The registry lists what stevedore's cache file says (an entry written there is listed), and a file no
+    listing can hold (stevedore trusts any JSON it reads) gives the environment's own listing, not a crash."""
+    first = _listed_verifiers(tmp_path)
+    assert first.returncode == 0, first.stderr
+    files = list((tmp_path / "python-entrypoints").iterdir())
+    assert files, "stevedore wrote no cache: the test would not test it"
+    listing = json.loads(files[0].read_text())
+    listing["groups"]["specdec.verifiers"].append(["ghost", "ghost_plugin:Ghost", "specdec.verifiers"])
+    files[0].write_text(json.dumps(listing))
+    assert "'ghost'" in _listed_verifiers(tmp_path).stdout  # read from stevedore's cache, not the metadata
+    for damaged in ("[1, 2]", '{"groups": {"specdec.verifiers": [["x"]]}}', '{"groups": {"specdec.verifiers": 5}}'):
+        files[0].write_text(damaged)
+        again = _listed_verifiers(tmp_path)
+        assert again.returncode == 0 and again.stdout == first.stdout, (damaged, again.stderr)

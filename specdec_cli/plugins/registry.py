@@ -123,17 +123,9 @@ class PluginRegistry:
         self._descriptions: dict[str, dict[str, Any]] | None = None
 
     def entry_points(self) -> list[PluginEntry]:
-        """Every installed entry point of the group, with the distribution that declares it (read here, not from
-        stevedore's listing of the group, which keeps no distribution: the package names and the built-in's claim)."""
-        packages: dict[int, tuple[str, str]] = {}  # a distribution's metadata is parsed once: it is slow
-        entries = []
-        for entry_point in importlib.metadata.entry_points(group=self.group):
-            dist = entry_point.dist
-            if id(dist) not in packages:
-                metadata = {"Name": "unknown", "Version": "?"} if dist is None else dist.metadata
-                packages[id(dist)] = (metadata["Name"], metadata["Version"])
-            entries.append(PluginEntry(entry_point.name, entry_point.value, *packages[id(dist)]))
-        return entries
+        """Every installed entry point of the group, as stevedore lists it, with the distribution that declares it."""
+        listed = _GroupListing(self.group).list_entry_points()
+        return [PluginEntry(point.name, point.value, *declaring) for point, declaring in _declared_by(listed)]
 
     @functools.cached_property
     def _claims(self) -> _Claims:
@@ -436,6 +428,62 @@ class _ChosenEntryPoint(ExtensionManager):
 
     def list_entry_points(self) -> list[EntryPoint]:
         return [self.entry_point]
+
+
+class _GroupListing(ExtensionManager):
+    """stevedore's list of a group's entry points, from its cache of the environment's (rebuilt when a folder of
+    sys.path or an entry_points.txt in it changes), importing none of them: a plugin is imported when it is used."""
+
+    def __init__(self, group: str) -> None:
+        super().__init__(group, invoke_on_load=False)
+
+    def _load_plugins(self, *args: Any, **kwargs: Any) -> list:
+        return []
+
+    def list_entry_points(self) -> list[EntryPoint]:
+        """stevedore's listing; the environment's own where stevedore's cache file holds what no listing can (it
+        trusts any JSON it reads there: a damaged file would otherwise take every command down)."""
+        try:
+            listed = super().list_entry_points()
+            if all(_plausible(point, self.namespace) for point in listed):
+                return listed
+        except Exception:  # noqa: BLE001 (whatever reading a damaged cache file raises)
+            pass
+        self.ENTRY_POINT_CACHE.pop(self.namespace, None)
+        return list(importlib.metadata.entry_points(group=self.namespace))
+
+
+def _plausible(point: object, group: str) -> bool:
+    """An entry point of ``group`` whose value names a module (and an attribute)."""
+    return (
+        isinstance(point, EntryPoint)
+        and point.group == group
+        and isinstance(point.name, str)
+        and bool(point.name.strip())
+        and isinstance(point.value, str)
+        and EntryPoint.pattern.match(point.value) is not None
+    )
+
+
+def _declared_by(listed: list[EntryPoint]) -> list[tuple[EntryPoint, tuple[str, str]]]:
+    """Each entry point with (distribution, version) of the package that declares it. stevedore's cache keeps no
+    distribution: the built-in distribution's own entry points are read first, and the others' only when some
+    entry point is not the built-in's (a third-party plugin is installed)."""
+    own: dict[tuple[str, str, str], tuple[str, str]] = {}
+    try:
+        built_in = importlib.metadata.distribution(BUILT_IN_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # a source tree run without being installed
+        pass
+    else:
+        package = (built_in.metadata["Name"], built_in.version)
+        own = {(point.name, point.value, point.group): package for point in built_in.entry_points}
+    declared = dict(own)
+    groups = {point.group for point in listed if (point.name, point.value, point.group) not in own}
+    for group in groups:
+        for point in importlib.metadata.entry_points(group=group):
+            if point.dist is not None:
+                declared[(point.name, point.value, group)] = (point.dist.metadata["Name"], point.dist.version)
+    return [(point, declared.get((point.name, point.value, point.group), ("unknown", "?"))) for point in listed]
 
 
 def class_problem(loaded: Any, base: type, flags: tuple[str, ...]) -> str | None:
