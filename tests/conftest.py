@@ -440,5 +440,5 @@ def data(tmp_path) -> dict[str, Path]:
 
 
 @pytest.fixture
-def bench_recipe_path(tiny_models, write_recipe) -> str:
+def bench_recipe(tiny_models, write_recipe) -> str:
     return str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12})))

@@ -147,7 +147,7 @@ def test_different_drafts_optimum_says_why_it_is_missing(tiny_models):
     assert report.cell(OPTIMUM, 3) is None and "K > 2 different drafts" in report.unavailable[(OPTIMUM, 3)]
 
 
-def test_cli_table_json_csv_and_plot(run, tiny_models, write_recipe, tmp_path):  # noqa: F811
+def test_cli_table_json_csv_and_plot(run, tiny_models, write_recipe, tmp_path):
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 5})))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"question_id": 1, "turns": ["a b c"]}\n{"question_id": 2, "turns": ["d e"]}\n')
@@ -197,7 +197,7 @@ def test_cli_table_json_csv_and_plot(run, tiny_models, write_recipe, tmp_path): 
     assert payload["table"]["spectr"]["2"]["mean"] <= payload["table"]["optimum"]["2"]["mean"] + 1e-9
 
 
-def test_cli_bad_lists(run, tiny_models, write_recipe):  # noqa: F811
+def test_cli_bad_lists(run, tiny_models, write_recipe):
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama")))
     code, _, err = run(["acceptance", "-r", recipe, "--prompt", "a", "--num-drafts", "1,two"])
     assert code == 2 and "--num-drafts expects a comma list of int values" in err
@@ -205,7 +205,7 @@ def test_cli_bad_lists(run, tiny_models, write_recipe):  # noqa: F811
     assert code == 2 and "unknown verifier 'nosuch'" in err
 
 
-def test_cli_limit_shuffle_and_prompt_arguments(run, tiny_models, write_recipe, tmp_path):  # noqa: F811
+def test_cli_limit_shuffle_and_prompt_arguments(run, tiny_models, write_recipe, tmp_path):
     from specdec_cli.base.inputs import subset
 
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 3})))
@@ -238,7 +238,7 @@ def test_cli_limit_shuffle_and_prompt_arguments(run, tiny_models, write_recipe, 
     assert code == 0 and [p["prompt"] for p in json.loads(out)["prompts"]] == ["a b", "c"]
 
 
-def test_cli_leaves_out_verifiers_that_cannot_apply_and_derives_the_kl_grid(run, tiny_models, write_recipe):  # noqa: F811
+def test_cli_leaves_out_verifiers_that_cannot_apply_and_derives_the_kl_grid(run, tiny_models, write_recipe):
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 6})))
     code, out, err = run(["acceptance", "-r", recipe, "a b c", "--num-drafts", "1,2", "--json"])
     assert code == 0, err
@@ -299,7 +299,7 @@ def test_prompt_lookup_acceptance_is_q_of_the_looked_up_token(tiny_models, famil
     assert report.cell(OPTIMUM, 1).mean == pytest.approx(expected, abs=1e-12)  # one draft: Σ min(p, q) is optimal
 
 
-def test_drafter_sections_each_on_its_own(run, tiny_models, write_recipe):  # noqa: F811
+def test_drafter_sections_each_on_its_own(run, tiny_models, write_recipe):
     """--drafter model,prompt-lookup: a section each; the model's equals a run with the model entry alone."""
     sections = {"generation": {"max_new_tokens": 8}}
     both = write_recipe(recipe_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], **sections))
@@ -322,7 +322,7 @@ def test_drafter_sections_each_on_its_own(run, tiny_models, write_recipe):  # no
     assert "drafter model" in out and "drafter prompt-lookup" in out and "coverage" in out
 
 
-def test_mixed_model_and_lookup_rows_go_through_specinfer(run, tiny_models, write_recipe, tmp_path):  # noqa: F811
+def test_mixed_model_and_lookup_rows_go_through_specinfer(run, tiny_models, write_recipe, tmp_path):
     """No --drafter: the entries together, K = 2 rows of different laws; speculative is left out with its reason."""
     recipe = write_recipe(
         recipe_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8})
@@ -367,7 +367,7 @@ def test_mixed_model_and_lookup_rows_go_through_specinfer(run, tiny_models, writ
         (",", "--drafter expects a comma list of str values"),
     ],
 )
-def test_a_drafter_that_cannot_work_here_is_one_line(run, tiny_models, write_recipe, value, message):  # noqa: F811
+def test_a_drafter_that_cannot_work_here_is_one_line(run, tiny_models, write_recipe, value, message):
     recipe = write_recipe(tiny_recipe(tiny_models, "llama"))
     code, _, err = run(["acceptance", "-r", str(recipe), "a b", "--drafter", value])
     assert code == 2
@@ -377,7 +377,7 @@ def test_a_drafter_that_cannot_work_here_is_one_line(run, tiny_models, write_rec
 def test_derived_kl_bounds_come_from_the_first_entry_with_a_model_whatever_the_drafter_order(
     run,
     tiny_models,
-    write_recipe,  # noqa: F811
+    write_recipe,
 ):
     recipe = write_recipe(
         recipe_with_drafts(tiny_models, "llama", ["draft", TRIGRAM_LOOKUP], generation={"max_new_tokens": 8})

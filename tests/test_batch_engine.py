@@ -137,7 +137,7 @@ def test_prompt_lookup_and_a_model_draft_mix_in_a_batch(tiny_models):
     assert [r.stats.blocks for r in batched] == [r.stats.blocks for r in alone]
 
 
-def test_a_batch_reads_the_device_once_per_step(tiny_models, conversions, monkeypatch):  # noqa: F811
+def test_a_batch_reads_the_device_once_per_step(tiny_models, conversions, monkeypatch):
     decoder = _decoder(tiny_models, "llama", max_new_tokens=16, temperature=1.0)
     steps = joins = 0
     step, join = DecodingRun._step, DecodingRun._join

@@ -25,19 +25,13 @@ from tests.conftest import (
 )
 
 
-def test_metrics_in_results_equal_recomputation_from_samples(run, bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_metrics_in_results_equal_recomputation_from_samples(run, bench_recipe, data, tmp_path):
     from sacrebleu.metrics import BLEU, CHRF
 
     out = tmp_path / "out"
     code, stdout, _ = run(
         bench_on_files(
-            bench_recipe_path,
-            data,
-            out,
-            verifier="speculative,specinfer",
-            num_drafts="1,2",
-            draft_length="2,3",
-            seeds="0,1",
+            bench_recipe, data, out, verifier="speculative,specinfer", num_drafts="1,2", draft_length="2,3", seeds="0,1"
         )
     )
     assert code == 0 and "speculative K=1 L=2 T=1" in stdout and "baseline T=1" in stdout
@@ -69,11 +63,11 @@ def test_metrics_in_results_equal_recomputation_from_samples(run, bench_recipe_p
     assert {"torch", "transformers", "device", "date", "specdec", "git"} <= set(results["environment"])
 
 
-def test_same_seed_cells_share_the_baseline_and_lossless_cells_agree(run, bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_same_seed_cells_share_the_baseline_and_lossless_cells_agree(run, bench_recipe, data, tmp_path):
     out = tmp_path / "out"
     code, _, _ = run(
         bench_on_files(
-            bench_recipe_path, data, out, "--verifier", "speculative,specinfer,spectr,block", "--temperature", "0"
+            bench_recipe, data, out, "--verifier", "speculative,specinfer,spectr,block", "--temperature", "0"
         )
     )
     assert code == 0
@@ -85,10 +79,10 @@ def test_same_seed_cells_share_the_baseline_and_lossless_cells_agree(run, bench_
     assert texts and all(outputs == baseline for outputs in texts.values())
 
 
-def test_block_level_cells_have_no_per_token_figures(run, bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_block_level_cells_have_no_per_token_figures(run, bench_recipe, data, tmp_path):
     out = tmp_path / "out"
     code, stdout, _ = run(
-        bench_on_files(bench_recipe_path, data, out, "--verifier", "block,speculative", "--draft-length", "3")
+        bench_on_files(bench_recipe, data, out, "--verifier", "block,speculative", "--draft-length", "3")
     )
     assert code == 0
     cells = read_cells(out)
@@ -102,13 +96,13 @@ def test_block_level_cells_have_no_per_token_figures(run, bench_recipe_path, dat
     assert row.split(" | ")[header.index("expected")] == "—"
 
 
-def test_rouge_for_summaries_and_spec_bench_categories(run, bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_rouge_for_summaries_and_spec_bench_categories(run, bench_recipe, data, tmp_path):
     from rouge_score import rouge_scorer
 
     out = tmp_path / "xsum"
     code, _, _ = run(
         specdec_args(
-            "bench", bench_recipe_path, task="xsum", dataset=data["dataset"], template="{source}", limit=5, output=out
+            "bench", bench_recipe, task="xsum", dataset=data["dataset"], template="{source}", limit=5, output=out
         )
     )
     assert code == 0
@@ -120,19 +114,19 @@ def test_rouge_for_summaries_and_spec_bench_categories(run, bench_recipe_path, d
         assert cell["per_seed"]["0"]["rougeL"] == pytest.approx(expected)
     out = tmp_path / "spec-bench"
     code, _, _ = run(
-        specdec_args("bench", bench_recipe_path, "--json", task="spec-bench", dataset=data["dataset"], output=out)
+        specdec_args("bench", bench_recipe, "--json", task="spec-bench", dataset=data["dataset"], output=out)
     )
     assert code == 0
     speculative = read_cells(out)["speculative K=1 L=3 T=1"]["per_seed"]["0"]
     assert set(speculative["tokens_per_second_by_category"]) == {"cat0", "cat1"}
 
 
-def test_changed_configuration_is_refused_and_report_rerenders(run, bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_changed_configuration_is_refused_and_report_rerenders(run, bench_recipe, data, tmp_path):
     out = tmp_path / "out"
-    assert run(bench_on_files(bench_recipe_path, data, out, "--limit", "3"))[0] == 0
-    code, _, err = run(bench_on_files(bench_recipe_path, data, out, "--limit", "4"))
+    assert run(bench_on_files(bench_recipe, data, out, "--limit", "3"))[0] == 0
+    code, _, err = run(bench_on_files(bench_recipe, data, out, "--limit", "4"))
     assert code == 2 and "holds results of a different configuration (changed: data)" in err
-    code, _, err = run(bench_on_files(bench_recipe_path, data, out, "--limit", "3", "--max-new-tokens", "5"))
+    code, _, err = run(bench_on_files(bench_recipe, data, out, "--limit", "3", "--max-new-tokens", "5"))
     assert code == 2 and "(changed: recipe)" in err
     picture = tmp_path / "plot.png"
     code, stdout, _ = run(["bench", "--report", str(out), "--plot", str(picture)])
@@ -140,32 +134,26 @@ def test_changed_configuration_is_refused_and_report_rerenders(run, bench_recipe
     assert picture.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_rerun_with_other_cells_reuses_the_shared_samples(run, bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_a_rerun_with_other_cells_reuses_the_shared_samples(run, bench_recipe, data, tmp_path):
     """Adding a cell (or replacing a failing one) keeps the baseline's and the other cells' samples."""
     out = tmp_path / "out"
-    assert run(bench_on_files(bench_recipe_path, data, out, "--limit", "3"))[0] == 0
+    assert run(bench_on_files(bench_recipe, data, out, "--limit", "3"))[0] == 0
     before = (out / "samples.jsonl").read_text()
-    code, _, err = run(bench_on_files(bench_recipe_path, data, out, "--limit", "3", "--draft-length", "3,5"))
+    code, _, err = run(bench_on_files(bench_recipe, data, out, "--limit", "3", "--draft-length", "3,5"))
     assert code == 0, err
     after = (out / "samples.jsonl").read_text()
     assert after.startswith(before) and len(after.splitlines()) == len(before.splitlines()) + 3  # only L=5 ran
     assert set(read_cells(out)) == {"baseline T=1", "speculative K=1 L=3 T=1", "speculative K=1 L=5 T=1"}
-    code, _, err = run(bench_on_files(bench_recipe_path, data, out, "--limit", "3", "--draft-length", "5"))
+    code, _, err = run(bench_on_files(bench_recipe, data, out, "--limit", "3", "--draft-length", "5"))
     assert code == 0 and (out / "samples.jsonl").read_text() == after  # nothing left to run
     assert set(read_cells(out)) == {"baseline T=1", "speculative K=1 L=5 T=1"}
 
 
-def test_grid_expansion(run, bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_grid_expansion(run, bench_recipe, data, tmp_path):
     out = tmp_path / "out"
     code, _, err = run(
         bench_on_files(
-            bench_recipe_path,
-            data,
-            out,
-            limit=2,
-            verifier="speculative,mentored,spectr",
-            kl="0.1,0.3",
-            num_drafts="1,2",
+            bench_recipe, data, out, limit=2, verifier="speculative,mentored,spectr", kl="0.1,0.3", num_drafts="1,2"
         )
     )
     assert code == 0
@@ -181,8 +169,8 @@ def test_grid_expansion(run, bench_recipe_path, data, tmp_path):  # noqa: F811
     assert "skipped: verifier 'speculative' takes at most 1 draft(s) per position" in err
 
 
-def test_offline_task_without_data_says_how_to_give_it(run, bench_recipe_path):  # noqa: F811
-    code, _, err = run(["bench", "-r", bench_recipe_path, "--task", "dolly"])
+def test_offline_task_without_data_says_how_to_give_it(run, bench_recipe):
+    code, _, err = run(["bench", "-r", bench_recipe, "--task", "dolly"])
     assert code == 1 and "offline, give the data as --dataset FILE.jsonl" in err
 
 
@@ -206,16 +194,16 @@ def _final_numbers(out: Path) -> dict:
     return {"samples": samples, "cells": cells}
 
 
-def test_interrupted_run_resumes_to_the_same_results(bench_recipe_path, data, tmp_path):
+def test_interrupted_run_resumes_to_the_same_results(bench_recipe, data, tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    subprocess.run(_command(bench_recipe_path, data, reference), check=True, capture_output=True)
+    subprocess.run(_command(bench_recipe, data, reference), check=True, capture_output=True)
     total = len((reference / "samples.jsonl").read_text().splitlines())
     samples = resumed / "samples.jsonl"
     for attempt in range(3):  # on a busy machine the run can finish its last samples before the signal lands
         threshold = max(1, total // 3 // 4**attempt)  # early, and earlier at each try: the tiny models are fast
         shutil.rmtree(resumed, ignore_errors=True)
         process = subprocess.Popen(
-            _command(bench_recipe_path, data, resumed),
+            _command(bench_recipe, data, resumed),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             preexec_fn=interruptible,
@@ -231,17 +219,17 @@ def test_interrupted_run_resumes_to_the_same_results(bench_recipe_path, data, tm
     kept = len(samples.read_text().splitlines())
     assert threshold <= kept < total
     assert json.loads((resumed / "results.json").read_text())["interrupted"] is True
-    subprocess.run(_command(bench_recipe_path, data, resumed), check=True, capture_output=True)
+    subprocess.run(_command(bench_recipe, data, resumed), check=True, capture_output=True)
     assert _final_numbers(resumed) == _final_numbers(reference)
 
 
-def test_two_processes_give_the_samples_of_one(bench_recipe_path, data, tmp_path):
+def test_two_processes_give_the_samples_of_one(bench_recipe, data, tmp_path):
     single, double = tmp_path / "single", tmp_path / "double"
-    subprocess.run(_command(bench_recipe_path, data, single), check=True, capture_output=True)
+    subprocess.run(_command(bench_recipe, data, single), check=True, capture_output=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     result = subprocess.run(
-        launcher + _command(bench_recipe_path, data, double)[1:], capture_output=True, text=True, env=env
+        launcher + _command(bench_recipe, data, double)[1:], capture_output=True, text=True, env=env
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert not list(double.glob("samples.rank*.jsonl"))
@@ -249,7 +237,7 @@ def test_two_processes_give_the_samples_of_one(bench_recipe_path, data, tmp_path
     assert json.loads((double / "results.json").read_text())["environment"]["world_size"] == 2
 
 
-def test_spec_bench_per_category_speedups_and_the_multi_turn_note(run, bench_recipe_path, tmp_path):  # noqa: F811
+def test_spec_bench_per_category_speedups_and_the_multi_turn_note(run, bench_recipe, tmp_path):
     dataset = tmp_path / "questions.jsonl"
     dataset.write_text(
         "".join(
@@ -259,7 +247,7 @@ def test_spec_bench_per_category_speedups_and_the_multi_turn_note(run, bench_rec
     )
     out = tmp_path / "out"
     code, stdout, err = run(
-        ["bench", "-r", bench_recipe_path, "--task", "spec-bench", "--dataset", str(dataset), "--output", str(out)]
+        ["bench", "-r", bench_recipe, "--task", "spec-bench", "--dataset", str(dataset), "--output", str(out)]
     )
     assert code == 0, err
     assert "2 of 4 questions have 2 turns; only the first turn of each is generated" in err
@@ -268,9 +256,9 @@ def test_spec_bench_per_category_speedups_and_the_multi_turn_note(run, bench_rec
     assert "tokens/s per category" in stdout and "Tokens/s per category" in (out / "table.md").read_text()
 
 
-def test_cells_run_example_by_example_so_drift_cancels(run, bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_cells_run_example_by_example_so_drift_cancels(run, bench_recipe, data, tmp_path):
     out = tmp_path / "out"
-    assert run(bench_on_files(bench_recipe_path, data, out, "--limit", "3", "--draft-length", "2,3"))[0] == 0
+    assert run(bench_on_files(bench_recipe, data, out, "--limit", "3", "--draft-length", "2,3"))[0] == 0
     order = [(s["example_id"], s["cell"]) for s in read_samples(out)]
     cells = ["baseline T=1", "speculative K=1 L=2 T=1", "speculative K=1 L=3 T=1"]
     assert order == [(example, cell) for example in ("0", "1", "2") for cell in cells]
@@ -317,13 +305,11 @@ def test_per_category_speedup_compares_the_examples_both_runs_finished():
     assert metrics["speedup_by_category"] == {"a": pytest.approx(2.0)} and metrics["speedup"] == pytest.approx(2.0)
 
 
-def test_drafters_are_a_grid_axis(run, bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_drafters_are_a_grid_axis(run, bench_recipe, data, tmp_path):
     """`bench --task xsum --drafter model,prompt-lookup` runs one cell per drafter beside the baseline, in one table
     with their ROUGE-L; the prompt-lookup cell runs no draft forward."""
     out = tmp_path / "out"
-    args = specdec_args(
-        "bench", bench_recipe_path, task="xsum", dataset=data["dataset"], template="{source}", output=out
-    )
+    args = specdec_args("bench", bench_recipe, task="xsum", dataset=data["dataset"], template="{source}", output=out)
     code, stdout, err = run([*args, "--drafter", "model,prompt-lookup"])
     assert code == 0, err
     cells = read_cells(out)

@@ -18,9 +18,9 @@ def _tokens(out: Path) -> dict:
     return {(s["cell"], s["seed"], s["example_id"]): s["token_ids"] for s in read_samples(out)}
 
 
-def test_batch_size_is_a_grid_axis_with_its_own_baseline(run, bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_batch_size_is_a_grid_axis_with_its_own_baseline(run, bench_recipe, data, tmp_path):
     out = tmp_path / "out"
-    code, stdout, err = run(bench_on_files(bench_recipe_path, data, out, "--batch-size", "1,3", "--json"))
+    code, stdout, err = run(bench_on_files(bench_recipe, data, out, "--batch-size", "1,3", "--json"))
     assert code == 0, err
     cells = read_cells(out)
     assert set(cells) == {"baseline T=1", "baseline T=1 B=3", "speculative K=1 L=3 T=1", "speculative K=1 L=3 T=1 B=3"}
@@ -50,20 +50,20 @@ def test_batch_size_is_a_grid_axis_with_its_own_baseline(run, bench_recipe_path,
         (["--batch-size", "2,x"], "--batch-size"),
     ],
 )
-def test_bad_batch_sizes_are_one_line_before_any_model_loads(run, bench_recipe_path, data, tmp_path, args, message):  # noqa: F811
-    code, _, err = run(bench_on_files(bench_recipe_path, data, tmp_path / "out", *args))
+def test_bad_batch_sizes_are_one_line_before_any_model_loads(run, bench_recipe, data, tmp_path, args, message):
+    code, _, err = run(bench_on_files(bench_recipe, data, tmp_path / "out", *args))
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "out" / "samples.jsonl").exists()
 
 
-def test_a_killed_batched_run_resumes_to_the_same_samples(bench_recipe_path, data, tmp_path):  # noqa: F811
+def test_a_killed_batched_run_resumes_to_the_same_samples(bench_recipe, data, tmp_path):
     def command(out: Path) -> list[str]:
         return [
             sys.executable,
             "-m",
             "specdec_cli",
             *bench_on_files(
-                bench_recipe_path,
+                bench_recipe,
                 data,
                 out,
                 batch_size=3,

@@ -227,7 +227,7 @@ def test_block_law_of_one_position_is_speculative_sampling(vocab):
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])
-def test_block_keeps_the_target_law_through_the_cli(tiny_models, write_recipe, run, family):  # noqa: F811
+def test_block_keeps_the_target_law_through_the_cli(tiny_models, write_recipe, run, family):
     """`specdec generate --verifier block`: the first three tokens follow the target's exact law."""
     import json
 

@@ -16,7 +16,7 @@ def _prompt_file(tmp_path) -> str:
     return str(path)
 
 
-def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path, tmp_path):  # noqa: F811
+def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path, tmp_path):
     args = specdec_args(
         "generate", recipe_path, "--json", num_samples=3, max_new_tokens=8, prompt_file=_prompt_file(tmp_path)
     )
@@ -34,7 +34,7 @@ def test_a_batch_gives_batch_ones_samples_with_its_throughput(run, recipe_path, 
     assert throughput["new_tokens"] == sum(len(s["token_ids"]) for s in batched["samples"])
 
 
-def test_a_batch_shows_each_sample_whole(run, recipe_path, tmp_path):  # noqa: F811
+def test_a_batch_shows_each_sample_whole(run, recipe_path, tmp_path):
     args = specdec_args("generate", recipe_path, num_samples=2, max_new_tokens=6, prompt_file=_prompt_file(tmp_path))
     code, out, err = run([*args, "--batch-size", "2"])
     assert code == 0, err
@@ -57,13 +57,13 @@ def test_a_batch_shows_each_sample_whole(run, recipe_path, tmp_path):  # noqa: F
         (["--batch-size", "2", "--verifier", "speculative,none"], "--batch-size decodes one configuration at a time"),
     ],
 )
-def test_bad_batch_uses_are_one_line(run, recipe_path, args, message):  # noqa: F811
+def test_bad_batch_uses_are_one_line(run, recipe_path, args, message):
     code, _, err = run(["generate", "-r", recipe_path, *args, "a b"])
     assert code == 2
     one_error_line(err, message)
 
 
-def test_a_target_that_cannot_batch_is_one_line(run, tiny_models, write_recipe):  # noqa: F811
+def test_a_target_that_cannot_batch_is_one_line(run, tiny_models, write_recipe):
     path = str(write_recipe(tiny_recipe(tiny_models, "bart")))
     code, _, err = run(["generate", "-r", path, "--batch-size", "2", "a b"])
     assert code == 2

@@ -94,7 +94,7 @@ def test_engine_and_grid_agree_with_the_rule(tiny_models, temperatures, num_draf
     assert "specinfer" in kept and "speculative" not in kept  # two configs: at least two rows
 
 
-def test_bench_skips_the_cells_the_engine_refuses_on_two_drafts(run, tiny_models, write_recipe, data, tmp_path):  # noqa: F811
+def test_bench_skips_the_cells_the_engine_refuses_on_two_drafts(run, tiny_models, write_recipe, data, tmp_path):
     """The command a new user tried: it stopped before any sample with "grid cell 'spectr K=1 …' needs
     identical drafts"; the cells are now skipped with a note and the others run."""
     recipe = _two_draft_recipe(tiny_models, generation={"max_new_tokens": 4})

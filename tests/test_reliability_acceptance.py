@@ -21,7 +21,7 @@ from tests.conftest import (
 )
 
 
-def test_a_draft_count_that_cannot_fit_in_memory_is_one_line(run, inputs):  # noqa: F811
+def test_a_draft_count_that_cannot_fit_in_memory_is_one_line(run, inputs):
     code, out, err = run(f"acceptance -r {inputs['recipe']} --prompt ab --num-drafts 100000000".split())
     assert code == 2, (out, err)
     one_error_line(err, "lower --num-drafts or --max-new-tokens")
@@ -29,7 +29,7 @@ def test_a_draft_count_that_cannot_fit_in_memory_is_one_line(run, inputs):  # no
 
 def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_table(
     run, inputs, monkeypatch, tmp_path
-):  # noqa: F811
+):
     import errno
 
     from specdec_cli.results import store as results_store
@@ -52,7 +52,7 @@ def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
-def test_killed_drafter_sections_resume_to_the_same_records(run, tiny_models, write_recipe, tmp_path, signum):  # noqa: F811
+def test_killed_drafter_sections_resume_to_the_same_records(run, tiny_models, write_recipe, tmp_path, signum):
     """--drafter model,prompt-lookup writes a record per (section, prompt): a run killed between or inside a prompt's
     records resumes to the records and summary of a run never stopped."""
     recipe = write_recipe(

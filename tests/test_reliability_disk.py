@@ -306,7 +306,7 @@ DISK = [  # (command, the one error line must hold)
 
 
 @pytest.fixture
-def folders(inputs):  # noqa: F811
+def folders(inputs):
     """The prepared results folders of :data:`FOLDERS` beside ``inputs``' files."""
     root = Path(inputs["dir"])
     for name, files in FOLDERS.items():
@@ -340,7 +340,7 @@ def test_a_folder_that_cannot_be_used_is_one_line(run, folders, command, message
         (errno.EAGAIN, "is being written by another specdec run"),
     ],
 )
-def test_a_lock_refused_says_why(run, inputs, monkeypatch, error, message):  # noqa: F811
+def test_a_lock_refused_says_why(run, inputs, monkeypatch, error, message):
     def refuse(handle, operation):
         raise OSError(error, os.strerror(error))
 
@@ -350,7 +350,7 @@ def test_a_lock_refused_says_why(run, inputs, monkeypatch, error, message):  # n
     one_error_line(err, message)
 
 
-def test_bench_report_on_a_folder_acceptance_wrote_names_it(run, inputs, tmp_path):  # noqa: F811
+def test_bench_report_on_a_folder_acceptance_wrote_names_it(run, inputs, tmp_path):
     folder = tmp_path / "acceptance-out"
     command = ACCEPTANCE_OUT + "acceptance-out --num-drafts 1 --verifier speculative"
     code, _, err = run(command.format(**inputs).split())

@@ -166,7 +166,7 @@ CONFLICTS = [
 
 
 @pytest.mark.parametrize(("flags", "message"), CONFLICTS, ids=lambda v: v[:50])
-def test_conflicting_flags_are_one_line_and_exit_2(run, inputs, flags, message):  # noqa: F811
+def test_conflicting_flags_are_one_line_and_exit_2(run, inputs, flags, message):
     code, out, err = run(["generate", "-r", inputs["recipe"], *flags.format(**inputs).split()])
     assert code == 2, (out, err)
     one_error_line(err, message)

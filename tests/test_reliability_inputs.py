@@ -65,7 +65,7 @@ FILES: dict[str, str | bytes] = {
 
 
 @pytest.fixture
-def files(inputs):  # noqa: F811
+def files(inputs):
     folder = Path(inputs["dir"])
     for name, content in FILES.items():
         (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
