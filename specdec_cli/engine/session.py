@@ -82,7 +82,11 @@ class ModelSession:
         self.starts: list[int] = []  # [rows]: each row's first column (the columns before it are padding)
         self.encoder_hidden: torch.Tensor | None = None  # [rows, source, d] for an encoder-decoder
         self.encoder_mask: torch.Tensor | None = None  # [rows, source] 1 on each row's prompt
-        self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        arguments = inspect.signature(self.model.forward).parameters
+        self.keeps_logits = "logits_to_keep" in arguments
+        # transformers 5.24 names the KV cache `cache` and warns on `past_key_values` (gone in 5.40); older
+        # releases know only `past_key_values`. The output names it as the forward does.
+        self.cache_argument = "cache" if "cache" in arguments else "past_key_values"
 
     @property
     def rows(self) -> int:
@@ -204,7 +208,7 @@ class ModelSession:
             self.ids, self.columns = inputs, 0
         with timer.region("forward") if timer is not None else nullcontext():
             output = self.model(**self._forward_arguments(inputs, keep))
-        self.cache = output.past_key_values if self.use_cache else None
+        self.cache = getattr(output, self.cache_argument) if self.use_cache else None
         self.columns += inputs.shape[1]
         self.lengths = [self.columns - start for start in self.starts]
         return output.logits[:, -keep:, : self.vocab_size]  # [rows, keep, vocab]
@@ -212,11 +216,11 @@ class ModelSession:
     def _forward_arguments(self, inputs: torch.Tensor, keep: int) -> dict[str, Any]:
         """The model's keyword arguments for ``inputs`` ``[rows, m]`` after the held columns: where rows may be
         padded, the mask of every row's columns and, for a decoder-only model, each row's positions."""
-        kwargs: dict[str, Any] = {"use_cache": self.use_cache, "past_key_values": self.cache}
+        kwargs: dict[str, Any] = {"use_cache": self.use_cache, self.cache_argument: self.cache}
         if self.keeps_logits:
             kwargs["logits_to_keep"] = keep
         if self.loaded.is_encoder_decoder and self.use_cache and self.cache is None:
-            self.cache = kwargs["past_key_values"] = EncoderDecoderCache(DynamicCache(), DynamicCache())
+            self.cache = kwargs[self.cache_argument] = EncoderDecoderCache(DynamicCache(), DynamicCache())
         if not self.padded:
             encoder = {"encoder_outputs": (self.encoder_hidden,), "decoder_input_ids": inputs}
             return kwargs | (encoder if self.loaded.is_encoder_decoder else {"input_ids": inputs})
