@@ -18,6 +18,7 @@ import time
 import torch
 
 from specdec_cli import load_recipe
+from specdec_cli.engine.session import cache_argument
 from specdec_cli.models.pool import ModelPool
 from specdec_cli.plugins.drafter_registry import DrafterRegistry
 
@@ -35,7 +36,8 @@ def median_ms(step, repeats: int) -> float:
 def forward_costs(model, rows: int, new: int, context: int, repeats: int) -> tuple[float, float]:
     """(ms without a mask, ms with the batch engine's mask) of a forward of ``new`` tokens per row."""
     dtype = model.dtype
-    cache = model(input_ids=torch.randint(100, 1000, (rows, context)), use_cache=True).past_key_values
+    name = cache_argument(model)
+    cache = getattr(model(input_ids=torch.randint(100, 1000, (rows, context)), use_cache=True), name)
     tokens = torch.randint(100, 1000, (rows, new))  # [rows, new]
     columns = torch.arange(context + new)  # [context + new]
     seen = columns <= context + columns[:new].view(new, 1)  # [new, context + new]
@@ -43,11 +45,11 @@ def forward_costs(model, rows: int, new: int, context: int, repeats: int) -> tup
     positions = (context + torch.arange(new)).expand(rows, -1)  # [rows, new]
 
     def plain():
-        model(input_ids=tokens, past_key_values=cache, use_cache=True)
+        model(input_ids=tokens, use_cache=True, **{name: cache})
         cache.crop(-new)
 
     def masked():
-        model(input_ids=tokens, past_key_values=cache, use_cache=True, attention_mask=mask, position_ids=positions)
+        model(input_ids=tokens, use_cache=True, attention_mask=mask, position_ids=positions, **{name: cache})
         cache.crop(-new)
 
     return median_ms(plain, repeats), median_ms(masked, repeats)

@@ -36,6 +36,7 @@ import transformers
 from specdec_cli import BlockDecision, BlockVerifier, SpeculativeDecoder, load_recipe, load_verifier
 from specdec_cli.base.randomness import Draws, Randomness
 from specdec_cli.engine.device_path import BlockCount, capture_cuda_graph, count_block
+from specdec_cli.engine.session import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_shapes import SHAPES, random_model  # noqa: E402
@@ -171,14 +172,15 @@ def time_target_forward(model, num_drafts: int, draft_length: int, repeats: int)
     device = str(model.device)
     context = torch.randint(0, 1000, (1, 64), device=model.device)
     times = []
+    name = cache_argument(model)
     with torch.inference_mode():
         for repeat in range(repeats + 1):
-            cache = model(context, use_cache=True).past_key_values
+            cache = getattr(model(context, use_cache=True), name)
             cache.batch_repeat_interleave(num_drafts)
             block = torch.randint(0, 1000, (num_drafts, draft_length + 1), device=model.device)
             synchronize(device)
             start = time.perf_counter()
-            model(block, past_key_values=cache, use_cache=True)
+            model(block, use_cache=True, **{name: cache})
             synchronize(device)
             if repeat:
                 times.append(time.perf_counter() - start)

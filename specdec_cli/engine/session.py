@@ -64,6 +64,12 @@ def batch_problem(loaded: LoadedModel) -> str | None:
     return None
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """What the model's forward (and its output) calls the KV cache: ``cache`` from transformers 5.24, which warns
+    on ``past_key_values`` and drops it in 5.40; ``past_key_values`` in the releases before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class ModelSession:
     """A model's KV cache (or, without one, its ids) for a batch's rows, right-aligned, with each row's length."""
 
@@ -82,11 +88,8 @@ class ModelSession:
         self.starts: list[int] = []  # [rows]: each row's first column (the columns before it are padding)
         self.encoder_hidden: torch.Tensor | None = None  # [rows, source, d] for an encoder-decoder
         self.encoder_mask: torch.Tensor | None = None  # [rows, source] 1 on each row's prompt
-        arguments = inspect.signature(self.model.forward).parameters
-        self.keeps_logits = "logits_to_keep" in arguments
-        # transformers 5.24 names the KV cache `cache` and warns on `past_key_values` (gone in 5.40); older
-        # releases know only `past_key_values`. The output names it as the forward does.
-        self.cache_argument = "cache" if "cache" in arguments else "past_key_values"
+        self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.cache_argument = cache_argument(self.model)
 
     @property
     def rows(self) -> int:
