@@ -241,7 +241,7 @@ def run_in(work: Path, args: argparse.Namespace) -> int:
         try:
             if pair not in decoders:
                 decoders[pair] = decoder_class.from_recipe(load_recipe(write_recipe(work, pair, models)))
-            results[case] = generate(decoders[pair], batch_size, changes)
+            results[case] = generate(decoders[pair], batch_size, changes | args.setting)
         except Exception as error:  # noqa: BLE001  (a refusal is a result: recorded, compared)
             line = (str(error).strip().splitlines() or [""])[0].replace(str(work), "<tmp>")
             results[case] = {"error": f"{type(error).__name__}: {line}"}
@@ -422,6 +422,14 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--only", nargs="*", help="run only cases whose name contains one of these")
+    parser.add_argument(
+        "--static-cache",
+        dest="setting",
+        action="store_const",
+        const={"static_cache": True},
+        default={},
+        help="run every case with speculation.static_cache (its tokens are compared with the dynamic cache's)",
+    )
     args = parser.parse_args()
     if args.compare:
         return compare(*args.compare)

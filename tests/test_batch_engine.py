@@ -181,6 +181,50 @@ def test_a_batch_without_the_kv_cache_recomputes_what_the_cache_holds(tiny_model
         decoder.generate("a b", batch_size=0)
 
 
+@pytest.mark.parametrize(
+    "family,verifier,num_drafts,drafts",
+    [
+        ("llama", "specinfer", 2, None),
+        ("gpt2", "speculative", 1, None),
+        ("llama", "specinfer", 2, [{"model": "draft"}, {"drafter": "prompt-lookup"}]),
+        ("llama", "speculative", 1, [{"early_exit": 1}]),
+    ],
+)
+def test_a_batch_with_the_static_cache_gives_the_dynamic_caches_samples(
+    tiny_models, family, verifier, num_drafts, drafts
+):
+    """Rows written at their own slots, rejected suffixes overwritten, sequences joining and leaving: the samples
+    of the dynamic cache, for the target and every draft model (fanned out to K rows, beside prompt lookup, and the
+    target's own first layers)."""
+    recipe = tiny_recipe(tiny_models, family, verifier={"name": verifier}, speculation={"num_drafts": num_drafts})
+    recipe["generation"] = {"max_new_tokens": 12, "temperature": 1.0}
+    if drafts is not None:
+        model = str(tiny_models[f"{family}-draft"])
+        recipe["drafts"] = [{**draft, "model": model} if draft.get("model") == "draft" else draft for draft in drafts]
+        recipe.pop("draft")
+    dynamic = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    static = dynamic.with_config(static_cache=True)
+    assert static.cache_headroom == 12 + static.config.speculation.draft_length + 1 and dynamic.cache_headroom is None
+    assert static.drafters[0].session.headroom == static.cache_headroom  # the draft model's cache is static too
+    samples = [decoder.generate(PROMPTS, num_samples=2, batch_size=3) for decoder in (dynamic, static)]
+    assert [r.token_ids for r in samples[1]] == [r.token_ids for r in samples[0]]
+    assert sum(r.stats.drafted_tokens - r.stats.accepted_tokens for r in samples[1]) > 3  # suffixes were rejected
+
+
+def test_a_model_the_static_cache_does_not_suit_keeps_the_dynamic_one_and_says_so_in_one_line(
+    tiny_models, run, write_recipe
+):
+    recipe = tiny_recipe(tiny_models, "t5", speculation={"static_cache": True}, generation={"max_new_tokens": 4})
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    assert decoder.drafters[0].session.headroom is None
+    names = [decoder.target.name, decoder.drafts[0].model.name]
+    assert decoder.cache_notes == [
+        f"static cache: model '{n}' keeps the dynamic cache: an encoder-decoder" for n in names
+    ]
+    code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "a b"])
+    assert code == 0 and err.count("keeps the dynamic cache: an encoder-decoder") == 2
+
+
 def test_a_bart_target_is_refused_before_decoding(tiny_models):
     decoder = _decoder(tiny_models, "bart")
     with pytest.raises(UsageError, match="--batch-size 1"):

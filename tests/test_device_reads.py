@@ -65,6 +65,17 @@ def test_reads_per_block_stay_within_the_budget(tiny_models, conversions, name, 
     assert sum(conversions.values()) <= per_block * blocks, dict(conversions)
 
 
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize(("name", "num_drafts"), [("speculative", 1), ("specinfer", 3)])
+def test_the_static_cache_adds_no_read(tiny_models, conversions, name, num_drafts, batch_size):
+    """Slots, positions and masks come from the lengths the host already holds: one read per step, as before."""
+    decoder = _decoder(tiny_models, "llama", name, num_drafts).with_config(static_cache=True)
+    conversions.clear()
+    with device_path():
+        results = decoder.generate(["a b c d", "e d"], num_samples=2, batch_size=batch_size)
+    assert sum(conversions.values()) <= READS_PER_BLOCK * sum(result.stats.blocks for result in results)
+
+
 def test_the_counter_sees_a_read(conversions):
     """Negative control: the fixture does count what the hot loop must not do."""
     value = torch.tensor([1.5, 2.0])

@@ -25,15 +25,19 @@ def _decoder(models, family, **sections) -> SpeculativeDecoder:
     return SpeculativeDecoder.from_recipe(build_recipe(tiny_recipe(models, family, **sections)))
 
 
-@pytest.mark.parametrize("family", ["llama", "t5"])
-@pytest.mark.parametrize("draft_length,batch_size", [(1, 1), (2, 16), (3, 16)])
-def test_first_tokens_follow_the_target_law(tiny_models, family, draft_length, batch_size):
-    """One loop for every batch size: a sample alone, and samples decoded 16 at a time."""
+LAW_CASES = [(family, length, size, False) for family in ("llama", "t5") for length, size in ((1, 1), (2, 16), (3, 16))]
+LAW_CASES += [("llama", 3, 16, True), ("gpt2", 2, 1, True)]
+
+
+@pytest.mark.parametrize("family,draft_length,batch_size,static_cache", LAW_CASES)
+def test_first_tokens_follow_the_target_law(tiny_models, family, draft_length, batch_size, static_cache):
+    """One loop for every batch size: a sample alone, and samples decoded 16 at a time; with the dynamic cache and
+    with the static one (rows written at their own slots, rejected ones overwritten)."""
     depth, samples = 3, 1500
     decoder = _decoder(
         tiny_models,
         family,
-        speculation={"draft_length": draft_length},
+        speculation={"draft_length": draft_length, "static_cache": static_cache},
         generation={"max_new_tokens": depth, "temperature": 1.0},
     )
     prompt_ids = decoder.encode_prompt(PROMPT)
@@ -66,10 +70,15 @@ def _transformers_greedy(decoder: SpeculativeDecoder, prompt_ids: list[int], max
     return generated[: generated.index(EOS_ID) + 1] if EOS_ID in generated else generated
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize(
+    "family,static_cache", [("llama", False), ("gpt2", False), ("t5", False), ("llama", True), ("gpt2", True)]
+)
 @pytest.mark.parametrize("prompt", ["a b c d", "e e a", "b", "d c b a e d c b a"])
-def test_greedy_equals_target_greedy(tiny_models, family, prompt):
-    decoder = _decoder(tiny_models, family, generation={"max_new_tokens": 40, "temperature": 0.0})
+def test_greedy_equals_target_greedy(tiny_models, family, static_cache, prompt):
+    speculation = {"static_cache": static_cache}
+    decoder = _decoder(
+        tiny_models, family, generation={"max_new_tokens": 40, "temperature": 0.0}, speculation=speculation
+    )
     prompt_ids = decoder.encode_prompt(prompt)
     tokens, _, stats = decoder.generate_ids(prompt_ids, key=0)
     assert tokens == _transformers_greedy(decoder, prompt_ids, 40)

@@ -34,14 +34,24 @@ def alone(model: LoadedModel, prompt: list[int], context: list[int], new: list[i
     return logits[-(len(new) + 1) :]
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
+CACHES = {
+    "dynamic": (True, None),
+    "no cache": (False, None),
+    "static": (True, 32),
+    "static, widened": (True, 1),  # too little headroom: the buffers grow as the rows do
+}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
 @torch.inference_mode()
-def test_each_row_sees_what_its_sequence_sees_alone(kind, use_cache):
+def test_each_row_sees_what_its_sequence_sees_alone(kind, cache):
     model = loaded(kind)
     prompts = [[3, 4, 5, 6, 7], [6, 3], [5, 6, 7, 3, 4, 5, 6]]
     contexts = [start_ids(model, p) for p in prompts]
-    session = ModelSession(model, VOCAB, use_cache)
+    session = ModelSession(model, VOCAB, *CACHES[cache])
+    # A decoder-only model takes the static cache it is asked for; an encoder-decoder keeps the dynamic one.
+    assert (session.headroom is not None) == (cache.startswith("static") and not model.is_encoder_decoder)
     session.add(prompts[:2], contexts[:2])
     # Block 1: two rows per sequence, three draft tokens each.
     drafts = torch.tensor([[5, 6, 7], [5, 4, 4], [6, 5, 3], [3, 3, 3]])  # [B K, 3]
@@ -70,7 +80,8 @@ def test_each_row_sees_what_its_sequence_sees_alone(kind, use_cache):
     for row, sequence in enumerate((0, 2)):
         expected = alone(model, kept[row], contexts[sequence], [4])
         torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
-    assert session.columns == max(session.lengths)  # padding no wider than the longest row needs
+    if session.headroom is None:
+        assert session.columns == max(session.lengths)  # padding no wider than the longest row needs
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -93,3 +104,34 @@ def test_a_decoder_that_numbers_positions_from_the_cache_decodes_one_sequence_un
     session.keep([1], [len(context) - 1])
     logits = session.forward([context], torch.tensor([[6]]), 2)
     torch.testing.assert_close(logits[0], alone(model, prompt, context, [6]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@torch.inference_mode()
+def test_the_static_cache_pads_a_short_row_into_its_scratch_slot_and_widens_for_a_longer_joiner(kind):
+    """A one-id sequence (holding nothing) beside one with two ids pending: its padding goes to the scratch slot,
+    which nothing else attends to. A sequence longer than the buffers joins: every row's buffers widen. All rows
+    leave and new ones join a fresh cache."""
+    model = loaded(kind)
+    session = ModelSession(model, VOCAB, True, headroom=2)
+    prompts = [[3, 4, 5, 6], [6]]
+    session.add(prompts, [list(p) for p in prompts])
+    contexts = [prompts[0] + [7], prompts[1]]  # two ids pending, and one
+    logits = session.forward(contexts, torch.tensor([[1], [2]]), 2)
+    for row in range(2):
+        torch.testing.assert_close(
+            logits[row], alone(model, prompts[row], contexts[row], [[1], [2]][row]), atol=1e-4, rtol=1e-4
+        )
+    capacity = session.cache.capacity
+    long_prompt = [5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5, 6]
+    session.keep([0, 1], [len(contexts[0]), len(contexts[1])])
+    session.add([long_prompt], [long_prompt])
+    assert session.cache.capacity > capacity
+    contexts = [contexts[0] + [1], contexts[1] + [2], long_prompt]
+    logits = session.forward(contexts, torch.tensor([[4], [4], [4]]), 2)
+    for row, prompt in enumerate(prompts + [long_prompt]):
+        torch.testing.assert_close(logits[row], alone(model, prompt, contexts[row], [4]), atol=1e-4, rtol=1e-4)
+    session.select([])
+    session.add([[4, 5]], [[4, 5]])
+    logits = session.forward([[4, 5]], torch.tensor([[6]]), 2)
+    torch.testing.assert_close(logits[0], alone(model, [4, 5], [4, 5], [6]), atol=1e-4, rtol=1e-4)

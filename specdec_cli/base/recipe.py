@@ -103,6 +103,11 @@ class SpeculationConfig:
     """K: independent draft sequences sampled from each draft config per block."""
     kv_cache: bool = True
     """False recomputes every forward from the whole sequence (a reference for testing cache rollback)."""
+    static_cache: bool = False
+    """Preallocate each model's KV cache for prompt + max_new_tokens + L + 1 per sequence and write it in place at
+    each row's own positions (a rejected suffix is overwritten by the next block, never cropped): fixed shapes,
+    what compiled and captured steps need. A model it does not suit (an encoder-decoder) keeps the dynamic
+    cache, and the decoder says so."""
     compile: bool = False
     """Run the sampling laws and the verify step through ``torch.compile``; on a GPU the verify step is
     captured in CUDA graphs instead (one launch per block): worth it where launches dominate; the first

@@ -243,7 +243,8 @@ def _generate(
         decoder.check_batching()
     first = decoder.encode_prompt(prompts[0])
     decoder.warm_up(first)
-    _print_note(err, note_for(decoder, first, recalibrate=recalibrate))
+    for note in [*decoder.cache_notes, note_for(decoder, first, recalibrate=recalibrate)]:
+        _print_note(err, note)
     out = _StdoutConsole(highlight=False)
     stream = None if as_json else _Stream(decoder.target.tokenizer, out, several=len(prompts) * num_samples > 1)
     began = time.perf_counter()
@@ -335,7 +336,8 @@ def _compare(
             for label, r in recipes.items()
         }
     )
-    _print_note(err, note_for(base, base.encode_prompt(prompts[0]), recalibrate=recalibrate))
+    for note in [*base.cache_notes, note_for(base, base.encode_prompt(prompts[0]), recalibrate=recalibrate)]:
+        _print_note(err, note)
     out = _StdoutConsole(highlight=False, width=None if sys.stdout.isatty() else 120)
     total = len(recipes) * len(prompts) * num_samples * recipe.generation.max_new_tokens
     with common.token_progress(total) as progress:

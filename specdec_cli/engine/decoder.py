@@ -66,7 +66,7 @@ from ..results.stats import GenerationResult, SampleStats
 from .decoding import Draft, create_verifier, load_drafts, target_sampling
 from .drafted import Drafted, count_to_eos, longest_matches
 from .graphs import CapturedVerifyStep
-from .session import ModelSession, batch_problem
+from .session import ModelSession, batch_problem, static_problem
 
 BlockCallback = Callable[[int, int, list[int], list[bool]], None]
 """on_block(prompt_index, sample_index, new_token_ids, accepted_mask) after each committed block."""
@@ -155,6 +155,7 @@ class SpeculativeDecoder:
                     self.vocab_size,
                     self.target.device,
                     self.config.speculation.kv_cache,
+                    self.cache_headroom,
                 ),
             )
             by_class.setdefault(type(drafter), []).append(drafter)
@@ -170,6 +171,24 @@ class SpeculativeDecoder:
         return SpeculativeDecoder(
             self.target, self.drafts, self.config.replace(**changes), self.registry, self.drafter_registry
         )
+
+    @property
+    def cache_headroom(self) -> int | None:
+        """With ``speculation.static_cache``: the slots each sequence's cache holds past its prompt (its output, a
+        block's drafts and the bonus token); None: dynamic caches."""
+        if not self.config.speculation.static_cache:
+            return None
+        return self.config.generation.max_new_tokens + self.config.speculation.draft_length + 1
+
+    @property
+    def cache_notes(self) -> list[str]:
+        """One line for each model that keeps the dynamic cache where ``speculation.static_cache`` asks for the static
+        one, and why (an encoder-decoder, a sliding window, ``kv_cache: false``)."""
+        if self.cache_headroom is None:
+            return []
+        models = {id(model.model): model for model in [self.target, *(d.model for d in self.drafts if d.model)]}
+        problems = (static_problem(model, self.config.speculation.kv_cache) for model in models.values())
+        return [f"static cache: {problem}" for problem in dict.fromkeys(problems) if problem]
 
     @property
     def num_draft_rows(self) -> int:
@@ -427,7 +446,8 @@ class DecodingRun:
         self.decoder = decoder
         self.batch_size = batch_size
         self.device = decoder.device
-        self.target = ModelSession(decoder.target, decoder.vocab_size, decoder.config.speculation.kv_cache)
+        speculation = decoder.config.speculation
+        self.target = ModelSession(decoder.target, decoder.vocab_size, speculation.kv_cache, decoder.cache_headroom)
         self.drafters = decoder.drafters
         for drafter in self.drafters:  # a drafter may hold the sequences of an interrupted run
             decoder._call_drafter(drafter, "remove_sequences", drafter.remove_sequences, [])

@@ -16,6 +16,11 @@ rows never need padding. Without a KV cache (``use_cache=False``) the session ho
 forward recomputes them: the reference the cache is tested against, and position scoring
 (:func:`next_token_logits`).
 
+With a ``headroom`` (``speculation.static_cache``), a decoder-only model's session holds the static cache of
+:mod:`.slots` instead: rows left-aligned at their own slots, each forward writing every row where its ids end, a
+rejected suffix hidden by the mask until the next block overwrites it, so nothing is cropped or realigned and the
+buffers keep their shape (they widen only for a sequence that joins longer than them).
+
 Sequences join (:meth:`ModelSession.add`, each prompt read on its own) and leave (:meth:`ModelSession.select`)
 between blocks, so a long answer does not hold the others.
 """
@@ -31,8 +36,23 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from ..base.timing import RegionTimer
 from ..models.loading import LoadedModel
+from .slots import SlotCache
 
-__all__ = ["ModelSession", "batch_problem", "next_token_logits", "pad_to"]
+__all__ = ["ModelSession", "batch_problem", "next_token_logits", "pad_to", "static_problem"]
+
+
+def static_problem(loaded: LoadedModel, use_cache: bool = True) -> str | None:
+    """Why ``loaded`` keeps the dynamic cache where the static one (:mod:`.slots`) was asked for, or None: the static
+    cache writes each row at its own positions, which needs a decoder-only model that takes them."""
+    if not use_cache:
+        return "kv_cache: false holds no cache, static or dynamic"
+    if loaded.is_encoder_decoder:
+        why = "an encoder-decoder"
+    elif batch_problem(loaded) is not None:
+        why = "its rows cannot keep their own positions (a sliding window, or no position_ids)"
+    else:
+        return None
+    return f"model '{loaded.name}' keeps the dynamic cache: {why}"
 
 
 def batch_problem(loaded: LoadedModel) -> str | None:
@@ -71,9 +91,10 @@ def cache_argument(model: torch.nn.Module) -> str:
 
 
 class ModelSession:
-    """A model's KV cache (or, without one, its ids) for a batch's rows, right-aligned, with each row's length."""
+    """A model's KV cache (or, without one, its ids) for a batch's rows, each at its own length: right-aligned, or at
+    its own slots of a static cache."""
 
-    def __init__(self, loaded: LoadedModel, vocab_size: int, use_cache: bool = True):
+    def __init__(self, loaded: LoadedModel, vocab_size: int, use_cache: bool = True, headroom: int | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.vocab_size = vocab_size
@@ -81,11 +102,14 @@ class ModelSession:
         self.device = loaded.device
         self.padded = batch_problem(loaded) is None
         """Rows may be padded (masks and positions given per row); False: one sequence at a time, no padding."""
+        self.headroom = headroom if headroom is not None and static_problem(loaded, use_cache) is None else None
+        """With a static cache (:mod:`.slots`): the slots a joining sequence gets past its context; None: dynamic."""
         self.cache: Any = None
         self.ids: torch.Tensor | None = None  # [rows, columns]: without a KV cache, the ids it holds instead
         self.columns = 0  # the cache's (or the ids') columns: every row's ids end at the last one
         self.lengths: list[int] = []  # [rows]: ids of each row the session holds for it
-        self.starts: list[int] = []  # [rows]: each row's first column (the columns before it are padding)
+        self.starts: list[int] = []  # [rows]: each row's first column (the columns before it are padding); with the
+        # static cache, the padding of the forward being made (0 between forwards)
         self.encoder_hidden: torch.Tensor | None = None  # [rows, source, d] for an encoder-decoder
         self.encoder_mask: torch.Tensor | None = None  # [rows, source] 1 on each row's prompt
         self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -106,7 +130,10 @@ class ModelSession:
         session (a single sample) is read with its first block instead: one forward less, and nothing to align."""
         deferred = not self.lengths and len(contexts) == 1
         for prompt, context in zip(prompts, contexts):
-            joining = ModelSession(self.loaded, self.vocab_size, self.use_cache)
+            joining = ModelSession(self.loaded, self.vocab_size, self.use_cache, self.headroom)
+            if self.headroom is not None:
+                layers = self.model.config.get_text_config().num_hidden_layers
+                joining.cache = SlotCache(layers, len(context) + self.headroom + 1)
             if self.loaded.is_encoder_decoder:
                 joining.encoder_hidden, joining.encoder_mask = self._encode(prompt)
             joining.starts, joining.lengths = [0], [0]
@@ -132,6 +159,10 @@ class ModelSession:
             self.cache, self.ids, self.columns = other.cache, other.ids, other.columns
             self.lengths, self.starts = other.lengths, other.starts
             self.encoder_hidden, self.encoder_mask = other.encoder_hidden, other.encoder_mask
+            return
+        if self.headroom is not None:  # rows at their own slots: nothing to align, the buffers to join
+            self.cache.join(other.cache, self.rows, other.rows)
+            self.lengths, self.starts = self.lengths + other.lengths, self.starts + other.starts
             return
         width = max(self.columns, other.columns)
         self.starts = [start + width - self.columns for start in self.starts] + [
@@ -194,11 +225,17 @@ class ModelSession:
         if contexts is None:
             return self._run(tokens.to(self.device), keep, timer)
         pending = max(len(context) - length for context, length in zip(contexts, self.lengths))
-        self._align([max(len(context) - pending, 0) for context in contexts])
-        # A row with fewer ids than that (an encoder-decoder's start) holds none: its inputs are left-padded,
-        # the padding masked as the columns before it.
-        self.starts = [start + max(pending - len(context), 0) for start, context in zip(self.starts, contexts)]
-        padded = [[0] * (pending - len(context)) + context[max(len(context) - pending, 0) :] for context in contexts]
+        held = [max(len(context) - pending, 0) for context in contexts]
+        # A row with fewer ids than that (an encoder-decoder's start, a one-id prompt) holds none: its inputs are
+        # left-padded. The dynamic cache masks the padding as columns before the row; the static one writes it to
+        # the scratch slot.
+        padding = [max(pending - len(context), 0) for context in contexts]
+        if self.headroom is None:
+            self._align(held)
+            self.starts = [start + pad for start, pad in zip(self.starts, padding)]
+        else:
+            self.lengths, self.starts = held, padding
+        padded = [[0] * pad + context[length:] for pad, length, context in zip(padding, held, contexts)]
         inputs = torch.tensor(padded, dtype=torch.long, device=self.device).view(self.rows, pending)  # [rows, pending]
         if tokens is not None:
             inputs = torch.cat([inputs, tokens.to(self.device)], dim=1)  # [rows, pending + n]
@@ -212,8 +249,12 @@ class ModelSession:
         with timer.region("forward") if timer is not None else nullcontext():
             output = self.model(**self._forward_arguments(inputs, keep))
         self.cache = getattr(output, self.cache_argument) if self.use_cache else None
-        self.columns += inputs.shape[1]
-        self.lengths = [self.columns - start for start in self.starts]
+        if self.headroom is None:
+            self.columns += inputs.shape[1]
+            self.lengths = [self.columns - start for start in self.starts]
+        else:
+            self.lengths = [length + inputs.shape[1] - pad for length, pad in zip(self.lengths, self.starts)]
+            self.starts = [0] * self.rows
         return output.logits[:, -keep:, : self.vocab_size]  # [rows, keep, vocab]
 
     def _forward_arguments(self, inputs: torch.Tensor, keep: int) -> dict[str, Any]:
@@ -224,6 +265,8 @@ class ModelSession:
             kwargs["logits_to_keep"] = keep
         if self.loaded.is_encoder_decoder and self.use_cache and self.cache is None:
             self.cache = kwargs[self.cache_argument] = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        if self.headroom is not None:
+            return kwargs | self._slot_arguments(inputs)
         if not self.padded:
             encoder = {"encoder_outputs": (self.encoder_hidden,), "decoder_input_ids": inputs}
             return kwargs | (encoder if self.loaded.is_encoder_decoder else {"input_ids": inputs})
@@ -240,6 +283,26 @@ class ModelSession:
         columns = torch.arange(self.columns, self.columns + inputs.shape[1], device=self.device)  # [m]
         positions = (columns - torch.tensor(self.starts, device=self.device).view(-1, 1)).clamp(min=0)  # [rows, m]
         return kwargs | {"input_ids": inputs, "attention_mask": mask, "position_ids": positions}
+
+    def _slot_arguments(self, inputs: torch.Tensor) -> dict[str, Any]:
+        """With the static cache: where each row's ``inputs`` ``[rows, m]`` go (after its held ids; its left padding,
+        ``starts``, to the scratch slot), their positions, and the mask over every slot: a real input sees its row's
+        slots up to its own, padding only the scratch slot."""
+        new = inputs.shape[1]
+        needed = max(length + new - pad for length, pad in zip(self.lengths, self.starts)) + 1  # and the scratch
+        if needed > self.cache.capacity:
+            self.cache.widen(needed + self.headroom)
+        offsets = torch.arange(new, device=self.device)  # [m]
+        pads = torch.tensor(self.starts, device=self.device).view(-1, 1)  # [rows, 1]
+        real = offsets >= pads  # [rows, m]
+        slots = torch.tensor(self.lengths, device=self.device).view(-1, 1) + offsets - pads  # [rows, m]
+        scratch = self.cache.capacity - 1
+        self.cache.write_slots = torch.where(real, slots, scratch)  # [rows, m]
+        every = torch.arange(self.cache.capacity, device=self.device)  # [S]
+        seen = (every <= slots.unsqueeze(-1)) & real.unsqueeze(-1)  # [rows, m, S]
+        seen |= ~real.unsqueeze(-1) & (every == scratch)
+        mask = _additive(~seen, self.model.dtype).unsqueeze(1)  # [rows, 1, m, S]
+        return {"input_ids": inputs, "attention_mask": mask, "position_ids": torch.where(real, slots, 0)}
 
     def _attention_mask(self, new: int) -> torch.Tensor:
         """The additive mask ``[rows, 1, new, columns + new]`` of ``new`` queries after the held columns: each sees

@@ -76,6 +76,9 @@ class DraftSetup:
     """Where the block's tensors live (the target's device)."""
     kv_cache: bool = True
     """``speculation.kv_cache``: False asks a model drafter to recompute every forward (a test reference)."""
+    cache_headroom: int | None = None
+    """With ``speculation.static_cache``: the slots past its context a sequence's static cache is made with
+    (``ModelSession``'s ``headroom``); None: a dynamic cache."""
 
 
 @dataclass
