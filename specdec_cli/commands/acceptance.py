@@ -41,7 +41,7 @@ _DraftersOption = Annotated[
         "--drafter",
         metavar="NAME[,NAME…]",
         help="Comma list of drafters (see `specdec drafters`), each evaluated on its own: the recipe's entries of it, "
-        "or one with its defaults. [dim]\\[default: the recipe's drafts, together][/dim]",
+        "or one with its defaults. " + options.default_note("the recipe's drafts, together"),
     ),
 ]
 _VerifiersOption = Annotated[
@@ -49,8 +49,8 @@ _VerifiersOption = Annotated[
     typer.Option(
         "--verifier",
         metavar="NAME[,NAME…]",
-        help="Comma list of verifiers (rows). [dim]\\[default: every installed verifier that has a per-token "
-        "acceptance for these drafts][/dim]",
+        help="Comma list of verifiers (rows). "
+        + options.default_note("every installed verifier that has a per-token acceptance for these drafts"),
     ),
 ]
 _NumDraftsOption = Annotated[
@@ -61,8 +61,8 @@ _KlOption = Annotated[
     typer.Option(
         "--kl",
         metavar="NATS[,NATS…]",
-        help="Comma list of KL bounds D in nats: a row each for every verifier with a KL bound. [dim]\\[default: "
-        "fractions of the pair's measured KL(q‖p) on the first prompt][/dim]",
+        help="Comma list of KL bounds D in nats: a row each for every verifier with a KL bound. "
+        + options.default_note("fractions of the pair's measured KL(q‖p) on the first prompt"),
     ),
 ]
 _DraftTemperaturesOption = Annotated[

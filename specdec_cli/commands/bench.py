@@ -54,7 +54,7 @@ class _DataOptions:
         Optional[str],
         typer.Option(
             metavar="TEXT",
-            help="Prompt template with {source}. [dim]\\[default: the task's, for the target's kind][/dim]",
+            help="Prompt template with {source}. " + options.default_note("the task's, for the target's kind"),
         ),
     ] = None
     limit: options.LimitOption = None
@@ -98,7 +98,7 @@ class _GridOptions:
             "--drafter",
             metavar="NAME[,NAME…]",
             help="Drafters (see `specdec drafters`): each cell drafts with the recipe's entries of it, or one with its "
-            "defaults. [dim]\\[default: the recipe's drafts][/dim]",
+            "defaults. " + options.default_note("the recipe's drafts"),
         ),
     ] = None
     kl: Annotated[
@@ -142,7 +142,7 @@ class _GridOptions:
             "--batch-size",
             metavar="B[,B…]",
             help="Batch sizes: each cell decodes B samples at a time, and its speedup is over the target alone at the "
-            "same B (batch 1: latency; larger: throughput). [dim]\\[default: 1][/dim]",
+            "same B (batch 1: latency; larger: throughput). " + options.default_note("1"),
         ),
     ] = None
     seeds: Annotated[
@@ -150,7 +150,7 @@ class _GridOptions:
         typer.Option(
             "--seeds",
             metavar="N[,N…]",
-            help="Sampling seeds: every cell runs with each (mean ± std over seeds). [dim]\\[default: --seed][/dim]",
+            help="Sampling seeds: every cell runs with each (mean ± std over seeds). " + options.default_note("--seed"),
         ),
     ] = None
 

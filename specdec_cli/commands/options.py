@@ -26,13 +26,14 @@ _generation, _speculation = DEFAULT_RECIPE.generation, DEFAULT_RECIPE.speculatio
 MODEL_PANEL = "Recipe, sampling and devices"
 
 
+def default_note(text: str) -> str:
+    """The dimmed ``[default: text]`` that ends an option's help where typer cannot show the default itself."""
+    return f"[dim]\\[default: {text}][/dim]"
+
+
 def from_recipe(value: object) -> str:
     """Help text for an option whose default is the recipe's: the default recipe's value."""
-    return f"[dim]\\[default: the recipe's; {value} in the default recipe][/dim]"
-
-
-def _dim(text: str) -> str:
-    return f"[dim]\\[default: {text}][/dim]"
+    return default_note(f"the recipe's; {value} in the default recipe")
 
 
 RecipeOption = Annotated[
@@ -41,7 +42,7 @@ RecipeOption = Annotated[
         "--recipe",
         "-r",
         metavar="FILE|NAME",
-        help=f"Recipe YAML file, or the name of a shipped recipe. {_dim('default')}",
+        help=f"Recipe YAML file, or the name of a shipped recipe. {default_note('default')}",
     ),
 ]
 SetOption = Annotated[
@@ -88,12 +89,14 @@ DeviceOption = Annotated[
     Optional[str],
     typer.Option(
         metavar="DEVICE",
-        help="auto, cpu, cuda or cuda:N, for every model. " + _dim("the recipe's; auto: CUDA when present"),
+        help="auto, cpu, cuda or cuda:N, for every model. " + default_note("the recipe's; auto: CUDA when present"),
     ),
 ]
 DtypeOption = Annotated[
     Optional[str],
-    typer.Option(metavar="DTYPE", help="auto, float32, bfloat16 or float16, for every model. " + _dim("the recipe's")),
+    typer.Option(
+        metavar="DTYPE", help="auto, float32, bfloat16 or float16, for every model. " + default_note("the recipe's")
+    ),
 ]
 ChatOption = Annotated[
     Optional[bool],
@@ -108,7 +111,7 @@ ThreadsOption = Annotated[
     typer.Option(
         metavar="N",
         help="CPU threads for torch (recorded with the results). On a busy or shared CPU one thread is often faster "
-        "and steadier than all of them. " + _dim("torch's, usually one per core"),
+        "and steadier than all of them. " + default_note("torch's, usually one per core"),
     ),
 ]
 CompileOption = Annotated[
@@ -131,7 +134,8 @@ FieldOption = Annotated[
     Optional[str],
     typer.Option(
         metavar="NAME",
-        help="Prompt field of a .jsonl prompt file. " + _dim("the first of prompt, text, instruction, question, turns"),
+        help="Prompt field of a .jsonl prompt file. "
+        + default_note("the first of prompt, text, instruction, question, turns"),
     ),
 ]
 LimitOption = Annotated[Optional[int], typer.Option(metavar="N", help="Use only the first N inputs (after --shuffle).")]
