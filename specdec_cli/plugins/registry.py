@@ -475,15 +475,22 @@ def _declared_by(listed: list[EntryPoint]) -> list[tuple[EntryPoint, tuple[str, 
     except importlib.metadata.PackageNotFoundError:  # a source tree run without being installed
         pass
     else:
-        package = (built_in.metadata["Name"], built_in.version)
-        own = {(point.name, point.value, point.group): package for point in built_in.entry_points}
+        own = dict.fromkeys(((p.name, p.value, p.group) for p in built_in.entry_points), _package(built_in))
     declared = dict(own)
-    groups = {point.group for point in listed if (point.name, point.value, point.group) not in own}
-    for group in groups:
+    packages: dict[int, tuple[str, str]] = {}  # a distribution's metadata is parsed once: it is slow
+    for group in {point.group for point in listed if (point.name, point.value, point.group) not in own}:
         for point in importlib.metadata.entry_points(group=group):
             if point.dist is not None:
-                declared[(point.name, point.value, group)] = (point.dist.metadata["Name"], point.dist.version)
+                if id(point.dist) not in packages:
+                    packages[id(point.dist)] = _package(point.dist)
+                declared[(point.name, point.value, group)] = packages[id(point.dist)]
     return [(point, declared.get((point.name, point.value, point.group), ("unknown", "?"))) for point in listed]
+
+
+def _package(distribution: importlib.metadata.Distribution) -> tuple[str, str]:
+    """(name, version) of ``distribution``, from one parse of its metadata."""
+    metadata = distribution.metadata
+    return metadata["Name"], metadata["Version"]
 
 
 def class_problem(loaded: Any, base: type, flags: tuple[str, ...]) -> str | None:
