@@ -108,8 +108,7 @@ class ModelSession:
         self.ids: torch.Tensor | None = None  # [rows, columns]: without a KV cache, the ids it holds instead
         self.columns = 0  # the cache's (or the ids') columns: every row's ids end at the last one
         self.lengths: list[int] = []  # [rows]: ids of each row the session holds for it
-        self.starts: list[int] = []  # [rows]: each row's first column (the columns before it are padding); with the
-        # static cache, the padding of the forward being made (0 between forwards)
+        self.starts: list[int] = []  # [rows]: each row's first column (the columns before it are padding)
         self.encoder_hidden: torch.Tensor | None = None  # [rows, source, d] for an encoder-decoder
         self.encoder_mask: torch.Tensor | None = None  # [rows, source] 1 on each row's prompt
         self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -234,30 +233,34 @@ class ModelSession:
             self._align(held)
             self.starts = [start + pad for start, pad in zip(self.starts, padding)]
         else:
-            self.lengths, self.starts = held, padding
+            self.lengths = held
         padded = [[0] * pad + context[length:] for pad, length, context in zip(padding, held, contexts)]
         inputs = torch.tensor(padded, dtype=torch.long, device=self.device).view(self.rows, pending)  # [rows, pending]
         if tokens is not None:
             inputs = torch.cat([inputs, tokens.to(self.device)], dim=1)  # [rows, pending + n]
-        return self._run(inputs, keep, timer)
+        return self._run(inputs, keep, timer, padding)
 
-    def _run(self, inputs: torch.Tensor, keep: int, timer: RegionTimer | None) -> torch.Tensor:
-        """The forward of ``inputs`` ``[rows, m]`` after each row's held ids → logits ``[rows, keep, vocab]``."""
+    def _run(
+        self, inputs: torch.Tensor, keep: int, timer: RegionTimer | None, padding: list[int] | None = None
+    ) -> torch.Tensor:
+        """The forward of ``inputs`` ``[rows, m]`` after each row's held ids → logits ``[rows, keep, vocab]``.
+        ``padding`` [rows]: how many of each row's inputs are left padding (the static cache's; the dynamic one has
+        made it columns before the row)."""
+        padding = padding or [0] * self.rows
         if not self.use_cache:  # recompute every held id: the whole sequence is this forward's input
             inputs = inputs if self.ids is None else torch.cat([self.ids, inputs], dim=1)  # [rows, columns + m]
             self.ids, self.columns = inputs, 0
         with timer.region("forward") if timer is not None else nullcontext():
-            output = self.model(**self._forward_arguments(inputs, keep))
+            output = self.model(**self._forward_arguments(inputs, keep, padding))
         self.cache = getattr(output, self.cache_argument) if self.use_cache else None
         if self.headroom is None:
             self.columns += inputs.shape[1]
             self.lengths = [self.columns - start for start in self.starts]
         else:
-            self.lengths = [length + inputs.shape[1] - pad for length, pad in zip(self.lengths, self.starts)]
-            self.starts = [0] * self.rows
+            self.lengths = [length + inputs.shape[1] - pad for length, pad in zip(self.lengths, padding)]
         return output.logits[:, -keep:, : self.vocab_size]  # [rows, keep, vocab]
 
-    def _forward_arguments(self, inputs: torch.Tensor, keep: int) -> dict[str, Any]:
+    def _forward_arguments(self, inputs: torch.Tensor, keep: int, padding: list[int]) -> dict[str, Any]:
         """The model's keyword arguments for ``inputs`` ``[rows, m]`` after the held columns: where rows may be
         padded, the mask of every row's columns and, for a decoder-only model, each row's positions."""
         kwargs: dict[str, Any] = {"use_cache": self.use_cache, self.cache_argument: self.cache}
@@ -266,7 +269,7 @@ class ModelSession:
         if self.loaded.is_encoder_decoder and self.use_cache and self.cache is None:
             self.cache = kwargs[self.cache_argument] = EncoderDecoderCache(DynamicCache(), DynamicCache())
         if self.headroom is not None:
-            return kwargs | self._slot_arguments(inputs)
+            return kwargs | self._slot_arguments(inputs, padding)
         if not self.padded:
             encoder = {"encoder_outputs": (self.encoder_hidden,), "decoder_input_ids": inputs}
             return kwargs | (encoder if self.loaded.is_encoder_decoder else {"input_ids": inputs})
@@ -284,16 +287,16 @@ class ModelSession:
         positions = (columns - torch.tensor(self.starts, device=self.device).view(-1, 1)).clamp(min=0)  # [rows, m]
         return kwargs | {"input_ids": inputs, "attention_mask": mask, "position_ids": positions}
 
-    def _slot_arguments(self, inputs: torch.Tensor) -> dict[str, Any]:
-        """With the static cache: where each row's ``inputs`` ``[rows, m]`` go (after its held ids; its left padding,
-        ``starts``, to the scratch slot), their positions, and the mask over every slot: a real input sees its row's
-        slots up to its own, padding only the scratch slot."""
+    def _slot_arguments(self, inputs: torch.Tensor, padding: list[int]) -> dict[str, Any]:
+        """With the static cache: where each row's ``inputs`` ``[rows, m]`` go (after its held ids; its ``padding``
+        to the scratch slot), their positions, and the mask over every slot: a real input sees its row's slots up to
+        its own, padding only the scratch slot."""
         new = inputs.shape[1]
-        needed = max(length + new - pad for length, pad in zip(self.lengths, self.starts)) + 1  # and the scratch
+        needed = max(length + new - pad for length, pad in zip(self.lengths, padding)) + 1  # and the scratch
         if needed > self.cache.capacity:
             self.cache.widen(needed + self.headroom)
         offsets = torch.arange(new, device=self.device)  # [m]
-        pads = torch.tensor(self.starts, device=self.device).view(-1, 1)  # [rows, 1]
+        pads = torch.tensor(padding, device=self.device).view(-1, 1)  # [rows, 1]
         real = offsets >= pads  # [rows, m]
         slots = torch.tensor(self.lengths, device=self.device).view(-1, 1) + offsets - pads  # [rows, m]
         scratch = self.cache.capacity - 1

@@ -71,21 +71,21 @@ class _SlotLayer(CacheLayerMixin):
             self.keys = _padded(self.keys, capacity)
             self.values = _padded(self.values, capacity)
 
-    def join(self, other: _SlotLayer, other_rows: int) -> None:
-        """``other``'s rows after these (both at the owner's capacity); an uninitialized side is zero rows."""
-        if not other.is_initialized:
-            if self.is_initialized:
-                self.keys = torch.cat([self.keys, self.keys.new_zeros(other_rows, *self.keys.shape[1:])])
-                self.values = torch.cat([self.values, self.values.new_zeros(other_rows, *self.values.shape[1:])])
+    def join(self, other: _SlotLayer, rows: int, other_rows: int) -> None:
+        """``other``'s ``other_rows`` rows after these ``rows`` (both at the owner's capacity); a side no forward
+        has written yet is zero rows."""
+        if not (self.is_initialized or other.is_initialized):
             return
-        if not self.is_initialized:
-            rows = self.owner.rows_before_join
-            self.keys = torch.cat([other.keys.new_zeros(rows, *other.keys.shape[1:]), other.keys])
-            self.values = torch.cat([other.values.new_zeros(rows, *other.values.shape[1:]), other.values])
-            self.dtype, self.device, self.is_initialized = other.dtype, other.device, True
-            return
-        self.keys = torch.cat([self.keys, other.keys])  # [rows + other_rows, heads, capacity, d]
-        self.values = torch.cat([self.values, other.values])
+        written = self if self.is_initialized else other
+        for name in ("keys", "values"):
+            like = getattr(written, name)  # [rows, heads, capacity, d]
+            sides = ((self, rows), (other, other_rows))
+            parts = [
+                getattr(side, name) if side.is_initialized else like.new_zeros(count, *like.shape[1:])
+                for side, count in sides
+            ]
+            setattr(self, name, torch.cat(parts))  # [rows + other_rows, heads, capacity, d]
+        self.dtype, self.device, self.is_initialized = written.dtype, written.device, True
 
 
 class SlotCache(Cache):
@@ -95,7 +95,6 @@ class SlotCache(Cache):
         self.capacity = capacity
         """Slots per row, the last one scratch."""
         self.write_slots: torch.Tensor | None = None  # [rows, m]: where this forward's inputs go
-        self.rows_before_join = 0
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
     def widen(self, capacity: int) -> None:
@@ -109,9 +108,8 @@ class SlotCache(Cache):
         """``other``'s ``other_rows`` rows after this cache's ``rows``, both widened to the larger capacity."""
         self.widen(other.capacity)
         other.widen(self.capacity)
-        self.rows_before_join = rows
         for own, joining in zip(self.layers, other.layers):
-            own.join(joining, other_rows)
+            own.join(joining, rows, other_rows)
 
 
 def _padded(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
