@@ -234,7 +234,6 @@ def _generate(
     """One configuration: the text streams as blocks are committed (as samples finish, in a batch), then a table
     of its statistics."""
     from ..engine.decoder import SpeculativeDecoder
-    from ..generation.calibration import note_for
 
     err = Console(stderr=True)
     with err.status(LOADING):
@@ -243,8 +242,7 @@ def _generate(
         decoder.check_batching()
     first = decoder.encode_prompt(prompts[0])
     decoder.warm_up(first)
-    for note in [*decoder.cache_notes, note_for(decoder, first, recalibrate=recalibrate)]:
-        _print_note(err, note)
+    _print_notes(err, decoder, first, recalibrate)
     out = _StdoutConsole(highlight=False)
     stream = None if as_json else _Stream(decoder.target.tokenizer, out, several=len(prompts) * num_samples > 1)
     began = time.perf_counter()
@@ -321,7 +319,6 @@ def _compare(
     """Every verifier of ``names`` on the same prompts and seeds, models loaded once: each round's texts
     as it finishes, then one table over the rounds every verifier finished."""
     from ..engine.decoder import SpeculativeDecoder
-    from ..generation.calibration import note_for
     from ..generation.comparison import Comparison, comparison_recipes
 
     registry = VerifierRegistry()
@@ -336,8 +333,7 @@ def _compare(
             for label, r in recipes.items()
         }
     )
-    for note in [*base.cache_notes, note_for(base, base.encode_prompt(prompts[0]), recalibrate=recalibrate)]:
-        _print_note(err, note)
+    _print_notes(err, base, base.encode_prompt(prompts[0]), recalibrate)
     out = _StdoutConsole(highlight=False, width=None if sys.stdout.isatty() else 120)
     total = len(recipes) * len(prompts) * num_samples * recipe.generation.max_new_tokens
     with common.token_progress(total) as progress:
@@ -375,9 +371,13 @@ def _until_interrupted(results: Iterator[T], each: Callable[[T], None]) -> bool:
     return False
 
 
-def _print_note(err: Console, note: str | None) -> None:
-    if note is not None:
-        err.print(note, highlight=False, soft_wrap=True)
+def _print_notes(err: Console, decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool) -> None:
+    """Before decoding: the models that keep the dynamic cache, and whether the draft pays on this machine."""
+    from ..generation.calibration import note_for
+
+    for note in [*decoder.cache_notes, note_for(decoder, prompt_ids, recalibrate=recalibrate)]:
+        if note is not None:
+            err.print(note, highlight=False, soft_wrap=True)
 
 
 def _print_round(out: Console, rows: list[ConfigurationResult], results: list[GenerationResult]) -> None:
