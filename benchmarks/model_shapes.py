@@ -31,6 +31,16 @@ SHAPES = {
         head_dim=64,
         tie_word_embeddings=True,
     ),
+    # Not a published model: a few kilobytes of the same architecture, for smoke checks of the benchmarks on a CPU.
+    "llama-tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
     "smollm2-135m": dict(
         vocab_size=49152,
         hidden_size=576,

@@ -1,13 +1,17 @@
-"""The static KV cache beside the dynamic one, on the offline default pair, in one process.
+"""The static KV cache and the compiled steps beside the dynamic cache, on the offline default pair, in one process.
 
 The default recipe's SmolLM2-135M-Instruct target and draft (float32 on the CPU), the chat prompts of
-``examples/grounded_prompts.jsonl``, each configuration decoded with ``speculation.static_cache`` off and on
-through the same model objects (``with_config``), interleaved round by round after one untimed warm-up each:
-the target alone and speculative sampling, at batch sizes 1 and 4. Reported: tokens/s of each cache, their ratio,
-and how many samples have the same tokens under both (the same keyed randomness; they may differ only by float
-rounding).
+``examples/grounded_prompts.jsonl``, each configuration decoded in each mode through the same model objects
+(``with_config``): the dynamic cache, ``speculation.static_cache``, and ``speculation.compile`` (the static cache
+with compiled model steps, laws and verify step), interleaved round by round after an untimed warm-up (over every
+prompt for the compiled mode, so that its timed rounds meet no new step shape, and one prompt for the others): the
+target alone and speculative sampling, at batch sizes 1 and 4. Reported: tokens/s of each mode, its ratio to the
+dynamic cache's, and how many samples have the dynamic cache's tokens (the same keyed randomness; they may differ
+only by float rounding).
 
     python benchmarks/static_cache_speed.py --threads 2 > benchmarks/results/static_cache_speed_cpu.md
+    python benchmarks/static_cache_speed.py --threads 2 --modes dynamic compiled --batch-sizes 1 \
+        > benchmarks/results/compiled_steps_speed_cpu.md
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verify_vs_hf import cpu_name  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "grounded_prompts.jsonl"
-CONFIGURATIONS = [("target alone", "none", 1), ("speculative", "speculative", 1)]
-CONFIGURATIONS += [("target alone", "none", 4), ("speculative", "speculative", 4)]
+CONFIGURATIONS = [("target alone", "none"), ("speculative", "speculative")]
+MODES = {"dynamic": {}, "static": {"static_cache": True}, "compiled": {"compile": True}}
+"""Each mode's decoding settings (``compile`` turns the static cache on)."""
 
 
 def timed(decoder: SpeculativeDecoder, prompts: list[str], batch_size: int) -> tuple[float, list[list[int]]]:
@@ -37,20 +42,21 @@ def timed(decoder: SpeculativeDecoder, prompts: list[str], batch_size: int) -> t
     return time.perf_counter() - began, [result.token_ids for result in results]
 
 
-def measure(base: SpeculativeDecoder, prompts: list[str], rounds: int) -> dict[str, dict]:
-    """Every configuration under both caches, interleaved: seconds, tokens and token ids per cache."""
+def measure(base: SpeculativeDecoder, prompts: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Every configuration in every mode, interleaved: seconds, tokens and token ids per mode."""
     decoders = {
-        (label, size, static): base.with_config(verifier=verifier, static_cache=static)
-        for label, verifier, size in CONFIGURATIONS
-        for static in (False, True)
+        (label, size, mode): base.with_config(verifier=verifier, **MODES[mode])
+        for label, verifier in CONFIGURATIONS
+        for size in args.batch_sizes
+        for mode in args.modes
     }
-    for (_, size, _), decoder in decoders.items():
-        timed(decoder, prompts[:1], size)  # untimed warm-up
+    for (_, size, mode), decoder in decoders.items():
+        timed(decoder, prompts if mode == "compiled" else prompts[:1], size)  # untimed warm-up
     totals: dict[str, dict] = {}
-    for _ in range(rounds):
-        for (label, size, static), decoder in decoders.items():
+    for _ in range(args.rounds):
+        for (label, size, mode), decoder in decoders.items():
             seconds, tokens = timed(decoder, prompts, size)
-            entry = totals.setdefault(f"{label}, B = {size}", {}).setdefault("static" if static else "dynamic", {})
+            entry = totals.setdefault(f"{label}, B = {size}", {}).setdefault(mode, {})
             entry["seconds"] = entry.get("seconds", 0.0) + seconds
             entry["tokens"] = entry.get("tokens", 0) + sum(map(len, tokens))
             entry["token_ids"] = tokens  # the last round's: every round draws the same keyed samples
@@ -64,15 +70,20 @@ def report(totals: dict[str, dict], args: argparse.Namespace, prompts: int) -> N
         f"transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}"
     )
     print(f"{prompts} chat prompts × {args.rounds} rounds, max_new_tokens {args.max_new_tokens}, default recipe\n")
-    print("| configuration | tokens/s dynamic | tokens/s static | static ÷ dynamic | same tokens |")
-    print("|---|---|---|---|---|")
-    for name, caches in totals.items():
-        rates = {cache: run["tokens"] / run["seconds"] for cache, run in caches.items()}
-        same = sum(a == b for a, b in zip(caches["dynamic"]["token_ids"], caches["static"]["token_ids"]))
-        print(
-            f"| {name} | {rates['dynamic']:.2f} | {rates['static']:.2f} | {rates['static'] / rates['dynamic']:.2f} "
-            f"| {same} of {len(caches['dynamic']['token_ids'])} |"
-        )
+    others = [mode for mode in args.modes if mode != "dynamic"]
+    columns = [f"tokens/s {mode}" for mode in args.modes]
+    columns += [f"{mode} ÷ dynamic" for mode in others] + [f"same tokens {mode}" for mode in others]
+    print("| configuration | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for name, modes in totals.items():
+        rates = {mode: run["tokens"] / run["seconds"] for mode, run in modes.items()}
+        reference = modes["dynamic"]["token_ids"]
+        cells = [f"{rates[mode]:.2f}" for mode in args.modes]
+        cells += [f"{rates[mode] / rates['dynamic']:.2f}" for mode in others]
+        cells += [
+            f"{sum(a == b for a, b in zip(reference, modes[mode]['token_ids']))} of {len(reference)}" for mode in others
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
     raw = {
         name: {c: {k: v for k, v in r.items() if k != "token_ids"} for c, r in cs.items()}
         for name, cs in totals.items()
@@ -85,12 +96,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2, help="passes over the prompts (each interleaves all)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="dynamic comes first")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     base = SpeculativeDecoder.from_recipe(load_recipe("default", [f"generation.max_new_tokens={args.max_new_tokens}"]))
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
-    report(measure(base, prompts, args.rounds), args, len(prompts))
+    args.modes = ["dynamic", *(mode for mode in args.modes if mode != "dynamic")]  # the reference of the ratios
+    report(measure(base, prompts, args), args, len(prompts))
 
 
 if __name__ == "__main__":

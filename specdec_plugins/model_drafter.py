@@ -33,7 +33,9 @@ class ModelDrafter(Drafter):
 
     def setup(self, setup: DraftSetup) -> None:
         super().setup(setup)
-        self.session = ModelSession(setup.model, setup.vocab_size, setup.kv_cache, setup.cache_headroom)
+        self.session = ModelSession(
+            setup.model, setup.vocab_size, setup.kv_cache, setup.cache_headroom, setup.compile_steps
+        )
         self.row_params: list[SamplingParams] = [setup.sampling] * setup.rows  # [rows]: each row's settings
 
     @property

@@ -30,6 +30,7 @@ CACHE_VARIABLES = {
     "MPLCONFIGDIR": "matplotlib",
     "TORCHINDUCTOR_CACHE_DIR": "torchinductor",  # else /tmp/torchinductor_<user>, kept between runs
     "TRITON_CACHE_DIR": "triton",
+    "CUDA_CACHE_PATH": "cuda",  # the NVIDIA driver's compiled kernels, else ~/.nv/ComputeCache
     "PIP_CACHE_DIR": "pip",
 }
 _USER_ENVIRONMENT = dict(os.environ)

@@ -169,7 +169,7 @@ def _cuda_decoder(tiny_models, verifier: str, num_drafts: int = 1, **params) -> 
 )
 def test_the_compiled_engine_on_cuda_decides_as_the_eager_one(tiny_models, verifier, num_drafts, captured):
     compiled = _cuda_decoder(tiny_models, verifier, num_drafts, **({"kl": 0.3} if verifier == "mentored" else {}))
-    eager = compiled.with_config(compile=False)
+    eager = compiled.with_config(compile=False, static_cache=True)  # --compile's cache, its steps eager
     prompt_ids = compiled.encode_prompt("a b c")
     compiled.warm_up(prompt_ids)
     graphs = list(compiled._verify_block._captured.values())  # a block shape each; none if not capturable
@@ -178,6 +178,7 @@ def test_the_compiled_engine_on_cuda_decides_as_the_eager_one(tiny_models, verif
         assert compiled.generate_ids(prompt_ids, sample)[0] == eager.generate_ids(prompt_ids, sample)[0]
     if captured is not None:
         assert all((graph is not None) == captured for graph in graphs)
+    assert compiled.drafters[0].session.steps.forward is not None  # the model steps ran compiled, not fallen back
 
 
 def test_a_plugin_error_under_compile_on_cuda_is_its_one_line_fault(tiny_models):

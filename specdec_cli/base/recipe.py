@@ -109,9 +109,10 @@ class SpeculationConfig:
     what compiled and captured steps need. A model it does not suit (an encoder-decoder) keeps the dynamic
     cache, and the decoder says so."""
     compile: bool = False
-    """Run the sampling laws and the verify step through ``torch.compile``; on a GPU the verify step is
-    captured in CUDA graphs instead (one launch per block): worth it where launches dominate; the first
-    blocks pay the compilation and the capture."""
+    """Run the model steps, the sampling laws and the verify step through ``torch.compile``. The model steps need
+    the static cache, which this turns on; on a GPU they replay from CUDA graphs, and the verify step is captured in
+    its own (one launch per block). Worth it where launches dominate; the first blocks of each shape pay the
+    compilation."""
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,7 @@ class SpeculativeDecoder:
                     self.target.device,
                     self.config.speculation.kv_cache,
                     self.cache_headroom,
+                    self.config.speculation.compile,
                 ),
             )
             by_class.setdefault(type(drafter), []).append(drafter)
@@ -174,9 +175,9 @@ class SpeculativeDecoder:
 
     @property
     def cache_headroom(self) -> int | None:
-        """With ``speculation.static_cache``: the slots each sequence's cache holds past its prompt (its output, a
-        block's drafts and the bonus token); None: dynamic caches."""
-        if not self.config.speculation.static_cache:
+        """With ``speculation.static_cache`` (or ``compile``, whose steps need it): the slots each sequence's cache
+        holds past its prompt (its output, a block's drafts and the bonus token); None: dynamic caches."""
+        if not (self.config.speculation.static_cache or self.config.speculation.compile):
             return None
         return self.config.generation.max_new_tokens + self.config.speculation.draft_length + 1
 
@@ -188,7 +189,8 @@ class SpeculativeDecoder:
             return []
         models = {id(model.model): model for model in [self.target, *(d.model for d in self.drafts if d.model)]}
         problems = (static_problem(model, self.config.speculation.kv_cache) for model in models.values())
-        return [f"static cache: {problem}" for problem in dict.fromkeys(problems) if problem]
+        eager = " (so its steps run eager under --compile)" if self.config.speculation.compile else ""
+        return [f"static cache: {problem}{eager}" for problem in dict.fromkeys(problems) if problem]
 
     @property
     def num_draft_rows(self) -> int:
@@ -447,7 +449,9 @@ class DecodingRun:
         self.batch_size = batch_size
         self.device = decoder.device
         speculation = decoder.config.speculation
-        self.target = ModelSession(decoder.target, decoder.vocab_size, speculation.kv_cache, decoder.cache_headroom)
+        self.target = ModelSession(
+            decoder.target, decoder.vocab_size, speculation.kv_cache, decoder.cache_headroom, speculation.compile
+        )
         self.drafters = decoder.drafters
         for drafter in self.drafters:  # a drafter may hold the sequences of an interrupted run
             decoder._call_drafter(drafter, "remove_sequences", drafter.remove_sequences, [])

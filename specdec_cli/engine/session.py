@@ -37,6 +37,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from ..base.timing import RegionTimer
 from ..models.loading import LoadedModel
 from .slots import SlotCache
+from .steps import CAPACITY_BUCKET, StepCompiler, step_compiler
 
 __all__ = ["ModelSession", "batch_problem", "next_token_logits", "pad_to", "static_problem"]
 
@@ -94,7 +95,14 @@ class ModelSession:
     """A model's KV cache (or, without one, its ids) for a batch's rows, each at its own length: right-aligned, or at
     its own slots of a static cache."""
 
-    def __init__(self, loaded: LoadedModel, vocab_size: int, use_cache: bool = True, headroom: int | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        vocab_size: int,
+        use_cache: bool = True,
+        headroom: int | None = None,
+        compiled: bool = False,
+    ):
         self.loaded = loaded
         self.model = loaded.model
         self.vocab_size = vocab_size
@@ -104,6 +112,9 @@ class ModelSession:
         """Rows may be padded (masks and positions given per row); False: one sequence at a time, no padding."""
         self.headroom = headroom if headroom is not None and static_problem(loaded, use_cache) is None else None
         """With a static cache (:mod:`.slots`): the slots a joining sequence gets past its context; None: dynamic."""
+        self.compiled = compiled
+        self.steps: StepCompiler | None = step_compiler(self.model) if compiled and self.headroom is not None else None
+        """The compiled forward of the steps that extend the static cache (:mod:`.steps`); None: every forward eager."""
         self.cache: Any = None
         self.ids: torch.Tensor | None = None  # [rows, columns]: without a KV cache, the ids it holds instead
         self.columns = 0  # the cache's (or the ids') columns: every row's ids end at the last one
@@ -129,10 +140,10 @@ class ModelSession:
         session (a single sample) is read with its first block instead: one forward less, and nothing to align."""
         deferred = not self.lengths and len(contexts) == 1
         for prompt, context in zip(prompts, contexts):
-            joining = ModelSession(self.loaded, self.vocab_size, self.use_cache, self.headroom)
+            joining = ModelSession(self.loaded, self.vocab_size, self.use_cache, self.headroom, self.compiled)
             if self.headroom is not None:
                 layers = self.model.config.get_text_config().num_hidden_layers
-                joining.cache = SlotCache(layers, len(context) + self.headroom + 1)
+                joining.cache = SlotCache(layers, self._capacity(len(context) + self.headroom + 1))
             if self.loaded.is_encoder_decoder:
                 joining.encoder_hidden, joining.encoder_mask = self._encode(prompt)
             joining.starts, joining.lengths = [0], [0]
@@ -250,8 +261,15 @@ class ModelSession:
         if not self.use_cache:  # recompute every held id: the whole sequence is this forward's input
             inputs = inputs if self.ids is None else torch.cat([self.ids, inputs], dim=1)  # [rows, columns + m]
             self.ids, self.columns = inputs, 0
+        # A step that extends a static cache has the fixed shapes a compiled graph needs; the first forward (prefill,
+        # the prompt's length) writes an empty one and runs eager.
+        extends = self.steps is not None and self.cache.layers[0].is_initialized
+        forward = self.steps if extends else self.model
+        # A compiled step computes the logits of all its inputs (0: keep all): a step's few positions cost little
+        # beside its weights, and a number of logits kept per call would be one more value its graphs specialise on.
+        arguments = self._forward_arguments(inputs, 0 if extends else keep, padding)
         with timer.region("forward") if timer is not None else nullcontext():
-            output = self.model(**self._forward_arguments(inputs, keep, padding))
+            output = forward(**arguments)
         self.cache = getattr(output, self.cache_argument) if self.use_cache else None
         if self.headroom is None:
             self.columns += inputs.shape[1]
@@ -292,9 +310,10 @@ class ModelSession:
         to the scratch slot), their positions, and the mask over every slot: a real input sees its row's slots up to
         its own, padding only the scratch slot."""
         new = inputs.shape[1]
+        self.cache.settle()
         needed = max(length + new - pad for length, pad in zip(self.lengths, padding)) + 1  # and the scratch
         if needed > self.cache.capacity:
-            self.cache.widen(needed + self.headroom)
+            self.cache.widen(self._capacity(needed + self.headroom))
         offsets = torch.arange(new, device=self.device)  # [m]
         pads = torch.tensor(padding, device=self.device).view(-1, 1)  # [rows, 1]
         real = offsets >= pads  # [rows, m]
@@ -305,7 +324,15 @@ class ModelSession:
         seen = (every <= slots.unsqueeze(-1)) & real.unsqueeze(-1)  # [rows, m, S]
         seen |= ~real.unsqueeze(-1) & (every == scratch)
         mask = _additive(~seen, self.model.dtype).unsqueeze(1)  # [rows, 1, m, S]
-        return {"input_ids": inputs, "attention_mask": mask, "position_ids": torch.where(real, slots, 0)}
+        # Copied to standard strides: a compiled step is specialised to its inputs' strides, and a draft token sliced
+        # from a block's tokens keeps the block's (contiguous() keeps a one-row slice's, which counts as contiguous).
+        ids = inputs.clone(memory_format=torch.contiguous_format)  # [rows, m]
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": torch.where(real, slots, 0)}
+
+    def _capacity(self, slots: int) -> int:
+        """Slots per row for a static cache that needs ``slots``: rounded up to a bucket when steps are compiled, so
+        that prompts of different lengths share their graphs."""
+        return slots if self.steps is None else -(-slots // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
     def _attention_mask(self, new: int) -> torch.Tensor:
         """The additive mask ``[rows, 1, new, columns + new]`` of ``new`` queries after the held columns: each sees

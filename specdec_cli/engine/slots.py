@@ -9,6 +9,10 @@ over them. The buffers keep their shape across forwards, which is what a compile
 The last slot of every row is scratch: a row with fewer inputs than the widest (left-padded) writes its padding
 there, and nothing attends to it but that padding itself.
 
+Selecting rows (a block fanning each sequence out to its K drafts, then keeping the accepted one) is composed and
+applied before the next forward, in place when the number of rows stays: so the buffers keep their addresses from
+block to block, which CUDA graphs replaying compiled steps (:mod:`.steps`) need.
+
 :class:`SlotCache` is a transformers :class:`~transformers.cache_utils.Cache` (models call its ``update`` per
 layer); the session sets :attr:`SlotCache.write_slots` before each forward.
 """
@@ -39,6 +43,14 @@ class _SlotLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(rows, value_states.shape[1], self.owner.capacity, value_states.shape[3])
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+        self._hold()
+
+    def _hold(self) -> None:
+        """Tell compiled steps on a GPU that the buffers keep their addresses (their CUDA graphs write them in place
+        rather than copying them in and out); a new buffer makes the graphs record again, not recompile."""
+        if self.device.type == "cuda":
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
         """Write ``key_states``/``value_states`` ``[rows, heads, m, d]`` at each row's slots ``[rows, m]``; the whole
@@ -61,15 +73,23 @@ class _SlotLayer(CacheLayerMixin):
         return self.owner.capacity
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
+        """Row r becomes row ``indices[r]``: in place when the number of rows stays."""
+        if not self.is_initialized:
+            return
+        if indices.shape[0] == self.keys.shape[0]:
+            self.keys.copy_(self.keys.index_select(0, indices))  # [rows, heads, capacity, d]
+            self.values.copy_(self.values.index_select(0, indices))
+        else:
             self.keys = self.keys.index_select(0, indices)  # [rows', heads, capacity, d]
             self.values = self.values.index_select(0, indices)
+            self._hold()
 
     def widen(self, capacity: int) -> None:
         """Zero slots appended to ``capacity`` (the old scratch slot becomes an ordinary, unheld one)."""
         if self.is_initialized:
             self.keys = _padded(self.keys, capacity)
             self.values = _padded(self.values, capacity)
+            self._hold()
 
     def join(self, other: _SlotLayer, rows: int, other_rows: int) -> None:
         """``other``'s ``other_rows`` rows after these ``rows`` (both at the owner's capacity); a side no forward
@@ -86,6 +106,7 @@ class _SlotLayer(CacheLayerMixin):
             ]
             setattr(self, name, torch.cat(parts))  # [rows + other_rows, heads, capacity, d]
         self.dtype, self.device, self.is_initialized = written.dtype, written.device, True
+        self._hold()
 
 
 class SlotCache(Cache):
@@ -95,10 +116,24 @@ class SlotCache(Cache):
         self.capacity = capacity
         """Slots per row, the last one scratch."""
         self.write_slots: torch.Tensor | None = None  # [rows, m]: where this forward's inputs go
+        self.selected: torch.Tensor | None = None  # [rows']: the rows selected since the last forward, not yet moved
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows ``indices`` ``[rows']``, composed with the selections before it and applied by :meth:`settle`:
+        a fan-out after a keep then moves each buffer once, in place."""
+        self.selected = indices if self.selected is None else self.selected.index_select(0, indices)
+
+    def settle(self) -> None:
+        """Apply the pending selection of rows (before a forward, a widening or a join)."""
+        if self.selected is not None:
+            for layer in self.layers:
+                layer.batch_select_indices(self.selected)
+            self.selected = None
 
     def widen(self, capacity: int) -> None:
         """At least ``capacity`` slots per row (the held slots keep their place)."""
+        self.settle()
         if capacity > self.capacity:
             for layer in self.layers:
                 layer.widen(capacity)
@@ -107,7 +142,7 @@ class SlotCache(Cache):
     def join(self, other: SlotCache, rows: int, other_rows: int) -> None:
         """``other``'s ``other_rows`` rows after this cache's ``rows``, both widened to the larger capacity."""
         self.widen(other.capacity)
-        other.widen(self.capacity)
+        other.widen(self.capacity)  # both settled
         for own, joining in zip(self.layers, other.layers):
             own.join(joining, rows, other_rows)
 

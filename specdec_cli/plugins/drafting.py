@@ -79,6 +79,9 @@ class DraftSetup:
     cache_headroom: int | None = None
     """With ``speculation.static_cache``: the slots past its context a sequence's static cache is made with
     (``ModelSession``'s ``headroom``); None: a dynamic cache."""
+    compile_steps: bool = False
+    """``speculation.compile``: a model drafter's steps over its static cache run compiled (``ModelSession``'s
+    ``compiled``)."""
 
 
 @dataclass
