@@ -10,7 +10,7 @@ dynamic cache's, and how many samples have the dynamic cache's tokens (the same 
 only by float rounding).
 
     python benchmarks/static_cache_speed.py --threads 2 > benchmarks/results/static_cache_speed_cpu.md
-    python benchmarks/static_cache_speed.py --threads 2 --modes dynamic compiled --batch-sizes 1 \
+    python benchmarks/static_cache_speed.py --threads 2 --modes dynamic static compiled --batch-sizes 1 \
         > benchmarks/results/compiled_steps_speed_cpu.md
 """
 
