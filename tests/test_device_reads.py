@@ -76,6 +76,21 @@ def test_the_static_cache_adds_no_read(tiny_models, conversions, name, num_draft
     assert sum(conversions.values()) <= READS_PER_BLOCK * sum(result.stats.blocks for result in results)
 
 
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize(("name", "num_drafts"), [("speculative", 1), ("specinfer", 3)])
+def test_compiled_model_steps_add_no_read(tiny_models, conversions, name, num_drafts, batch_size):
+    """Under --compile the model steps' graphs take the slots, positions and masks the host built: one read per step
+    still, once every step shape has compiled (the first generation, not counted: compiling may read)."""
+    decoder = _decoder(tiny_models, "llama", name, num_drafts).with_config(compile=True)
+    prompts = ["a b c d", "e d"]
+    with device_path():
+        decoder.generate(prompts, num_samples=2, batch_size=batch_size)
+        conversions.clear()
+        results = decoder.generate(prompts, num_samples=2, batch_size=batch_size)
+    assert decoder.drafters[0].session.steps.forward is not None  # the steps ran compiled
+    assert sum(conversions.values()) <= READS_PER_BLOCK * sum(result.stats.blocks for result in results)
+
+
 def test_the_counter_sees_a_read(conversions):
     """Negative control: the fixture does count what the hot loop must not do."""
     value = torch.tensor([1.5, 2.0])
