@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -27,7 +28,7 @@ from specdec_cli.plugins.verifiers import device_path
 from specdec_plugins.model_drafter import ModelDrafter
 from specdec_plugins.prompt_lookup import PromptLookup
 from specdec_plugins.speculative import SpeculativeSampling
-from tests.conftest import DrafterRegistryWith, VerifierRegistryWith, tiny_recipe
+from tests.conftest import DrafterRegistryWith, VerifierRegistryWith, bench_on_files, tiny_recipe
 
 PROMPTS = ["a b c d", "e e a", "b", "d c b a e d c b a"]
 LOSSLESS = [
@@ -223,6 +224,21 @@ def test_a_model_the_static_cache_does_not_suit_keeps_the_dynamic_one_and_says_s
     ]
     code, _, err = run(["generate", "-r", str(write_recipe(recipe)), "a b"])
     assert code == 0 and err.count("keeps the dynamic cache: an encoder-decoder") == 2
+
+
+def test_bench_says_once_which_models_keep_the_dynamic_cache_and_keeps_it_with_its_results(
+    tiny_models, run, write_recipe, data, tmp_path
+):
+    """Under --compile (which asks for the static cache) an encoder-decoder keeps the dynamic cache and eager steps:
+    bench says so once per model however many cells use it, and its results.json keeps the notes."""
+    recipe = write_recipe(tiny_recipe(tiny_models, "t5", generation={"max_new_tokens": 3}))
+    out = tmp_path / "results"
+    code, _, err = run(bench_on_files(str(recipe), data, out, "--compile", limit=1, verifier="speculative"))
+    assert code == 0, err
+    said = [line for line in err.splitlines() if "keeps the dynamic cache: an encoder-decoder" in line]
+    assert len(said) == 2 and all("run eager under --compile" in line for line in said), said
+    kept = json.loads((out / "results.json").read_text())["notes"]
+    assert sum("keeps the dynamic cache" in note for note in kept) == 2
 
 
 def test_a_bart_target_is_refused_before_decoding(tiny_models):

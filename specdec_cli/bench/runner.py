@@ -76,6 +76,9 @@ class BenchRunner:
         self.failures: dict[str, CellFailure] = {}
         """cell key → why that cell stopped in this run (its remaining samples are skipped)."""
         self._on_failure: Callable[[CellFailure], None] | None = None
+        self.notes: list[str] = []
+        """What the decoders said before decoding (a model keeping the dynamic cache), each once."""
+        self._on_note: Callable[[str], None] | None = None
 
     def decoder(self, cell: GridCell) -> SpeculativeDecoder:
         return SpeculativeDecoder.from_recipe(
@@ -95,14 +98,15 @@ class BenchRunner:
         self,
         on_tokens: Callable[[str, int], None] | None = None,
         on_failure: Callable[[CellFailure], None] | None = None,
+        on_note: Callable[[str], None] | None = None,
     ) -> None:
         """Every pending (seed, example), each run by every cell in turn: the baseline and the cells
         see the same state of the machine, so slow drift (thermal, other load) cancels in speedups.
         ``on_tokens(cell key, count)`` follows generation, block by block. A cell whose generation
         fails (a plugin's error, NaN logits) is reported to ``on_failure`` and skipped from then on;
-        the others go on."""
+        the others go on. ``on_note`` hears each of :attr:`notes` as it is first said."""
         mine = self.my_examples()
-        self._on_failure = on_failure
+        self._on_failure, self._on_note = on_failure, on_note
         prepared = self._prepare(mine)
         for seed in self.seeds:
             for index, example in mine:
@@ -126,6 +130,7 @@ class BenchRunner:
             }
             if pending:
                 decoder = self.decoder(cell)
+                self._note(decoder.cache_notes)
                 prompt_ids = {key: decoder.encode_prompt(self.prompt(example)) for key, example in pending.items()}
                 try:
                     if cell.batch_size > 1:
@@ -222,6 +227,13 @@ class BenchRunner:
                 conditions=self.conditions,
             ).to_record()
         )
+
+    def _note(self, notes: list[str]) -> None:
+        for note in notes:
+            if note not in self.notes:
+                self.notes.append(note)
+                if self._on_note is not None:
+                    self._on_note(note)
 
     def _fail(self, failure: CellFailure) -> None:
         self.failures[failure.cell] = failure

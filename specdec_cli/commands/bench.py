@@ -343,7 +343,7 @@ def _run(plan: _Plan, output: _Output) -> None:
         failures,
         environment=environment,
         interrupted=interrupted,
-        notes=[*plan.skipped, *plan.notes],
+        notes=[*plan.skipped, *plan.notes, *runner.notes],
     )
     _finish(results, output, len(store.records))
 
@@ -360,6 +360,7 @@ def _generate(runner: "BenchRunner", budget: int, enabled: bool, err: Console) -
             runner.run(
                 on_tokens,
                 on_failure=lambda failure: err.print(f"error: {failure.line()}", highlight=False, soft_wrap=True),
+                on_note=lambda note: err.print(f"note: {note}", highlight=False, soft_wrap=True),
             )
         except KeyboardInterrupt:
             return True
