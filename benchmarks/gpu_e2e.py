@@ -37,6 +37,9 @@ from specdec_cli.models.loading import LoadedModel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_shapes import random_model  # noqa: E402
 
+MENTORED = {"verifier": "mentored", "verifier_params": {"kl": 0.5}}
+STATIC_CACHE = {"cache_implementation": "static"}
+"""transformers' ``generate`` with its static cache, which it compiles on a GPU."""
 BANDWIDTH_TB_S = {"H200": 4.8, "H100": 3.35}
 """Peak memory bandwidth of the cards this runs on (NVIDIA's data sheets), for the floor."""
 
@@ -141,8 +144,8 @@ def configurations(target: LoadedModel, draft: LoadedModel, args) -> list[tuple[
         ("specdec target alone eager, B=1", spec(alone)),
         ("specdec target alone --compile, B=1", spec(alone, compile=True)),
         ("specdec speculative --compile, B=1", spec(speculative, compile=True)),
-        ("specdec mentored kl 0.5 --compile, B=1", spec(speculative, compile=True, **_mentored())),
-        ("transformers static cache compiled, B=1", lambda: hf_run(hf, few, 1, args.new_tokens, **_static())),
+        ("specdec mentored kl 0.5 --compile, B=1", spec(speculative, compile=True, **MENTORED)),
+        ("transformers static cache compiled, B=1", lambda: hf_run(hf, few, 1, args.new_tokens, **STATIC_CACHE)),
         ("specdec speculative eager, B=1", spec(speculative)),
         ("transformers assisted L constant, B=1", lambda: hf_run(hf, few, 1, args.new_tokens, **assistant)),
         ("specdec specinfer K=2 --compile, B=1", spec(speculative, compile=True, verifier="specinfer", num_drafts=2)),
@@ -156,14 +159,6 @@ def configurations(target: LoadedModel, draft: LoadedModel, args) -> list[tuple[
             (f"specdec speculative eager, B={batch}", spec(speculative, batch)),
         ]
     return runs
-
-
-def _mentored() -> dict:
-    return {"verifier": "mentored", "verifier_params": {"kl": 0.5}}
-
-
-def _static() -> dict:
-    return {"cache_implementation": "static"}
 
 
 def _prompts(vocab: int, length: int, count: int) -> list[list[int]]:

@@ -112,7 +112,6 @@ class ModelSession:
         """Rows may be padded (masks and positions given per row); False: one sequence at a time, no padding."""
         self.headroom = headroom if headroom is not None and static_problem(loaded, use_cache) is None else None
         """With a static cache (:mod:`.slots`): the slots a joining sequence gets past its context; None: dynamic."""
-        self.compiled = compiled
         self.steps: StepCompiler | None = step_compiler(self.model) if compiled and self.headroom is not None else None
         """The compiled forward of the steps that extend the static cache (:mod:`.steps`); None: every forward eager."""
         self.cache: Any = None
@@ -140,7 +139,7 @@ class ModelSession:
         session (a single sample) is read with its first block instead: one forward less, and nothing to align."""
         deferred = not self.lengths and len(contexts) == 1
         for prompt, context in zip(prompts, contexts):
-            joining = ModelSession(self.loaded, self.vocab_size, self.use_cache, self.headroom, self.compiled)
+            joining = ModelSession(self.loaded, self.vocab_size, self.use_cache, self.headroom, self.steps is not None)
             if self.headroom is not None:
                 layers = self.model.config.get_text_config().num_hidden_layers
                 joining.cache = SlotCache(layers, self._capacity(len(context) + self.headroom + 1))
@@ -324,9 +323,9 @@ class ModelSession:
         seen = (every <= slots.unsqueeze(-1)) & real.unsqueeze(-1)  # [rows, m, S]
         seen |= ~real.unsqueeze(-1) & (every == scratch)
         mask = _additive(~seen, self.model.dtype).unsqueeze(1)  # [rows, 1, m, S]
-        # Copied to standard strides: a compiled step is specialised to its inputs' strides, and a draft token sliced
-        # from a block's tokens keeps the block's (contiguous() keeps a one-row slice's, which counts as contiguous).
-        ids = inputs.clone(memory_format=torch.contiguous_format)  # [rows, m]
+        # A compiled step's inputs copied to standard strides: its graph is specialised to them, and a draft token
+        # sliced from a block's tokens keeps the block's (contiguous() keeps a one-row slice's, which counts as one).
+        ids = inputs if self.steps is None else inputs.clone(memory_format=torch.contiguous_format)  # [rows, m]
         return {"input_ids": ids, "attention_mask": mask, "position_ids": torch.where(real, slots, 0)}
 
     def _capacity(self, slots: int) -> int:
