@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Annotated
 
-import typer
-from rich.console import Console
+# Ctrl-C while the commands are still being imported (the first second of every run) stops the run as it would
+# later: exit code 130 and no traceback, not death by the signal.
+try:
+    import typer
+    from rich.console import Console
 
-from . import __version__
-from .base.errors import SpecdecError
-from .commands.acceptance import acceptance
-from .commands.bench import bench
-from .commands.drafters import drafters
-from .commands.generate import generate
-from .commands.verifiers import verifiers
+    from . import __version__
+    from .base.errors import SpecdecError
+    from .commands.acceptance import acceptance
+    from .commands.bench import bench
+    from .commands.common import stdout_to_nowhere
+    from .commands.drafters import drafters
+    from .commands.generate import generate
+    from .commands.verifiers import verifiers
+except KeyboardInterrupt:
+    sys.exit(130)
 
 
 def _declared_metavar(self: typer.core.TyperOption, ctx: object) -> str | None:
@@ -26,6 +34,15 @@ def _declared_metavar(self: typer.core.TyperOption, ctx: object) -> str | None:
     labels (``<bool>``, ``<list[str]>``), which say how Python parses a value, not what to give."""
     return self.metavar or None
 
+
+def _leave_a_closed_pipe_to_main(self: Console) -> None:
+    """Rich's answer to a reader that closed stdout (`specdec verifiers | head -1`) is exit code 1, the code of a
+    failure; raised as BrokenPipeError instead, it reaches :func:`main` (or the command's own handling), which
+    ends the run quietly."""
+    raise BrokenPipeError
+
+
+Console.on_broken_pipe = _leave_a_closed_pipe_to_main  # type: ignore[method-assign]
 
 # Every option of the CLI declares its metavar; an argument's name already is its placeholder.
 typer.core.TyperOption.display_type_rich = _declared_metavar  # type: ignore[method-assign]
@@ -38,11 +55,25 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-app.command()(generate)
-app.command()(acceptance)
-app.command()(bench)
-app.command()(verifiers)
-app.command()(drafters)
+
+
+def _ends_quietly_when_the_reader_leaves(command: Callable[..., None]) -> Callable[..., None]:
+    """``command``, ended with exit code 0 when the reader of its stdout leaves (`specdec verifiers | head -1`): the
+    reader took what it wanted. Caught inside click's main, whose own handling of a closed pipe exits with 1."""
+
+    @functools.wraps(command)
+    def run(**options: object) -> None:
+        try:
+            command(**options)
+        except BrokenPipeError:
+            stdout_to_nowhere()
+            raise typer.Exit(0) from None
+
+    return run
+
+
+for _command in (generate, acceptance, bench, verifiers, drafters):
+    app.command()(_ends_quietly_when_the_reader_leaves(_command))
 
 
 def _show_version(value: bool) -> None:
@@ -95,7 +126,17 @@ def main(argv: list[str] | None = None) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
     try:
+        _run(args)
+    except BrokenPipeError:  # the last flush (see _run), or the help: the reader took what it wanted
+        stdout_to_nowhere()
+        sys.exit(0)
+
+
+def _run(args: list[str]) -> None:
+    """The command ``args`` names, its errors turned into one line and an exit code."""
+    try:
         code = app(args=args, prog_name="specdec", standalone_mode=False)
+        sys.stdout.flush()  # a pipe buffers: a reader that left shows here, not at exit where nothing catches it
     except SpecdecError as error:
         _fail(args, error, str(error), error.exit_code)
     except _PARSER_ERRORS as error:  # the parser's own: an unknown option, a value of the wrong type

@@ -85,6 +85,15 @@ def tiny_recipe(models: dict[str, Path], family: str = "llama", **sections) -> d
     return recipe
 
 
+@pytest.fixture(autouse=True)
+def quiet_cpu(monkeypatch):
+    """The calibration reads a quiet CPU's load (0 on 2 cores): whether a figure is cached never depends on what
+    else runs on the machine. Tests of a busy CPU set their own reading (tests/test_threads.py)."""
+    from specdec_cli.generation import calibration
+
+    monkeypatch.setattr(calibration, "cpu_load", lambda: calibration.CpuLoad(0.0, 2))
+
+
 @pytest.fixture
 def one_thread():
     """Blocks of a few hundred small operations: on a loaded 2-core machine a second intra-op thread only adds
@@ -442,3 +451,67 @@ def data(tmp_path) -> dict[str, Path]:
 @pytest.fixture
 def bench_recipe(tiny_models, write_recipe) -> str:
     return str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12})))
+
+
+def _write_tiny_gguf(path: Path) -> Path:
+    """A tiny llama as a float32 GGUF file, as llama.cpp's converter writes one. Its vocabulary has a BOS
+    token, which transformers adds to a GGUF llama tokenizer that lacks one."""
+    import gguf
+    import numpy as np
+
+    from specdec_cli.kit.testing import EOS_ID, PAD_ID, TINY_VOCAB, tiny_model
+
+    vocab = [*TINY_VOCAB, "<s>"]
+    model = tiny_model("llama", seed=1, vocab_size=len(vocab))
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(vocab)
+    writer.add_token_scores([0.0] * len(vocab))
+    writer.add_token_types([3, 3, 2] + [1] * (len(vocab) - 4) + [3])  # control, control, unknown, words, control
+    writer.add_bos_token_id(len(vocab) - 1)
+    writer.add_add_bos_token(False)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_pad_token_id(PAD_ID)
+    top = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
+    blocks = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for name, tensor in model.state_dict().items():
+        weight = tensor.float().numpy()  # [out, in] or [hidden]
+        if name in top:
+            gguf_name = top[name]
+        else:
+            _, _, layer, *module, _ = name.split(".")
+            part = blocks[".".join(module)]
+            gguf_name = f"blk.{layer}.{part}"
+            if part in heads:  # llama.cpp stores q and k rows with each head's rotary halves interleaved
+                halves = weight.reshape(heads[part], 2, -1, weight.shape[1])  # [heads, 2, head_dim / 2, hidden]
+                weight = halves.swapaxes(1, 2).reshape(weight.shape)  # [heads * head_dim, hidden]
+        writer.add_tensor(f"{gguf_name}.weight", np.ascontiguousarray(weight))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return _write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")

@@ -125,9 +125,9 @@ def test_changed_configuration_is_refused_and_report_rerenders(run, bench_recipe
     out = tmp_path / "out"
     assert run(bench_on_files(bench_recipe, data, out, "--limit", "3"))[0] == 0
     code, _, err = run(bench_on_files(bench_recipe, data, out, "--limit", "4"))
-    assert code == 2 and "holds results of a different configuration (changed: data)" in err
+    assert code == 2 and "holds results of a different configuration (changed: data.examples (3 → 4), " in err
     code, _, err = run(bench_on_files(bench_recipe, data, out, "--limit", "3", "--max-new-tokens", "5"))
-    assert code == 2 and "(changed: recipe)" in err
+    assert code == 2 and "(changed: recipe.generation.max_new_tokens (12 → 5))" in err
     picture = tmp_path / "plot.png"
     code, stdout, _ = run(["bench", "--report", str(out), "--plot", str(picture)])
     assert code == 0 and "speculative K=1 L=3 T=1" in stdout

@@ -110,10 +110,11 @@ def test_autoregressive_flag_and_verifier_none(run, recipe_path):
     [
         (["-r", "missing.yaml"], 2, "recipe file 'missing.yaml' not found"),
         (["--set", "speculation.draft_lenght=2"], 2, "did you mean 'draft_length'"),
-        (["--draft-length", "0"], 2, "speculation.draft_length: must be >= 1"),
-        (["--num-drafts", "0"], 2, "speculation.num_drafts: must be >= 1"),
-        (["--temperature", "-1"], 2, "generation.temperature: must be >= 0"),
-        (["--top-p", "1.5"], 2, "generation.top_p: must be in (0, 1]"),
+        (["--draft-length", "0"], 2, "--draft-length 0: must be >= 1"),
+        (["--num-drafts", "0"], 2, "--num-drafts 0: must be >= 1"),
+        (["--temperature", "-1"], 2, "--temperature -1: must be >= 0 and finite (0 = greedy)"),
+        (["--top-p", "1.5"], 2, "--top-p 1.5: must be in (0, 1]"),
+        (["--set", "speculation.draft_length=0"], 2, "speculation.draft_length: must be >= 1"),
         (["--verifier", "nosuch"], 2, "unknown verifier 'nosuch'; installed verifiers: "),
         (["--num-drafts", "3"], 2, "takes at most 1 draft(s) per position; lower --num-drafts (K × draft configs = 3)"),
         (
@@ -262,15 +263,19 @@ def test_generate_compares_verifiers_on_the_same_prompts_and_seeds(run, recipe_p
         expected = [(s["token_ids"], s["accepted_mask"]) for s in json.loads(alone)["samples"]]
         assert [(s["token_ids"], s["accepted_mask"]) for s in rows[label]["samples"]] == expected, label
     code, out, _ = run(["generate", "-r", recipe_path, "--verifier", "speculative,block", "--max-new-tokens", "4", "a"])
-    assert code == 0 and "verifiers compared" in out and "add none to --verifier for speedups" in out
+    words = " ".join(out.split())  # the caption wraps to the table's width
+    assert code == 0 and "verifiers compared" in words and "add none to --verifier for speedups" in words
 
 
 @pytest.mark.parametrize(
     "verifiers, pattern",
     [
-        ("speculative,Speculative", "--verifier lists a verifier twice"),
+        ("mentored,Mentored", "--verifier lists a verifier twice"),
         ("speculative,nosuch", "unknown verifier 'nosuch'"),
-        ("speculative,block", "--kl sets a KL bound, which verifier 'speculative' does not have"),
+        (
+            "speculative,block",
+            "--kl sets a KL bound, which none of speculative, block has; verifiers with one: mentored",
+        ),
         ("none,speculative", "--kl sets a KL bound, which verifier 'speculative' does not have"),
     ],
 )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec_cli.results.store import SAMPLES, ResultsStore
+from specdec_cli.results.store import LOCK, SAMPLES, ResultsStore
 from tests.conftest import one_error_line, specdec_args, start_specdec, tiny_recipe, wait_for_samples
 
 EXAMPLES = 16
@@ -73,9 +73,13 @@ def test_a_killed_bench_resumes_to_the_uninterrupted_records(run, bench_args, re
         ):  # handled like Ctrl-C: the results so far are written
             assert process.returncode == 130, err
             assert "interrupted" in err and json.loads((output / "results.json").read_text())["interrupted"]
+    if process.returncode == -signal.SIGKILL:  # no clean end: the lock file stays, its lock freed with the process
+        assert (output / LOCK).is_file()
     code, _, err = run(bench_args(output))
     assert code == 0, err
+    assert f"note: resuming '{output}': " in err
     assert _records(output) == reference
+    assert not (output / LOCK).exists()
 
 
 class _FullDisk:

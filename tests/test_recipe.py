@@ -56,6 +56,14 @@ def test_several_drafts_with_their_own_temperature():
         ({"draft": {"early_exit": 3, "model": "d"}}, r"drafts.0: give either 'model' or 'early_exit'"),
         ({"drafts": [{"model": "d"}]}, r"either 'draft:' .* or 'drafts:'"),
         ({"seed": 1.5}, r"seed: expected an integer"),
+        ({"generation": {"stop": ["###", ""]}}, r"^generation.stop.1: must not be empty$"),
+        ({"generation": {"stop": "###"}}, r"^generation.stop: expected a list, got str '###'$"),
+        ({"generation": {"stop": [5]}}, r"^generation.stop.0: expected a string, got int 5$"),
+        (
+            {"speculation": {"draft_length_schedule": "adaptive"}},
+            r"^speculation.draft_length_schedule: must be one of constant, heuristic$",
+        ),
+        ({"speculation": [1, 2]}, r"^speculation: expected a mapping of keys, got list \[1, 2\]$"),
     ],
 )
 def test_bad_values_name_their_field(change, message):
@@ -129,3 +137,82 @@ def test_shipped_recipes_are_valid(name):
 def test_the_default_recipe_is_the_offline_gguf():
     assert load_recipe().target.model.endswith(".gguf")
     assert len(shipped_recipe_names()) >= 4
+
+
+def test_stop_texts_and_the_draft_length_schedule_are_recipe_settings():
+    recipe = build_recipe(
+        {**BASE, "generation": {"stop": ["###", "\n\n"]}, "speculation": {"draft_length_schedule": "heuristic"}}
+    )
+    assert recipe.generation.stop == ("###", "\n\n")
+    assert recipe.speculation.draft_length_schedule == "heuristic"
+    assert recipe.to_dict()["generation"]["stop"] == ("###", "\n\n")
+    config = recipe.decoding_config().replace(stop=["END"], draft_length_schedule="constant")
+    assert config.generation.stop == ("END",) and config.speculation.draft_length_schedule == "constant"
+    assert config.replace(stop="END").generation.stop == ("END",)  # one string is one stop text
+
+
+def test_a_recipe_without_the_new_settings_reads_as_before():
+    """Results folders compare ``to_dict()``: the new keys at their defaults are left out, so folders written before
+    them still resume."""
+    recipe = build_recipe(BASE)
+    assert recipe.generation.stop == () and recipe.speculation.draft_length_schedule == "constant"
+    data = recipe.to_dict()
+    assert "stop" not in data["generation"] and "draft_length_schedule" not in data["speculation"]
+    assert set(data["speculation"]) == {"draft_length", "num_drafts", "kv_cache", "static_cache", "compile"}
+
+
+@pytest.mark.parametrize("overrides", [[], ["verifier=block"]])
+def test_a_verifier_written_as_its_name_is_its_name(write_recipe, overrides):
+    recipe = load_recipe(write_recipe({**BASE, "verifier": "specinfer"}), overrides)
+    assert recipe.verifier.name == ("block" if overrides else "specinfer") and recipe.verifier.params == {}
+
+
+def test_a_verifier_written_as_its_name_takes_flags_and_parameters(write_recipe):
+    path = str(write_recipe({**BASE, "verifier": "mentored"}))
+    assert RecipeOptions(recipe=path, verifier="block").resolve().verifier.name == "block"
+    assert RecipeOptions(recipe=path, kl=0.2).resolve().verifier.params == {"kl": 0.2}
+    assert load_recipe(path, ["verifier.params.kl=0.3"]).verifier.params == {"kl": 0.3}
+
+
+@pytest.mark.parametrize(
+    ("section", "flags", "message"),
+    [
+        (
+            {"speculation": [1, 2]},
+            {"draft_length": 3},
+            "speculation: must be a mapping of keys (such as draft_length: …), not list [1, 2]; fix 'speculation:' in "
+            "the recipe",
+        ),
+        (
+            {"generation": "fast"},
+            {"temperature": 0.5},
+            "generation: must be a mapping of keys (such as temperature: …), not str 'fast'; fix 'generation:' in the "
+            "recipe",
+        ),
+        (
+            {"target": ["t"]},
+            {"device": "cpu"},
+            "target: must be a mapping of keys (such as device: …), not list ['t']; fix 'target:' in the recipe",
+        ),
+    ],
+)
+def test_a_flag_into_a_section_that_is_not_a_mapping_says_the_section_must_be_one(
+    write_recipe, section, flags, message
+):
+    path = str(write_recipe({**BASE, **section}))
+    with pytest.raises(RecipeError) as raised:
+        RecipeOptions(recipe=path, **flags).resolve()
+    assert str(raised.value) == message
+    setting = f"{next(iter(section))}.x=1"
+    with pytest.raises(RecipeError, match="must be a mapping of keys"):  # --set into it too
+        load_recipe(path, [setting])
+
+
+def test_stop_flags_add_to_the_recipes_stop_texts(write_recipe):
+    written = str(write_recipe({**BASE, "generation": {"stop": ["###"]}}))
+    assert RecipeOptions(recipe=written, stop=["END", "\n\n"]).resolve().generation.stop == ("###", "END", "\n\n")
+    assert RecipeOptions(recipe=str(write_recipe(BASE)), stop=["END"]).resolve().generation.stop == ("END",)
+    assert (
+        RecipeOptions(recipe=written, draft_length_schedule="heuristic").resolve().speculation
+        == build_recipe({**BASE, "speculation": {"draft_length_schedule": "heuristic"}}).speculation
+    )

@@ -4,6 +4,7 @@ drafter sections killed mid-run."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -47,7 +48,9 @@ def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_prints_the_
     code, out_text, err = run(args)
     assert code == 1
     assert "token-level acceptance probability" in out_text  # the table came first
-    one_error_line(err, "could not write the summary")
+    resumed, failed = [line for line in err.splitlines() if line.strip()]  # every prompt was done: nothing runs
+    assert resumed == f"note: resuming '{out}': 1 of 1 prompts already done, 0 to run"
+    one_error_line(failed, "could not write the summary")
     assert (out / "acceptance.json").read_text() == before
 
 
@@ -77,6 +80,7 @@ def test_killed_drafter_sections_resume_to_the_same_records(run, tiny_models, wr
     assert process.returncode in (0, 130, -signal.SIGKILL)  # 0: it finished before the signal landed
     code, _, err = run(args(killed))
     assert code == 0, err
+    assert re.search(rf"note: resuming '{re.escape(str(killed))}': [1-6] of 6 prompts already done, [0-5] to run", err)
     assert _records(killed) == _records(tmp_path / "reference")
     summary = [json.loads((folder / "acceptance.json").read_text()) for folder in (killed, tmp_path / "reference")]
     assert summary[0]["sections"] == summary[1]["sections"] and summary[0]["drafters"] == ["model", "prompt-lookup"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ import torch
 
 from specdec_cli.base.errors import NonFiniteLogitsError
 from specdec_cli.engine.decoder import DecodingRun
+from specdec_cli.generation import calibration
 from tests.conftest import one_error_line
 
 PROMPTS = ["a b", "c d", "e a", "b c", "d e", "a c"]
@@ -210,9 +212,10 @@ def test_threads_is_applied_and_recorded(run, recipe_path, restore_threads, veri
 @pytest.mark.parametrize("verifiers", [["--verifier", "speculative,none"], []])
 def test_recalibrate_measures_the_draft_cost_again(run, recipe_path, monkeypatch, tmp_path, verifiers):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(
-        "specdec_cli.generation.calibration._plausible", lambda cost, decoder: True
-    )  # a busy CI machine measures slow
+    # A busy CI machine measures slow, with repeats far apart: the figure is cached all the same here.
+    monkeypatch.setattr(calibration, "_plausible", lambda cost, decoder: True)
+    monkeypatch.setattr(calibration, "_MAX_SPREAD", math.inf)
+    monkeypatch.setattr(calibration, "cpu_load", lambda: calibration.CpuLoad(0.0, 2))
     args = ["generate", "-r", recipe_path, "--max-new-tokens", "3", *verifiers, "a b"]
     assert run(args)[0] == 0
     (cached,) = (tmp_path / "cache" / "calibration").glob("*.json")
@@ -220,6 +223,20 @@ def test_recalibrate_measures_the_draft_cost_again(run, recipe_path, monkeypatch
     code, _, err = run([*args[:-1], "--recalibrate", "a b"])
     assert code == 0, err
     assert cached.stat().st_mtime > 0  # written again: measured anew
+
+
+@pytest.mark.parametrize("verifiers", [["--verifier", "speculative,none"], []])
+def test_a_busy_cpu_is_said_in_the_note_and_its_figure_not_cached(run, recipe_path, monkeypatch, tmp_path, verifiers):
+    """The figures of a busy CPU are not the machine's: the note says so and what to do, and nothing is cached
+    (at one thread, the session's, there is no thread count to try)."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibration, "cpu_load", lambda: calibration.CpuLoad(4.2, 2))
+    code, _, err = run(["generate", "-r", recipe_path, "--max-new-tokens", "3", *verifiers, "a b"])
+    assert code == 0, err
+    (note,) = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert note.startswith("note: the CPU is busy (load 4.2 on 2 cores): a draft step takes "), note
+    assert note.endswith("(measured now, not cached); a quieter moment gives this machine's own speed"), note
+    assert not (tmp_path / "cache" / "calibration").exists()
 
 
 @pytest.mark.parametrize(

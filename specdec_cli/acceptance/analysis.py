@@ -104,8 +104,9 @@ class AcceptanceAnalysis:
         )
 
     def _load(self, section: DrafterSection, pool: ModelPool) -> _LoadedSection:
-        """The section's entries loaded; each entry without a model gets a decoder of its own, in which the engine
-        sets its drafter up as for blocks of one row (the default single-draft verifier takes any one row)."""
+        """The section's entries loaded; each entry without a model, or of a deterministic drafter, gets a decoder of
+        its own, in which the engine sets its drafter up as for blocks of one row (the default single-draft verifier
+        takes any one row)."""
         drafts = load_drafts(pool, section.drafts, self.decoder.target, self.decoder.drafter_registry)
         config = self.decoder.config.replace(verifier=VerifierConfig().name, num_drafts=1)
         proposers = {
@@ -113,7 +114,9 @@ class AcceptanceAnalysis:
                 self.decoder.target, [draft], config, self.registry, self.decoder.drafter_registry
             )
             for index, draft in enumerate(drafts)
-            if draft.model is None
+            # A deterministic drafter (prompt-lookup, retokenize) is asked what it proposes: a model it has may score
+            # another vocabulary, so its logits are not its law.
+            if draft.model is None or self.decoder.drafter_registry.plugin_class(draft.drafter).deterministic
         }
         return _LoadedSection(section.drafter, drafts, [draft.law(self.decoder.config) for draft in drafts], proposers)
 

@@ -122,16 +122,14 @@ def check_writable_folder(path: Path, what: str) -> None:
 
 
 def check_plot_path(path: Path | None) -> None:
-    """A ``--plot`` file name matplotlib can write, in a folder that exists and is writable."""
+    """A ``--plot`` file name matplotlib can write, in a writable folder (made if missing, as ``--output`` is)."""
     if path is None:
         return
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise UsageError(f"--plot '{path}': name a {', '.join(PLOT_SUFFIXES)} file (the suffix picks the format)")
     if path.is_dir():
         raise UsageError(f"--plot '{path}' is a folder; name a file in it, e.g. '{path / 'plot.png'}'")
-    folder = path.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise UsageError(f"--plot '{path}': its folder '{folder}' does not exist or is not writable")
+    check_writable_folder(path.parent, "the --plot folder")
 
 
 def subset(items: list, limit: int | None, shuffle: bool, seed: int) -> list:

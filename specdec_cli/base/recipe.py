@@ -25,6 +25,7 @@ from .errors import RecipeError
 
 __all__ = [
     "AUTOREGRESSIVE",
+    "DRAFT_LENGTH_SCHEDULES",
     "DTYPES",
     "DecodingConfig",
     "DraftConfig",
@@ -48,6 +49,9 @@ __all__ = [
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+DRAFT_LENGTH_SCHEDULES = ("constant", "heuristic")
+"""How the draft length moves between blocks (``speculation.draft_length_schedule``)."""
+
 AUTOREGRESSIVE = "none"
 """Verifier name meaning "no speculation": the target decodes alone."""
 
@@ -70,6 +74,14 @@ class ModelConfig:
     device_map: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
+
+    def problems(self, owner: str) -> list[tuple[str, str]]:
+        """(path, what is wrong) for this model's settings out of range, each path under ``owner``."""
+        checks = [
+            (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}"),
+            (_valid_device(self.device), "device", "must be auto, cpu, cuda or cuda:N"),
+        ]
+        return [(f"{owner}.{name}", message) for ok, name, message in checks if not ok]
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,10 @@ class SpeculationConfig:
     the static cache, which this turns on; on a GPU they replay from CUDA graphs, and the verify step is captured in
     its own (one launch per block). Worth it where launches dominate; the first blocks of each shape pay the
     compilation."""
+    draft_length_schedule: str = "constant"
+    """How L moves between blocks: ``constant`` keeps ``draft_length``; ``heuristic`` starts there and follows
+    transformers' rule (+2 after a block whose draft was wholly accepted, -1 otherwise), decided from past
+    blocks only so that every verifier stays exact."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +141,13 @@ class GenerationConfig:
     top_p: float = 1.0
     chat: bool = False
     """Apply the tokenizer's chat template to each prompt."""
+    stop: tuple[str, ...] = ()
+    """Texts that end a sample at their first occurrence in its decoded text; a single string is one text."""
+
+    def __post_init__(self) -> None:
+        # A library caller's list (or one string) becomes the tuple a frozen, hashable config holds.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
 
 
 @dataclass(frozen=True)
@@ -137,13 +160,15 @@ class Recipe:
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """The recipe as plain data; a draft entry leaves out a drafter and parameters it does not set, so a
-        recipe written before drafters reads as it did (results folders compare these to resume)."""
+        """The recipe as plain data; a draft entry leaves out a drafter and parameters it does not set, and the
+        speculation and generation sections a schedule and stop texts at their defaults, so a recipe written before
+        them reads as it did (results folders compare these to resume)."""
         data = dataclasses.asdict(self)
-        for draft in data["drafts"]:
-            for key, unset in (("drafter", None), ("params", {})):
-                if draft[key] == unset:
-                    del draft[key]
+        sections = [*data["drafts"], data["speculation"], data["generation"]]
+        for section in sections:
+            for key, unset in _LEFT_OUT_AT_DEFAULT.items():
+                if key in section and section[key] == unset:
+                    del section[key]
         return data
 
     def decoding_config(self) -> "DecodingConfig":
@@ -151,6 +176,12 @@ class Recipe:
         return DecodingConfig(
             verifier=self.verifier, speculation=self.speculation, generation=self.generation, seed=self.seed
         )
+
+
+_LEFT_OUT_AT_DEFAULT = {"drafter": None, "params": {}, "draft_length_schedule": "constant", "stop": ()}
+"""Keys that :meth:`Recipe.to_dict` leaves out at these values: recipes written before the keys existed read
+as they did, so results folders written then still resume. A verifier's ``params`` is not among the sections
+walked."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +237,12 @@ class DecodingConfig:
             (self.speculation.num_drafts >= 1, "speculation.num_drafts", "must be >= 1"),
             (self.generation.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1"),
             (bool(self.verifier.name.strip()), "verifier.name", "must not be empty"),
+            (
+                self.speculation.draft_length_schedule in DRAFT_LENGTH_SCHEDULES,
+                "speculation.draft_length_schedule",
+                f"must be one of {', '.join(DRAFT_LENGTH_SCHEDULES)}",
+            ),
+            *((bool(text), f"generation.stop.{i}", "must not be empty") for i, text in enumerate(self.generation.stop)),
         ]
         found = [(path, message) for ok, path, message in checks if not ok]
         generation = self.generation
@@ -287,6 +324,14 @@ def read_recipe_file(recipe: str | Path | None) -> dict[str, Any]:
         raise RecipeError(
             f"{source} must be a YAML mapping of keys (target:, draft:, ...), not a {type(data).__name__}"
         )
+    return _expand_shorthands(data)
+
+
+def _expand_shorthands(data: dict[str, Any]) -> dict[str, Any]:
+    """``verifier: NAME`` is short for ``verifier: {name: NAME}``: expanded when a recipe is read (so flags and
+    ``--set verifier.params.…`` find the mapping) and when it is built (``--set verifier=NAME``)."""
+    if isinstance(data.get("verifier"), str):
+        return {**data, "verifier": {"name": data["verifier"]}}
     return data
 
 
@@ -361,25 +406,57 @@ def set_path(data: dict[str, Any], path: str, value: Any) -> None:
     for depth, key in enumerate(keys[:-1]):
         node = _child(node, key, ".".join(keys[: depth + 1]), create=True)
     last = keys[-1]
-    if isinstance(node, list):
-        node[_list_index(node, last, path)] = value
-    elif isinstance(node, dict):
+    if isinstance(node, dict):
         node[last] = value
+    elif isinstance(node, list) and not _holds_mapping(keys[:-1]):
+        node[_list_index(node, last, path)] = value
     else:
-        parent = ".".join(keys[:-1])
-        raise RecipeError(
-            f"cannot set '{path}': '{parent}' is a {type(node).__name__}, not a mapping; set '{parent}=…'"
-        )
+        raise _not_a_mapping(keys[:-1], node, path)
 
 
 def _child(node: Any, key: str, path: str, create: bool) -> Any:
-    if isinstance(node, list):
+    keys = path.split(".")
+    if isinstance(node, list) and not _holds_mapping(keys[:-1]):
         return node[_list_index(node, key, path)]
     if not isinstance(node, dict):
-        raise RecipeError(f"cannot set '{path}': its parent is a {type(node).__name__}, not a mapping")
+        raise _not_a_mapping(keys[:-1], node, path)
     if key not in node or node[key] is None:
         node[key] = {}
     return node[key]
+
+
+def _not_a_mapping(keys: list[str], node: Any, path: str) -> RecipeError:
+    """Setting ``path`` met ``node`` at ``keys``: a recipe section that is not the mapping it must be, or a path
+    that goes past a setting."""
+    parent = ".".join(keys)
+    if _holds_mapping(keys):
+        return RecipeError(
+            f"{parent}: must be a mapping of keys (such as {path.split('.')[len(keys)]}: …), not "
+            f"{_describe(node)}; fix '{parent}:' in the recipe"
+        )
+    return RecipeError(f"cannot set '{path}': '{parent}' is a {type(node).__name__}, not a mapping; set '{parent}=…'")
+
+
+def _holds_mapping(keys: list[str]) -> bool:
+    """Whether the recipe's value at ``keys`` must be a mapping: a section (a dataclass) or parameters (a dict)."""
+    hint: Any = Recipe
+    for key in keys:
+        if key == "draft" and hint is Recipe:
+            hint = DraftConfig
+        elif typing.get_origin(hint) is tuple and key.isdigit():
+            hint = typing.get_args(hint)[0]
+        elif dataclasses.is_dataclass(hint) and key in _field_names(hint):
+            hint = _without_none(typing.get_type_hints(hint)[key])
+        else:
+            return False
+    return dataclasses.is_dataclass(hint) or typing.get_origin(hint) is dict
+
+
+def _without_none(hint: Any) -> Any:
+    """``X`` of ``X | None``; any other hint as it is."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
 
 
 def _list_index(node: list, key: str, path: str) -> int:
@@ -401,7 +478,7 @@ def _deep_copy(value: Any) -> Any:
 
 def build_recipe(data: dict[str, Any]) -> Recipe:
     """Check a raw recipe mapping and turn it into a :class:`Recipe`."""
-    data = dict(data)
+    data = _expand_shorthands(dict(data))
     if "draft" in data:
         if "drafts" in data:
             raise RecipeError("a recipe has either 'draft:' (one draft) or 'drafts:' (a list), not both")
@@ -479,10 +556,9 @@ def validate(recipe: Recipe) -> None:
     for i, draft in enumerate(recipe.drafts):
         problems += sampling_problems(f"drafts.{i}", draft.temperature, draft.top_k, draft.top_p)
     models = [("target", recipe.target)] + [(f"drafts.{i}", d) for i, d in enumerate(recipe.drafts)]
-    checks: list[tuple[bool, str, str]] = []
     for owner, spec in models:
-        checks.append((spec.dtype in DTYPES, f"{owner}.dtype", f"must be one of {', '.join(DTYPES)}"))
-        checks.append((_valid_device(spec.device), f"{owner}.device", "must be auto, cpu, cuda or cuda:N"))
+        problems += spec.problems(owner)
+    checks: list[tuple[bool, str, str]] = []
     checks.append(
         (recipe.target.model is not None, "target.model", "is required (hub id, local directory or .gguf file)")
     )

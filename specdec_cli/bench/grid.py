@@ -30,6 +30,8 @@ class GridCell:
     the recipe's drafts."""
     batch_size: int = 1
     """Samples decoded at a time (``--batch-size``); its speedup is over the target alone at the same batch size."""
+    draft_length_schedule: str = "constant"
+    """How the draft length moves between blocks (``--draft-length-schedule``), starting at ``draft_length``."""
 
     @classmethod
     def baseline(cls, temperature: float, batch_size: int = 1) -> "GridCell":
@@ -57,7 +59,11 @@ class GridCell:
         name = self.verifier if self.kl is None else f"{self.verifier} D={self.kl:g}"
         drafts = "" if self.draft_temperatures is None else " dT=" + ",".join(f"{t:g}" for t in self.draft_temperatures)
         drafter = "" if self.drafter is None else f" drafter={self.drafter}"  # keys from before drafters stay
-        return f"{name} K={self.num_drafts} L={self.draft_length} T={self.temperature:g}{drafts}{drafter}{batch}"
+        # Keys from before schedules stay: a constant length is what every earlier cell ran.
+        length = "" if self.draft_length_schedule == "constant" else f" ({self.draft_length_schedule})"
+        return (
+            f"{name} K={self.num_drafts} L={self.draft_length}{length} T={self.temperature:g}{drafts}{drafter}{batch}"
+        )
 
     @property
     def baseline_key(self) -> str:
@@ -83,7 +89,10 @@ class GridCell:
             drafts=drafts,
             verifier=dataclasses.replace(base.verifier, name=self.verifier, params=params),
             speculation=dataclasses.replace(
-                base.speculation, num_drafts=self.num_drafts, draft_length=self.draft_length
+                base.speculation,
+                num_drafts=self.num_drafts,
+                draft_length=self.draft_length,
+                draft_length_schedule=self.draft_length_schedule,
             ),
             generation=generation,
         )
@@ -99,6 +108,7 @@ class Grid:
     draft_temperatures: tuple[tuple[float, ...] | None, ...] = (None,)
     drafters: tuple[str | None, ...] = (None,)
     batch_sizes: tuple[int, ...] = (1,)
+    draft_length_schedules: tuple[str, ...] = ("constant",)
 
     def cells(self, registry: VerifierRegistry, base: Recipe) -> tuple[list[GridCell], list[str]]:
         """Baselines first, then every combination whose verifier takes the cell's draft rows (counted
@@ -110,10 +120,11 @@ class Grid:
             name = registry.canonical(name)
             verifier_class = registry.load_class(name)
             bounds: tuple[float | None, ...] = self.kl if verifier_class.kl_bound_parameter and self.kl else (None,)
-            for kl, k, length, temperature, draft_temps, drafter, batch in itertools.product(
+            for kl, k, length, schedule, temperature, draft_temps, drafter, batch in itertools.product(
                 bounds,
                 self.num_drafts,
                 self.draft_lengths,
+                self.draft_length_schedules,
                 self.temperatures,
                 self.draft_temperatures,
                 drafters,
@@ -124,6 +135,7 @@ class Grid:
                     kl=kl,
                     num_drafts=k,
                     draft_length=length,
+                    draft_length_schedule=schedule,
                     temperature=temperature,
                     draft_temperatures=draft_temps,
                     drafter=drafter,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
+
+from ..results.stats import RunRate, engine_counters, position_totals, speedup_interval
 
 
 def corpus_quality(metrics: Sequence[str], hypotheses: list[str], references: list[str | None]) -> dict:
@@ -64,17 +67,16 @@ def share_time(stats: dict) -> float:
 
 
 def speed_summary(stats: list[dict]) -> dict:
-    """Pooled speed metrics of one cell's samples (their ``stats`` dicts)."""
+    """Pooled speed metrics of one cell's samples (their ``stats`` dicts), with the engines' counters
+    (:func:`~specdec_cli.results.stats.engine_counters`) derived from the counts every record has."""
     total = {key: sum(s[key] for s in stats) for key in STAT_TOTALS}
     total["share_time_s"] = sum(share_time(s) for s in stats)
-    positions = max((len(s["drafted_per_position"]) for s in stats), default=0)
-    per_position = []
-    for t in range(positions):
-        drafted = sum(s["drafted_per_position"][t] for s in stats if t < len(s["drafted_per_position"]))
-        accepted = sum(s["accepted_per_position"][t] for s in stats if t < len(s["accepted_per_position"]))
-        per_position.append(accepted / drafted if drafted else 0.0)
+    drafted = position_totals([s["drafted_per_position"] for s in stats])
+    accepted = position_totals([s["accepted_per_position"] for s in stats])
+    per_position = [_ratio(a, d) for d, a in itertools.zip_longest(drafted, accepted, fillvalue=0)]
     forward = [s.get("forward_time_s") for s in stats]  # absent from results written before it was measured
     overhead = {} if None in forward else {"engine_overhead": 1 - _ratio(sum(forward), total["wall_time_s"])}
+    drafts = drafted[0] if drafted else 0  # every draft proposes its first position
     return {
         **total,
         **overhead,
@@ -83,10 +85,21 @@ def speed_summary(stats: list[dict]) -> dict:
         "acceptance_rate": _ratio(total["accepted_tokens"], total["drafted_tokens"]),
         "token_acceptance": _ratio(total["accepted_tokens"], total["verified_tokens"]),
         "acceptance_per_position": per_position,
+        **engine_counters(drafts, total["drafted_tokens"], total["accepted_tokens"], accepted),
         "tokens_per_second": _ratio(total["new_tokens"], total["share_time_s"]),
         "draft_s_per_forward": _ratio(total["draft_time_s"], total["draft_forwards"]),
         "target_s_per_forward": _ratio(total["target_time_s"], total["target_forwards"]),
     }
+
+
+def speedup_interval_fields(pairs: list[tuple[dict, dict]]) -> dict:
+    """The interval of a speedup over the baseline measured on ``pairs`` ((sample's stats, the baseline's stats
+    on the same example and seed)): ``speedup_low`` and ``speedup_high`` (see
+    :func:`~specdec_cli.results.stats.speedup_interval`; absent for one pair) and ``speedup_samples``, the pairs
+    it rests on. Each run's rate is its tokens over its :func:`share_time`, as the pooled speedup's."""
+    interval = speedup_interval([(_run_rate(mine), _run_rate(theirs)) for mine, theirs in pairs])
+    bounds = {} if interval is None else {"speedup_low": interval[0], "speedup_high": interval[1]}
+    return bounds | {"speedup_samples": len(pairs)}
 
 
 def mean_and_std(values: list[float]) -> dict:
@@ -108,6 +121,10 @@ def spread(values: list[float]) -> dict | None:
     # statistics.quantiles needs two values; one value is its own median and quartiles.
     q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
     return {"median": median, "q1": q1, "q3": q3, "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _run_rate(stats: dict) -> RunRate:
+    return RunRate(tokens=stats["new_tokens"], seconds=share_time(stats))
 
 
 def _ratio(numerator: float, denominator: float) -> float:

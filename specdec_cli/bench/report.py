@@ -12,8 +12,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..results.plotting import describe_run, save, verifier_colour
+from ..results.stats import INTERVAL_LEVEL, describe_speedup
 from .grid import BASELINE
-from .results import BenchResults, CellResult, ConditionsPart
+from .metrics import mean_and_std
+from .results import SUMMARIZED, BenchResults, CellResult, ConditionsPart, MeanStd
 
 QUALITY = {"bleu": "BLEU", "chrf": "chrF", "rougeL": "ROUGE-L"}
 SPREAD = "speedup_spread"
@@ -21,20 +23,43 @@ SPREAD = "speedup_spread"
 SPEED = [
     ("block_efficiency", "block eff.", "{:.2f}"),
     ("acceptance_rate", "accept", "{:.3f}"),
-    ("tokens_per_second", "tok/s", "{:.1f}"),
+    ("tokens_per_second", "tok/s (tokens)", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}"),
     (SPREAD, "per example", "{:.2f}"),
     ("expected_speedup", "expected", "{:.2f}"),
     ("efficiency_vs_expected", "meas/exp", "{:.2f}"),
     ("engine_overhead", "overhead", "{:.3f}"),
 ]
+DRAFT_LENGTH = ("mean_draft_length", "mean L", "{:.2f}")
+"""The column of the draft length used (draft positions per draft), shown where it differs from a cell's L."""
+DRAFTED = ("mean_draft_length", "mean_acceptance_length")
+"""Metrics of drafts, which the target alone has none of."""
 
 
 def _columns(results: BenchResults) -> list[tuple[str, str, str]]:
     quality = [
         (name, label, "{:.2f}") for name, label in QUALITY.items() if any(name in c.summary for c in results.cells)
     ]
-    return SPEED + quality
+    return SPEED + ([DRAFT_LENGTH] if _draft_length_differs(results) else []) + quality
+
+
+def _draft_length_differs(results: BenchResults) -> bool:
+    """Some configuration drafted, per draft, another number of positions than its L (to the table's 2 decimals):
+    an adaptive draft length, or blocks shortened near max_new_tokens."""
+    fmt = DRAFT_LENGTH[2]
+    used = [(cell, _metric(cell, DRAFT_LENGTH[0])) for cell in results.cells if cell.cell.verifier != BASELINE]
+    return any(value and fmt.format(value.mean) != fmt.format(cell.cell.draft_length) for cell, value in used)
+
+
+def _metric(cell: CellResult, name: str) -> MeanStd | None:
+    """Mean ± std over seeds of a metric of the seeds: the results' summary has those of ``SUMMARIZED``; the
+    others (the engines' counters) are taken from the seeds here. None where the cell lacks it."""
+    if name in SUMMARIZED:
+        return cell.summary.get(name)
+    values = [metrics[name] for metrics in cell.per_seed.values() if name in metrics]
+    if not values or (name in DRAFTED and cell.cell.verifier == BASELINE):
+        return None
+    return MeanStd(**mean_and_std(values))
 
 
 def _cell_text(cell: CellResult, name: str, fmt: str) -> str:
@@ -44,11 +69,33 @@ def _cell_text(cell: CellResult, name: str, fmt: str) -> str:
             return "—"
         quartiles = f" [{fmt.format(spread.q1)}–{fmt.format(spread.q3)}]" if spread.n > 1 else ""
         return fmt.format(spread.median) + quartiles
-    value = cell.summary.get(name)
-    if not value or value.mean is None:
+    value = _metric(cell, name)
+    if value is None or value.mean is None:
         return "—"
+    if name == "speedup" and (interval := _speedup_interval(cell)) is not None:
+        return interval
     text = fmt.format(value.mean)
-    return f"{text} ± {fmt.format(value.std)}" if value.n > 1 else text
+    text = f"{text} ± {fmt.format(value.std)}" if value.n > 1 else text
+    tokens = _metric(cell, "new_tokens")
+    return f"{text} ({tokens.mean:.0f})" if name == "tokens_per_second" and tokens else text
+
+
+def _speedup_interval(cell: CellResult) -> str | None:
+    """A one-seed cell's speedup with its interval over the examples, or saying that one example gives none;
+    None over several seeds (their spread is the std) and in results written before intervals."""
+    if len(cell.per_seed) != 1:
+        return None
+    metrics = next(iter(cell.per_seed.values()))
+    if "speedup_samples" not in metrics:
+        return None
+    return describe_speedup(metrics["speedup"], _seed_interval(cell), metrics["speedup_samples"])
+
+
+def _seed_interval(cell: CellResult) -> tuple[float, float] | None:
+    """(low, high) of a one-seed cell's speedup over the examples; None over several seeds, for one example,
+    for the baseline and in results written before intervals."""
+    metrics = next(iter(cell.per_seed.values())) if len(cell.per_seed) == 1 else {}
+    return (metrics["speedup_low"], metrics["speedup_high"]) if "speedup_low" in metrics else None
 
 
 def _label(cell: CellResult) -> str:
@@ -66,12 +113,16 @@ def rows(results: BenchResults) -> tuple[list[str], list[list[str]]]:
 
 
 def caption(results: BenchResults) -> str:
-    """What the figures are: mean (± std over seeds), speedup, and the per-example spread."""
+    """What the figures are: mean (± std over seeds), tokens counted, speedup (with its interval over the examples
+    for one seed), the per-example spread, and the mean draft length where it is shown."""
     seeds = max((len(c.per_seed) for c in results.cells), default=0)
     spread = f"mean ± std over {seeds} seeds" if seeds > 1 else "one seed (no spread over seeds)"
+    interval = "" if seeds > 1 else f" [{INTERVAL_LEVEL:.0%} interval: bootstrap over the examples]"
+    draft_length = "; mean L: draft positions proposed per draft" if _draft_length_differs(results) else ""
     return (
-        f"{spread}; speedup: token rate over the target-alone baseline of the same run, prompts and seed; "
-        "per example: median [quartiles] of each example's own speedup"
+        f"{spread}; tok/s (the tokens it counts, per seed); speedup{interval}: token rate over the target-alone "
+        "baseline of the same run, prompts and seed; per example: median [quartiles] of each example's own "
+        f"speedup{draft_length}"
     )
 
 
@@ -114,8 +165,8 @@ def reference_note(metrics: Sequence[str], references: Sequence[str | None], hin
 def rich_table(results: BenchResults, title: str) -> Table:
     header, body = rows(results)
     table = Table(title=title, caption=escape("\n".join([caption(results), *notes(results)])))
-    for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
+    for i, name in enumerate(header):  # the configuration kept whole: it is what a row is read by
+        table.add_column(name, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
     for cell, line in zip(results.cells, body):
         table.add_row(*line, style="red" if cell.failure else "dim" if cell.cell.verifier == BASELINE else None)
     return table
@@ -187,7 +238,8 @@ def markdown(results: BenchResults) -> str:
 def csv_text(results: BenchResults) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    names = [name for name, _, _ in _columns(results) if name != SPREAD]
+    shown = [name for name, _, _ in _columns(results) if name not in (SPREAD, DRAFT_LENGTH[0])]
+    names = shown + list(DRAFTED)
     spread_fields = ("median", "q1", "q3", "min", "max")
     writer.writerow(
         [
@@ -207,7 +259,7 @@ def csv_text(results: BenchResults) -> str:
     for result in results.cells:
         values = []
         for name in names:
-            value = result.summary.get(name)
+            value = _metric(result, name)
             values += [value.mean, value.std] if value else [None, None]
         spread = result.speedup_spread
         values += [getattr(spread, field) if spread else None for field in spread_fields]
@@ -274,8 +326,11 @@ def _title(results: BenchResults) -> str:
     return describe_run(config["recipe"], what, known)
 
 
-def _spread_label(seeds: int) -> str:
-    return f"± std over {seeds} seeds" if seeds > 1 else "one seed: no spread"
+def _spread_label(seeds: int, intervals: bool = False) -> str:
+    """What the error bars are: ± std over seeds, or (``intervals``) one seed's speedup intervals."""
+    if seeds > 1:
+        return f"± std over {seeds} seeds"
+    return f"one seed: {INTERVAL_LEVEL:.0%} interval over the examples" if intervals else "one seed: no spread"
 
 
 def _value(cell: CellResult, name: str) -> tuple[float, float]:
@@ -287,23 +342,41 @@ def _value(cell: CellResult, name: str) -> tuple[float, float]:
 
 
 def _plot_speed(axis, cells: list[CellResult], speed: str, seeds: int) -> None:
-    """A bar per configuration, top to bottom as in the table, with the speedup = 1 line; error bars
-    only over several seeds (one seed has no spread to draw)."""
+    """A bar per configuration, top to bottom as in the table, with the speedup = 1 line; error bars over
+    several seeds, or with one seed the speedups' intervals over the examples where the results have them."""
     positions = list(range(len(cells)))[::-1]
-    values = [_value(cell, speed) for cell in cells]
+    means = [_value(cell, speed)[0] for cell in cells]
+    errors = _speed_errors(cells, speed, seeds)
     axis.barh(
         positions,
-        [m for m, _ in values],
-        xerr=[s for _, s in values] if seeds > 1 else None,
+        means,
+        xerr=None if errors is None else [[below for below, _ in errors], [above for _, above in errors]],
         capsize=3,
         color=[verifier_colour(cell.cell.verifier) for cell in cells],
     )
     axis.set_yticks(positions, [_label(cell) for cell in cells], fontsize=8)
     if speed == "speedup":
         axis.axvline(1.0, color="black", linewidth=1, linestyle="--")
-        axis.set_xlim(0, max(1.15, max(m + s for m, s in values) * 1.1))
+        tops = [mean + (errors[i][1] if errors else 0.0) for i, mean in enumerate(means)]
+        axis.set_xlim(0, max(1.15, max(tops) * 1.1))
     what = "speedup over the target alone" if speed == "speedup" else "tokens per second"
-    axis.set(xlabel=f"{what} ({_spread_label(seeds)})", title="speed per configuration")
+    label = _spread_label(seeds, intervals=errors is not None)
+    axis.set(xlabel=f"{what} ({label})", title="speed per configuration")
+
+
+def _speed_errors(cells: list[CellResult], speed: str, seeds: int) -> list[tuple[float, float]] | None:
+    """(below, above) each bar: the std over several seeds; with one seed, the speedup's interval where a cell
+    has one (none for the others). None when there is nothing to draw."""
+    if seeds > 1:
+        return [(std, std) for _, std in (_value(cell, speed) for cell in cells)]
+    intervals = [_seed_interval(cell) if speed == "speedup" else None for cell in cells]
+    if all(interval is None for interval in intervals):
+        return None
+    means = [_value(cell, speed)[0] for cell in cells]
+    # A percentile interval need not hold the pooled speedup: a bar never reaches past its own end.
+    return [
+        (0.0, 0.0) if i is None else (max(mean - i[0], 0.0), max(i[1] - mean, 0.0)) for mean, i in zip(means, intervals)
+    ]
 
 
 _MARKERS = "o^Dv<>Ph*X"

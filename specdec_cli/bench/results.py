@@ -21,6 +21,7 @@ from .metrics import (
     mean_and_std,
     share_time,
     speed_summary,
+    speedup_interval_fields,
     spread,
 )
 
@@ -28,6 +29,8 @@ SUMMARIZED = (
     "block_efficiency",
     "acceptance_rate",
     "token_acceptance",
+    "mean_acceptance_length",
+    "mean_draft_length",
     "tokens_per_second",
     "speedup",
     "expected_speedup",
@@ -38,6 +41,9 @@ SUMMARIZED = (
     "rougeL",
 )
 """Metrics given as mean ± std over seeds (in this order)."""
+
+_DRAFT_METRICS = ("acceptance_rate", "token_acceptance", "mean_acceptance_length", "mean_draft_length")
+"""Metrics of drafting, which the target-alone baseline does not have."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +185,7 @@ def _summary(cell: GridCell, per_seed: dict[str, dict[str, Any]]) -> dict[str, M
     """Mean ± std over seeds of each metric of ``SUMMARIZED`` the cell has."""
     summary = {}
     for name in SUMMARIZED:
-        if cell.verifier == BASELINE and name in ("acceptance_rate", "token_acceptance"):
+        if cell.verifier == BASELINE and name in _DRAFT_METRICS:
             continue  # nothing is drafted
         values = [metrics[name] for metrics in per_seed.values() if name in metrics]
         if values:
@@ -249,6 +255,7 @@ def _add_speedup(metrics: dict, cell: GridCell, samples: list[dict], baseline: l
     if not base["tokens_per_second"]:
         return
     metrics["speedup"] = rate["tokens_per_second"] / base["tokens_per_second"]
+    metrics.update(speedup_interval_fields([(a["stats"], b["stats"]) for a, b in pairs]))
     cost_ratio = rate["draft_s_per_forward"] / base["target_s_per_forward"] if base["target_s_per_forward"] else 0.0
     metrics["cost_ratio"] = cost_ratio
     if not per_token:

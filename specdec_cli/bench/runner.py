@@ -77,7 +77,8 @@ class BenchRunner:
         """cell key → why that cell stopped in this run (its remaining samples are skipped)."""
         self._on_failure: Callable[[CellFailure], None] | None = None
         self.notes: list[str] = []
-        """What the decoders said before decoding (a model keeping the dynamic cache), each once."""
+        """What the run said before decoding (the samples a resumed folder reuses; a model keeping the dynamic
+        cache), each once."""
         self._on_note: Callable[[str], None] | None = None
 
     def decoder(self, cell: GridCell) -> SpeculativeDecoder:
@@ -104,9 +105,13 @@ class BenchRunner:
         see the same state of the machine, so slow drift (thermal, other load) cancels in speedups.
         ``on_tokens(cell key, count)`` follows generation, block by block. A cell whose generation
         fails (a plugin's error, NaN logits) is reported to ``on_failure`` and skipped from then on;
-        the others go on. ``on_note`` hears each of :attr:`notes` as it is first said."""
+        the others go on. ``on_note`` hears each of :attr:`notes` as it is first said, a resumed folder's
+        count of reused samples first."""
         mine = self.my_examples()
         self._on_failure, self._on_note = on_failure, on_note
+        total = len(self.cells) * len(self.seeds) * len(mine)
+        resumed = self.store.resume_note(total - self.pending(), total)
+        self._note([resumed] if resumed else [])
         prepared = self._prepare(mine)
         for seed in self.seeds:
             for index, example in mine:

@@ -114,9 +114,11 @@ def acceptance(
     sections = DrafterSection.of_recipe(resolved, common.grid_values(drafters, str, "--drafter"))
     common.check_at_least_one(limit, "--limit")
     counts = tuple(common.parse_list(num_drafts, int, "--num-drafts"))
+    common.check_flag_values("num_drafts", list(counts))
     bounds = common.parse_list(kl, float, "--kl")
     laws = [[draft_law(draft, resolved.generation) for draft in section.drafts] for section in sections]
     names, left_out = _applicable(common.parse_list(verifiers, str, "--verifier"), counts, laws)
+    common.check_kl_bounds(bounds, names, resolved.verifier.params, VerifierRegistry())
     request = AcceptanceRequest(verifiers=tuple(names), num_drafts=counts, kl_values=tuple(bounds) if bounds else None)
     texts = subset(_prompts([*(prompt_args or []), *(prompts or [])], prompt_file, field), limit, shuffle, shuffle_seed)
     check_plot_path(plot)
@@ -200,6 +202,8 @@ def _evaluate(
     budget = analysis.recipe.generation.max_new_tokens
     sections_done = Counter(result.prompt_index for result in done)
     finished = sum(count == len(analysis.sections) for count in sections_done.values())  # prompts wholly done
+    if (resumed := store.resume_note(finished, len(texts), unit="prompts")) is not None:
+        err.print(f"note: {resumed}", highlight=False, soft_wrap=True)
     with common.token_progress(len(texts) * budget, completed=finished * budget, label="prompts") as progress:
 
         def written(results: list[PromptAcceptance]) -> None:

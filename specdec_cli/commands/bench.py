@@ -120,6 +120,15 @@ class _GridOptions:
             help="Draft lengths in tokens. " + options.from_recipe(_recipe.speculation.draft_length),
         ),
     ] = None
+    draft_length_schedule: Annotated[
+        Optional[str],
+        typer.Option(
+            "--draft-length-schedule",
+            metavar="NAME[,NAME…]",
+            help="Draft length schedules: constant, heuristic (+2 after a wholly accepted draft, -1 otherwise, from "
+            "each cell's draft length). " + options.from_recipe(_recipe.speculation.draft_length_schedule),
+        ),
+    ] = None
     temperature: Annotated[
         Optional[str],
         typer.Option(
@@ -154,24 +163,33 @@ class _GridOptions:
         ),
     ] = None
 
-    def grid(self, base: Recipe) -> Grid:
-        """The grid, each absent axis at the recipe's value; checked before any model loads."""
+    def grid(self, base: Recipe, registry: VerifierRegistry) -> Grid:
+        """The grid, each absent axis at the recipe's value; checked before any model loads, each value a flag
+        gives in the flag's words."""
         sizes = tuple(common.grid_values(self.batch_sizes, int, "--batch-size")) or (1,)
         common.check_batch_sizes(list(sizes))
+        verifiers = tuple(common.grid_values(self.verifiers, str, "--verifier") or [base.verifier.name])
+        bounds = common.grid_values(self.kl, float, "--kl")
+        common.check_kl_bounds(bounds, list(verifiers), base.verifier.params, registry)
+        speculation, generation = base.speculation, base.generation
         return Grid(
-            verifiers=tuple(common.grid_values(self.verifiers, str, "--verifier") or [base.verifier.name]),
-            kl=tuple(common.grid_values(self.kl, float, "--kl")),
-            num_drafts=tuple(common.grid_values(self.num_drafts, int, "--num-drafts") or [base.speculation.num_drafts]),
-            draft_lengths=tuple(
-                common.grid_values(self.draft_length, int, "--draft-length") or [base.speculation.draft_length]
-            ),
-            temperatures=tuple(
-                common.grid_values(self.temperature, float, "--temperature") or [base.generation.temperature]
-            ),
+            verifiers=verifiers,
+            kl=tuple(bounds),
+            num_drafts=self._axis("num_drafts", int) or (speculation.num_drafts,),
+            draft_lengths=self._axis("draft_length", int) or (speculation.draft_length,),
+            draft_length_schedules=self._axis("draft_length_schedule", str) or (speculation.draft_length_schedule,),
+            temperatures=self._axis("temperature", float) or (generation.temperature,),
             draft_temperatures=_draft_temperature_sets(self.draft_temperatures),
             drafters=tuple(common.grid_values(self.drafters, str, "--drafter")) or (None,),
             batch_sizes=sizes,
         )
+
+    def _axis(self, setting: str, kind: type) -> tuple:
+        """The values of the comma-list flag of recipe setting ``setting`` (its field here), each checked by the
+        recipe's rules; () when the flag is absent."""
+        values = common.grid_values(getattr(self, setting), kind, common.flag_name(setting))
+        common.check_flag_values(setting, values)
+        return tuple(values)
 
     def seed_values(self, base: Recipe) -> list[int]:
         return common.grid_values(self.seeds, int, "--seeds") or [base.seed]
@@ -215,6 +233,7 @@ def bench(
     model: options.ModelOptions,
     output: _Output,
     compile_steps: options.CompileOption = False,
+    stop: options.StopOption = None,
 ) -> None:
     """Benchmark speed and quality of speculative configurations against the target alone."""
     check_plot_path(output.plot)
@@ -222,16 +241,18 @@ def bench(
     common.apply_threads(model.threads)
     if output.report_folder is not None:
         return _report(dataclasses.replace(output, folder=output.report_folder))
-    base = common.RecipeOptions.of(model, sets=common.with_compile(model.sets, compile_steps)).resolve()
+    base = common.RecipeOptions.of(model, sets=common.with_compile(model.sets, compile_steps), stop=stop).resolve()
+    registry = VerifierRegistry()
     plan = _Plan(
         base=base,
         task=get_task(data.task),
         lang_pair=data.lang_pair,
         template=data.template,
         examples=data.examples(),
-        grid=grid.grid(base),
+        grid=grid.grid(base, registry),
         seeds=grid.seed_values(base),
         reference_hint=data.reference_hint(),
+        registry=registry,
     )
     _run(plan, output)
 

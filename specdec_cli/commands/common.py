@@ -4,6 +4,8 @@ shown and plots drawn."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +24,16 @@ from rich.progress import (
 
 from ..base.errors import SpecdecError, UsageError
 from ..base.inputs import has_suffix, json_object_lines, read_stdin, read_text, text_value
-from ..base.recipe import Recipe, apply_overrides, build_recipe, read_recipe_file, set_path, target_alone
+from ..base.recipe import (
+    DecodingConfig,
+    ModelConfig,
+    Recipe,
+    apply_overrides,
+    build_recipe,
+    read_recipe_file,
+    set_path,
+    target_alone,
+)
 from ..plugins.drafter_registry import DrafterRegistry
 from ..plugins.registry import VerifierRegistry
 from .options import ModelOptions
@@ -58,6 +69,58 @@ def check_at_least_one(value: int | None, option: str) -> None:
         raise UsageError(f"{option} must be at least 1, got {value}")
 
 
+FLAG_PATHS = {
+    "num_drafts": "speculation.num_drafts",
+    "draft_length": "speculation.draft_length",
+    "draft_length_schedule": "speculation.draft_length_schedule",
+    "max_new_tokens": "generation.max_new_tokens",
+    "temperature": "generation.temperature",
+    "top_k": "generation.top_k",
+    "top_p": "generation.top_p",
+    "chat": "generation.chat",
+    "stop": "generation.stop",
+    "seed": "seed",
+}
+"""The recipe setting each named flag sets (the flag is ``--`` and the name with dashes)."""
+
+MODEL_FLAGS = ("device", "dtype")
+"""Flags that set a setting of every model of the recipe."""
+
+
+def flag_name(setting: str) -> str:
+    """The flag of a setting's flat name: ``draft_length`` → ``--draft-length``."""
+    return "--" + setting.replace("_", "-")
+
+
+def check_flag_values(setting: str, values: list) -> None:
+    """Values a flag gives to the recipe setting ``setting`` (a flat name of FLAG_PATHS or MODEL_FLAGS), checked
+    by the recipe's own rules before any recipe is built: a bad one is refused in the flag's words
+    (``--draft-length 0: must be >= 1``), since the user typed the flag, not the recipe's path."""
+    for value in values:
+        if setting in MODEL_FLAGS:
+            problems = ModelConfig(**{setting: value}).problems("model")
+        else:
+            problems = DecodingConfig().replace(**{setting: (value,) if setting == "stop" else value}).problems()
+        found = next((problem for path, problem in problems if path.split(".")[1] == setting), None)
+        if found is not None:
+            shown = f"'{value}'" if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else value
+            raise UsageError(f"{flag_name(setting)} {shown}: {found}")
+
+
+def check_kl_bounds(bounds: list[float], names: list[str], params: dict[str, Any], registry: VerifierRegistry) -> None:
+    """--kl's values for a run of the verifiers ``names`` (the recipe's verifier.params ``params``), before any
+    model loads: refused when no verifier of the run has a KL bound (they would be ignored), and each bound tried
+    on every verifier that has one, so a bound a verifier refuses is named by the flag."""
+    speculative = [registry.canonical(name) for name in names if not target_alone(name)]
+    bounded = [name for name in speculative if registry.verifier_class(name).kl_bound_parameter is not None]
+    if bounds and speculative and not bounded:
+        raise registry.no_kl_bound(speculative)
+    for name in bounded:
+        for bound in bounds:
+            given = registry.with_kl_bound(name, registry.params_for(name, params), bound)
+            registry.create(name, given, set_by=f"--kl {bound:g}")
+
+
 @dataclass(kw_only=True)
 class RecipeOptions(ModelOptions):
     """The recipe file plus the command-line flags that override it: the options every command shares, and those
@@ -69,7 +132,10 @@ class RecipeOptions(ModelOptions):
     kl: float | None = None
     num_drafts: int | None = None
     draft_length: int | None = None
+    draft_length_schedule: str | None = None
     temperature: float | None = None
+    stop: list[str] | None = None
+    """Stop texts added to the recipe's."""
     draft_temperatures: list[float] | None = None
     """Replace the drafts by copies of the first draft config at these temperatures."""
 
@@ -79,44 +145,57 @@ class RecipeOptions(ModelOptions):
         return cls(**{field.name: getattr(model, field.name) for field in dataclasses.fields(model)} | more)
 
     def resolve(self) -> Recipe:
-        """Read the recipe, apply the named flags, then ``--set`` (most specific last), validate."""
-        data = read_recipe_file(self.recipe)
-        if self.draft_temperatures:
-            first = data.pop("draft", None) or (data.get("drafts") or [None])[0]
-            if not isinstance(first, dict):
-                raise UsageError("--draft-temperatures needs a draft in the recipe to copy")
-            data["drafts"] = [{**first, "temperature": t} for t in self.draft_temperatures]
-        if self.verifier is not None:
-            current = str((data.get("verifier") or {}).get("name", "")).lower()
-            if current != self.verifier.lower():
-                # Parameters written for another verifier would not apply to this one.
-                data["verifier"] = {"name": self.verifier, "params": {}}
-        named: dict[str, Any] = {
-            "speculation.num_drafts": self.num_drafts,
-            "speculation.draft_length": self.draft_length,
-            "generation.max_new_tokens": self.max_new_tokens,
-            "generation.temperature": self.temperature,
-            "generation.top_k": self.top_k,
-            "generation.top_p": self.top_p,
-            "generation.chat": self.chat,
-            "seed": self.seed,
-        }
-        for setting in ("device", "dtype"):
+        """Check the flags, read the recipe, apply the named flags, then ``--set`` (most specific last), validate."""
+        for setting in [*FLAG_PATHS, *MODEL_FLAGS]:
             value = getattr(self, setting)
             if value is not None:
-                named.update({f"{model}.{setting}": value for model in _model_paths(data)})
+                check_flag_values(setting, value if setting == "stop" else [value])
+        data = self._with_verifier(self._with_draft_temperatures(read_recipe_file(self.recipe)))
         data = apply_overrides(data, [])  # a copy: the flags' values are set as typed, never re-read as text
-        for path, value in named.items():
-            if value is not None:
-                set_path(data, path, value)
+        for path, value in self._named(data).items():
+            set_path(data, path, value)
         recipe = build_recipe(apply_overrides(data, list(self.sets or [])))
         if self.drafter is not None:
             recipe = dataclasses.replace(recipe, drafts=DrafterRegistry().entries_of(recipe.drafts, self.drafter))
         if self.kl is None or target_alone(recipe.verifier.name):
             return recipe
         # --kl sets whichever parameter the verifier declares as its KL bound.
-        params = VerifierRegistry().with_kl_bound(recipe.verifier.name, recipe.verifier.params, self.kl)
+        registry = VerifierRegistry()
+        check_kl_bounds([self.kl], [recipe.verifier.name], recipe.verifier.params, registry)
+        params = registry.with_kl_bound(recipe.verifier.name, recipe.verifier.params, self.kl)
         return dataclasses.replace(recipe, verifier=dataclasses.replace(recipe.verifier, params=params))
+
+    def _with_draft_temperatures(self, data: dict[str, Any]) -> dict[str, Any]:
+        if not self.draft_temperatures:
+            return data
+        first = data.pop("draft", None) or (data.get("drafts") or [None])[0]
+        if not isinstance(first, dict):
+            raise UsageError("--draft-temperatures needs a draft in the recipe to copy")
+        return {**data, "drafts": [{**first, "temperature": t} for t in self.draft_temperatures]}
+
+    def _with_verifier(self, data: dict[str, Any]) -> dict[str, Any]:
+        current = data.get("verifier")
+        name = current.get("name", "") if isinstance(current, dict) else ""
+        if self.verifier is None or str(name).lower() == self.verifier.lower():
+            return data
+        # Parameters written for another verifier would not apply to this one.
+        return {**data, "verifier": {"name": self.verifier, "params": {}}}
+
+    def _named(self, data: dict[str, Any]) -> dict[str, Any]:
+        """Recipe path → value of every named flag given; --stop adds to the recipe's stop texts."""
+        named = {path: getattr(self, setting) for setting, path in FLAG_PATHS.items()}
+        if self.stop:
+            generation = data.get("generation")
+            written = generation.get("stop") if isinstance(generation, dict) else None
+            # A stop that is not a list is left for the recipe's check to name.
+            named["generation.stop"] = (
+                [*(written or []), *self.stop] if isinstance(written, (list, type(None))) else None
+            )
+        for setting in MODEL_FLAGS:
+            value = getattr(self, setting)
+            if value is not None:
+                named.update({f"{model}.{setting}": value for model in _model_paths(data)})
+        return {path: value for path, value in named.items() if value is not None}
 
 
 def _model_paths(data: dict[str, Any]) -> list[str]:
@@ -210,6 +289,12 @@ def refuse_repeats(values: list, option: str) -> None:
     if repeated:
         shown = ", ".join(dict.fromkeys(map(str, repeated)))
         raise UsageError(f"{option} lists {shown} more than once; give each value once")
+
+
+def stdout_to_nowhere() -> None:
+    """Point stdout at the null device once its reader has gone: the interpreter flushes stdout once more at exit,
+    and that write would fail again where nothing catches it."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 class TokenProgress:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ from ..base.errors import UsageError
 from ..base.inputs import require_text
 from ..base.recipe import AUTOREGRESSIVE, Recipe, target_alone
 from ..plugins.registry import VerifierRegistry
-from ..results.stats import GenerationResult
+from ..results.stats import INTERVAL_LEVEL, GenerationResult
 from . import common, options
 
 if TYPE_CHECKING:  # torch and transformers load only when a command runs models
@@ -60,25 +59,42 @@ _DrafterOption = Annotated[
         "(prompt-lookup needs no model). Default: the recipe's drafts.",
     ),
 ]
-_KlOption = Annotated[
-    Optional[float],
-    typer.Option(
-        "--kl", metavar="NATS", help="KL bound D in nats, for a verifier that has one (see `specdec verifiers`)."
-    ),
-]
-_NumDraftsOption = Annotated[
-    Optional[int],
-    typer.Option(
-        metavar="K",
-        help="Draft sequences sampled from each draft per block. " + options.from_recipe(_speculation.num_drafts),
-    ),
-]
-_DraftLengthOption = Annotated[
-    Optional[int],
-    typer.Option(
-        metavar="L", help=f"Tokens each draft proposes per block. {options.from_recipe(_speculation.draft_length)}"
-    ),
-]
+# Where each of these flags takes a comma list (a sweep); generate takes one value of each.
+_BENCH_OR_ACCEPTANCE, _BENCH = "specdec bench or specdec acceptance", "specdec bench"
+_KlOption = options.one_value(
+    Annotated[
+        Optional[float],
+        typer.Option(
+            "--kl", metavar="NATS", help="KL bound D in nats, for a verifier that has one (see `specdec verifiers`)."
+        ),
+    ],
+    "--kl",
+    _BENCH_OR_ACCEPTANCE,
+)
+_NumDraftsOption = options.one_value(
+    Annotated[
+        Optional[int],
+        typer.Option(
+            metavar="K",
+            help="Draft sequences sampled from each draft per block. " + options.from_recipe(_speculation.num_drafts),
+        ),
+    ],
+    "--num-drafts",
+    _BENCH_OR_ACCEPTANCE,
+)
+_DraftLengthOption = options.one_value(
+    Annotated[
+        Optional[int],
+        typer.Option(
+            metavar="L",
+            help=f"Tokens each draft proposes per block. {options.from_recipe(_speculation.draft_length)}",
+        ),
+    ],
+    "--draft-length",
+    _BENCH,
+)
+_TemperatureOption = options.one_value(options.TemperatureOption, "--temperature", _BENCH)
+_DraftLengthScheduleOption = options.one_value(options.DraftLengthScheduleOption, "--draft-length-schedule", _BENCH)
 _NumSamplesOption = Annotated[
     int, typer.Option(metavar="N", help="Independent samples per prompt, each with its own seed.")
 ]
@@ -129,7 +145,9 @@ def generate(
     kl: _KlOption = None,
     num_drafts: _NumDraftsOption = None,
     draft_length: _DraftLengthOption = None,
-    temperature: options.TemperatureOption = None,
+    draft_length_schedule: _DraftLengthScheduleOption = None,
+    temperature: _TemperatureOption = None,
+    stop: options.StopOption = None,
     compile_steps: options.CompileOption = False,
     num_samples: _NumSamplesOption = 1,
     batch_size: _BatchSizeOption = 1,
@@ -159,20 +177,32 @@ def generate(
         kl=None if comparing else kl,
         num_drafts=num_drafts,
         draft_length=draft_length,
+        draft_length_schedule=draft_length_schedule,
         temperature=temperature,
+        stop=stop,
     ).resolve()
     common.check_batch_sizes([batch_size])
     if not comparing and target_alone(resolved.verifier.name):
-        _check_nothing_to_draft(kl, num_drafts, draft_length)
+        _check_nothing_to_draft(
+            kl,
+            {
+                "--num-drafts": num_drafts,
+                "--draft-length": draft_length,
+                "--draft-length-schedule": draft_length_schedule,
+            },
+        )
+    elif comparing:
+        common.check_kl_bounds([] if kl is None else [kl], names, resolved.verifier.params, VerifierRegistry())
     prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
     for text in prompts:  # checked before the models load, which can take a while
         require_text(text)
     common.apply_threads(model.threads)
+    choose_threads = model.threads is None  # the calibration then keeps the faster of the default and one thread
     with _quiet_when_the_reader_leaves():
         if comparing:
-            _compare(resolved, names, kl, prompts, num_samples, as_json, recalibrate)
+            _compare(resolved, names, kl, prompts, num_samples, as_json, recalibrate, choose_threads)
         else:
-            _generate(resolved, prompts, num_samples, as_json, recalibrate, batch_size)
+            _generate(resolved, prompts, num_samples, as_json, recalibrate, choose_threads, batch_size)
 
 
 def _verifier_names(verifier: str | None, autoregressive: bool) -> list[str]:
@@ -190,14 +220,15 @@ def _verifier_names(verifier: str | None, autoregressive: bool) -> list[str]:
     return [AUTOREGRESSIVE] if autoregressive else names
 
 
-def _check_nothing_to_draft(kl: float | None, num_drafts: int | None, draft_length: int | None) -> None:
-    """The target alone drafts nothing: a drafting flag given with it would be silently ignored."""
+def _check_nothing_to_draft(kl: float | None, drafting: dict[str, object]) -> None:
+    """The target alone drafts nothing: a drafting flag given with it (``drafting``: flag → value, None where
+    absent) would be silently ignored."""
     if kl is not None:
         raise UsageError(
             "--kl sets a KL bound, which the target alone does not have (--verifier none, "
             "--autoregressive); drop --kl, or name a verifier with one (see `specdec verifiers`)"
         )
-    for option, value in (("--num-drafts", num_drafts), ("--draft-length", draft_length)):
+    for option, value in drafting.items():
         if value is not None:
             raise UsageError(
                 f"{option} has no effect on the target alone (--verifier none, --autoregressive); drop "
@@ -215,21 +246,18 @@ def _quiet_when_the_reader_leaves() -> Iterator[None]:
         finally:  # a pipe buffers: its last write fails here (on every way out), not at exit where nothing catches it
             sys.stdout.flush()
     except BrokenPipeError:
-        # The interpreter flushes stdout once more at exit: let that write go nowhere rather than fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        common.stdout_to_nowhere()
         raise typer.Exit(BROKEN_PIPE_EXIT) from None
 
 
-class _StdoutConsole(Console):
-    """Rich's console on stdout, leaving a closed pipe to :func:`_quiet_when_the_reader_leaves`
-    (Rich's own handling exits with 1, the code of a failure)."""
-
-    def on_broken_pipe(self) -> None:
-        raise BrokenPipeError
-
-
 def _generate(
-    recipe: Recipe, prompts: list[str], num_samples: int, as_json: bool, recalibrate: bool, batch_size: int = 1
+    recipe: Recipe,
+    prompts: list[str],
+    num_samples: int,
+    as_json: bool,
+    recalibrate: bool,
+    choose_threads: bool,
+    batch_size: int = 1,
 ) -> None:
     """One configuration: the text streams as blocks are committed (as samples finish, in a batch), then a table
     of its statistics."""
@@ -242,8 +270,8 @@ def _generate(
         decoder.check_batching()
     first = decoder.encode_prompt(prompts[0])
     decoder.warm_up(first)
-    _print_notes(err, decoder, first, recalibrate)
-    out = _StdoutConsole(highlight=False)
+    _print_notes(err, decoder, first, recalibrate, choose_threads)
+    out = Console(highlight=False)
     stream = None if as_json else _Stream(decoder.target.tokenizer, out, several=len(prompts) * num_samples > 1)
     began = time.perf_counter()
     # A terminal that shows the text needs no bar; a pipe or --json would otherwise be silent.
@@ -315,6 +343,7 @@ def _compare(
     num_samples: int,
     as_json: bool,
     recalibrate: bool,
+    choose_threads: bool,
 ) -> None:
     """Every verifier of ``names`` on the same prompts and seeds, models loaded once: each round's texts
     as it finishes, then one table over the rounds every verifier finished."""
@@ -333,8 +362,8 @@ def _compare(
             for label, r in recipes.items()
         }
     )
-    _print_notes(err, base, base.encode_prompt(prompts[0]), recalibrate)
-    out = _StdoutConsole(highlight=False, width=None if sys.stdout.isatty() else 120)
+    _print_notes(err, base, base.encode_prompt(prompts[0]), recalibrate, choose_threads)
+    out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     total = len(recipes) * len(prompts) * num_samples * recipe.generation.max_new_tokens
     with common.token_progress(total) as progress:
         show = (lambda results: None) if as_json else functools.partial(_print_round, out, comparison.rows)
@@ -371,11 +400,14 @@ def _until_interrupted(results: Iterator[T], each: Callable[[T], None]) -> bool:
     return False
 
 
-def _print_notes(err: Console, decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool) -> None:
-    """Before decoding: the models that keep the dynamic cache, and whether the draft pays on this machine."""
+def _print_notes(
+    err: Console, decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool, choose_threads: bool
+) -> None:
+    """Before decoding: the models that keep the dynamic cache, and whether the draft pays on this machine (its
+    measurement also settles the thread count when the user gave none)."""
     from ..generation.calibration import note_for
 
-    for note in [*decoder.cache_notes, note_for(decoder, prompt_ids, recalibrate=recalibrate)]:
+    for note in [*decoder.cache_notes, note_for(decoder, prompt_ids, recalibrate, choose_threads)]:
         if note is not None:
             err.print(note, highlight=False, soft_wrap=True)
 
@@ -410,28 +442,27 @@ def _comparison_table(rows: list[ConfigurationResult], samples: int) -> Table:
     has_baseline = any(row.speedup is not None for row in rows)
     caption = (
         f"{samples} sample(s) per configuration, same prompts and seeds, run in turn; one untimed warm-up "
-        "each; tokens/s excludes loading"
+        "each; tokens/s excludes loading, with the tokens it counts"
     )
     caption += (
-        "; speedup: token rate over the target alone" if has_baseline else "; add none to --verifier for speedups"
+        f"; speedup: token rate over the target alone [{INTERVAL_LEVEL:.0%} interval over the samples]"
+        if has_baseline
+        else "; add none to --verifier for speedups"
     )
     table = Table(title="verifiers compared", caption=caption)
     table.add_column("verifier")
-    for name in ("tokens/s", "speedup", "block efficiency", "acceptance", "tokens", "seconds"):
+    for name in ("tokens/s", "speedup", "block efficiency", "acceptance", "seconds"):
         table.add_column(name, justify="right", overflow="fold")
     for row in rows:
         label = "none (target alone)" if not row.speculative else row.label
         acceptance = "—" if row.acceptance_rate is None else f"{row.acceptance_rate:.1%}"
-        speedup = "—" if row.speedup is None else f"{row.speedup:.2f}×"
-        summary = row.summary()
         table.add_row(
             label,
-            f"{row.tokens_per_second:.1f}",
-            speedup,
+            row.tokens_per_second_text(),
+            row.speedup_text(),
             f"{row.block_efficiency:.2f}",
             acceptance,
-            str(summary["new_tokens"]),
-            f"{summary['wall_time_s']:.2f}",
+            f"{row.summary()['wall_time_s']:.2f}",
         )
     return table
 

@@ -18,6 +18,7 @@ from typing import Annotated, ClassVar, Optional
 
 import typer
 
+from ..base.errors import UsageError
 from ..base.recipe import build_recipe, read_recipe_file
 
 DEFAULT_RECIPE = build_recipe(read_recipe_file(None))
@@ -143,6 +144,25 @@ ShuffleOption = Annotated[
     bool, typer.Option("--shuffle", metavar="", help="Shuffle the inputs (--shuffle-seed) before --limit.")
 ]
 ShuffleSeedOption = Annotated[int, typer.Option(metavar="N", help="Seed of --shuffle (the data order, not sampling).")]
+StopOption = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--stop",
+        metavar="TEXT",
+        rich_help_panel=MODEL_PANEL,
+        help="End a sample at the first occurrence of TEXT in its text (the text before it is kept); added to the "
+        "recipe's generation.stop. Repeatable.",
+    ),
+]
+DraftLengthScheduleOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--draft-length-schedule",
+        metavar="NAME",
+        help="How the draft length moves between blocks: constant, or heuristic (+2 after a wholly accepted draft, "
+        f"-1 otherwise, starting at --draft-length). {from_recipe(_speculation.draft_length_schedule)}",
+    ),
+]
 OutputOption = Annotated[
     Optional[Path],
     typer.Option(
@@ -167,6 +187,22 @@ class ModelOptions:
     dtype: DtypeOption = None
     chat: ChatOption = None
     threads: ThreadsOption = None
+
+
+def one_value(option: object, flag: str, sweeps: str) -> object:
+    """``option`` (an ``Annotated`` typer option) where the command takes one value: a comma list is refused in one
+    line that says which commands (``sweeps``) take it as a sweep, not parsed as a malformed number."""
+    kind, declaration = typing.get_args(option)
+    convert = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+
+    def parse(text: str) -> object:
+        if "," in text:
+            raise UsageError(f"{flag} takes one value on generate; to sweep {text} use {sweeps}")
+        return convert(text)
+
+    taking_one = copy.copy(declaration)
+    taking_one.parser = parse
+    return Annotated[kind, taking_one]
 
 
 def takes_option_groups(command: Callable) -> Callable:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
@@ -64,9 +65,11 @@ from ..plugins.verifiers import (
 )
 from ..results.stats import GenerationResult, SampleStats
 from .decoding import Draft, create_verifier, load_drafts, target_sampling
+from .draft_schedule import next_draft_length
 from .drafted import Drafted, count_to_eos, longest_matches
 from .graphs import CapturedVerifyStep
 from .session import ModelSession, batch_problem, static_problem
+from .stopping import cut_at_stop, tokens_through_stop
 
 BlockCallback = Callable[[int, int, list[int], list[bool]], None]
 """on_block(prompt_index, sample_index, new_token_ids, accepted_mask) after each committed block."""
@@ -101,7 +104,7 @@ class SpeculativeDecoder:
         self.config = config
         self.registry = registry or VerifierRegistry()
         self.drafter_registry = drafter_registry or DrafterRegistry()
-        self.vocab_size = shared_vocab_size(target, [d.model for d in self.drafts if d.model is not None])
+        self.vocab_size = shared_vocab_size(target, self._models_in_target_ids())
         self.target_params = target_sampling(config)
         self.drafters, row_laws = self._drafters() if config.speculative else ([], [])
         rows = DraftRows.of(row_laws)
@@ -112,9 +115,20 @@ class SpeculativeDecoder:
             else (getattr(self.verifier, "verify_block", None), sampling_law)
         )
         self.draft_length = config.speculation.draft_length if self.drafters else 0
+        self.running = threading.RLock()
+        """Held by the generation under way (:meth:`DecodingRun.run`): calls from other threads wait their turn."""
         self.eos_ids = target.eos_ids
         self.eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=target.device)  # [eos ids]
         self.device = target.device
+
+    def _models_in_target_ids(self) -> list[LoadedModel]:
+        """The draft models whose logits are laws over the target's ids: not a drafter's model with a vocabulary of
+        its own (it proposes in the target's ids through text), which therefore does not narrow the shared V."""
+        return [
+            draft.model
+            for draft in self.drafts
+            if draft.model is not None and not self.drafter_registry.plugin_class(draft.drafter).own_vocabulary
+        ]
 
     def _compiled(self) -> tuple[Callable, Callable]:
         """The verify step and the sampling law through ``torch.compile``: each traces into one graph (keyed
@@ -431,6 +445,8 @@ class _Sequence:
     stats: SampleStats
     began: float
     regions_at_start: dict[str, float]
+    draft_length: int
+    """Tokens its next block drafts at most (``speculation.draft_length_schedule``)."""
     mask: list[bool] = field(default_factory=list)
 
     @property
@@ -453,8 +469,6 @@ class DecodingRun:
             decoder.target, decoder.vocab_size, speculation.kv_cache, decoder.cache_headroom, speculation.compile
         )
         self.drafters = decoder.drafters
-        for drafter in self.drafters:  # a drafter may hold the sequences of an interrupted run
-            decoder._call_drafter(drafter, "remove_sequences", drafter.remove_sequences, [])
         rows = [drafter.rows for drafter in self.drafters]  # [drafters]
         self.lanes = list(itertools.accumulate([0, *rows]))  # drafter j's rows are lanes[j] .. lanes[j+1] - 1
         self.sequences: list[_Sequence] = []
@@ -462,7 +476,16 @@ class DecodingRun:
         self.timer = RegionTimer(self.device)
 
     def run(self, jobs: list[SequenceJob]) -> Iterator[GenerationResult]:
-        """Every job's result, yielded as each finishes (in the jobs' order at batch size 1)."""
+        """Every job's result, yielded as each finishes (in the jobs' order at batch size 1). A decoder runs one
+        generation at a time: its drafters hold their sequences' state, so a run from another thread waits for the
+        one under way to end."""
+        with self.decoder.running:
+            for drafter in self.drafters:  # a drafter may hold the sequences of an interrupted run
+                self.decoder._call_drafter(drafter, "remove_sequences", drafter.remove_sequences, [])
+            yield from self._blocks(jobs)
+
+    def _blocks(self, jobs: list[SequenceJob]) -> Iterator[GenerationResult]:
+        """The run's steps, until every job has finished."""
         waiting = list(jobs)
         while waiting or self.sequences:
             began = time.perf_counter()
@@ -503,7 +526,9 @@ class DecodingRun:
         for job, context in zip(jobs, contexts):
             key = sample_key(decoder.config.seed, job.prompt_index, job.sample_index) if job.key is None else job.key
             stats = SampleStats(prompt_tokens=len(job.prompt_ids))
-            self.sequences.append(_Sequence(job, key, list(context), len(context), stats, began, regions))
+            self.sequences.append(
+                _Sequence(job, key, list(context), len(context), stats, began, regions, decoder.draft_length)
+            )
         prompts = [job.prompt_ids for job in jobs]
         self.target.add(prompts, contexts, self.timer)
         for drafter in self.drafters:
@@ -514,7 +539,7 @@ class DecodingRun:
         """One block for every sequence → the indices of those that finished."""
         decoder, sequences = self.decoder, self.sequences
         max_new = decoder.config.generation.max_new_tokens
-        limits = [min(decoder.draft_length, max_new - sequence.generated - 1) for sequence in sequences]  # [B]
+        limits = [min(sequence.draft_length, max_new - sequence.generated - 1) for sequence in sequences]  # [B]
         self.draws.block_start.copy_(torch.tensor([sequence.generated for sequence in sequences]))
         contexts = [sequence.committed for sequence in sequences]
         with self.timer.region("draft"):
@@ -724,17 +749,30 @@ class DecodingRun:
         ]
 
     def _commit_sequence(self, sequence: _Sequence, new_tokens: list[int], num_accepted: int, length: int) -> bool:
-        """Commit one sequence's tokens and record its block → whether it is done."""
+        """Commit one sequence's tokens (through a stop string's last token) and record its block → whether it is
+        done."""
+        decoder = self.decoder
+        stops = decoder.config.generation.stop
+        through = tokens_through_stop(self._decode, sequence.committed[sequence.start :], new_tokens, stops)
+        stopped = through is not None
+        new_tokens = new_tokens[:through]
         accepted = [i < num_accepted for i in range(len(new_tokens))]
         # The verifier decided every committed position but a bonus token (which follows all L accepted).
         sequence.stats.record_block(length, min(len(new_tokens), length), sum(accepted))
+        sequence.draft_length = next_draft_length(
+            decoder.config.speculation.draft_length_schedule,
+            sequence.draft_length,
+            decoder.draft_length,
+            length,
+            min(num_accepted, length),
+        )
         sequence.committed += new_tokens
         sequence.mask += accepted
         if sequence.job.on_block is not None:
             sequence.job.on_block(new_tokens, accepted)
-        eos = any(token in self.decoder.eos_ids for token in new_tokens)
-        if eos or sequence.generated >= self.decoder.config.generation.max_new_tokens:
-            sequence.stats.stop_reason = "eos" if eos else "max_new_tokens"
+        eos = any(token in decoder.eos_ids for token in new_tokens)
+        if eos or stopped or sequence.generated >= decoder.config.generation.max_new_tokens:
+            sequence.stats.stop_reason = "eos" if eos else "stop_string" if stopped else "max_new_tokens"
             return True
         return False
 
@@ -759,8 +797,12 @@ class DecodingRun:
         stats.new_tokens = sequence.generated
         job = sequence.job
         tokens = sequence.committed[sequence.start :]
-        text = self.decoder.target.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = cut_at_stop(self._decode(tokens), self.decoder.config.generation.stop)
         return GenerationResult(job.prompt, job.prompt_index, job.sample_index, tokens, text, stats, sequence.mask)
+
+    def _decode(self, tokens: list[int]) -> str:
+        """The text of generated ``tokens``, as a result shows it (special tokens left out)."""
+        return self.decoder.target.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def _group(tensor: torch.Tensor, members: list[int], rows: torch.Tensor | None = None, width: int | None = None):

@@ -1,13 +1,22 @@
-"""Does the draft pay on this machine? A short measurement of a decoder's forward costs, cached.
+"""Does the draft pay on this machine, and at how many threads? A short measurement of a decoder's forward
+costs, cached.
 
 Speculation is faster than the target alone only when a draft forward is cheap next to a target
 forward. On a CPU without native bfloat16, for example, a bfloat16 draft can cost more than a
 float32 target many times its size. :func:`draft_cost` measures both forwards with the engine's
 own timers (a few short generations of each, the first untimed; the least time of each quantity,
 since a busy machine only ever adds time) and caches the result beside the converted weights, with
-its date. A cached figure is measured again when asked, when it is a month old, and when it cannot
-be right (a damaged entry, or a smaller draft of the same dtype slower than the target scoring a whole block).
-:func:`draft_cost_note` turns it into one honest line when the draft does not pay.
+its date, the thread count and the CPU's load.
+
+A busy CPU (other jobs on a shared machine) slows every figure, and a second intra-op thread can then cost
+more than it gives: when the user fixed no thread count (no ``--threads``, no OMP_NUM_THREADS), the figure
+is measured at torch's default and at one thread, and the run keeps the faster. A figure measured while the
+CPU was busy (a load average above the core count, or repeats :data:`_MAX_SPREAD` times apart) serves this
+run's note, which says so, but is never cached as the machine's. A cached figure is measured again when
+asked, when it is a month old, when the load has moved by a core's worth since (:meth:`CpuLoad.changed_since`),
+and when it cannot be right (a damaged entry, a forward slower than :func:`slowest_plausible_s`, or a
+smaller draft of the same dtype slower than the target scoring a whole block).
+:func:`draft_cost_note` turns it into one honest line when the draft does not pay or the CPU is busy.
 """
 
 from __future__ import annotations
@@ -15,7 +24,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+import os
+import statistics
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -30,6 +41,46 @@ from ..results.stats import SampleStats
 _CALIBRATION_TOKENS = 8
 _REPEATS = 3
 _MAX_AGE = timedelta(days=30)
+_MAX_SPREAD = 3.0
+"""Repeats of a short generation whose middle time is this many times their least: another job had the cores
+(on a quiet machine they agree within a few per cent; a shared 2-core machine at load 3 to 5 gave 0.4 to 6.6
+tokens/s from one run to the next)."""
+
+# The slowest a forward can be on any CPU of the last decade, one thread, nothing else running: every weight
+# read once at 1 GB/s, or two FLOPs per weight and position at 1 GFLOP/s, whichever is slower, plus 0.1 s of
+# Python and framework work per forward. One thread of a 2-core AMD EPYC shared with other jobs multiplied a
+# 4096 x 4096 matrix by a vector at 5.6-12 GB/s and 6-47 GFLOP/s (float32 and bfloat16): five times the floors
+# or more, on a machine as loaded as the one these floors must not mistake for a slow one.
+_BYTES_PER_S_FLOOR = 1e9
+_FLOPS_FLOOR = 1e9
+_FORWARD_OVERHEAD_S = 0.1
+
+
+@dataclass(frozen=True)
+class CpuLoad:
+    """The 1-minute load average (runnable tasks, system-wide) and the machine's core count."""
+
+    average: float
+    cores: int
+
+    @property
+    def busy(self) -> bool:
+        """More runnable tasks than cores: every thread waits for its turn, and a run's threads for each other."""
+        return self.average > self.cores
+
+    def changed_since(self, average: float) -> bool:
+        """Whether the load moved by a core's worth or more since ``average`` (a quarter of the cores on more than
+        four): enough to change how many of a run's threads find a free core, so which thread count is faster."""
+        return abs(self.average - average) >= max(1.0, self.cores / 4)
+
+
+def cpu_load() -> CpuLoad | None:
+    """The CPU's load now; None where the platform keeps no load average (Windows)."""
+    try:
+        average = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    return CpuLoad(average, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -44,43 +95,116 @@ class DraftCost:
     machine: str
     measured_at: str = ""
     """When (ISO 8601, UTC); "" for a figure not measured here."""
+    threads: int = 0
+    """torch's intra-op threads while measuring (0: not recorded)."""
+    slower_threads: int = 0
+    """The other thread count measured, and found slower (0: none; the user fixed the count, or it is one)."""
+    slower_block_s: float = 0.0
+    """A block's time (:meth:`block_s`) at ``slower_threads``."""
+    load: float | None = None
+    """The 1-minute load average when measured (None: not known)."""
+    cores: int = 0
+    """The machine's cores when measured (0: not known)."""
+    spread: float = 1.0
+    """The widest ratio, over the three times, of the middle timed run's to the least."""
+
+    def block_s(self, draft_length: int) -> float:
+        """A block's time: ``draft_length`` draft steps and the target's scoring forward."""
+        return draft_length * self.draft_s + self.target_block_s
 
     def speedup(self, acceptance: float, draft_length: int) -> float:
         """Expected token rate over the target alone's: tokens a block commits, (1 − α^(L+1)) / (1 − α),
         times the target's time per token, over a block's time (L draft steps and one scoring forward)."""
         tokens = draft_length + 1 if acceptance >= 1 else (1 - acceptance ** (draft_length + 1)) / (1 - acceptance)
-        block = draft_length * self.draft_s + self.target_block_s
+        block = self.block_s(draft_length)
         return tokens * self.target_token_s / block if block else 0.0
 
+    @property
+    def busy_load(self) -> bool:
+        """The load average was above the core count."""
+        return self.load is not None and CpuLoad(self.load, self.cores).busy
 
-def draft_cost(decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool = False) -> DraftCost | None:
+    @property
+    def busy(self) -> bool:
+        """Measured while the CPU was busy: slower than this machine can do, so not its figure."""
+        return self.busy_load or self.spread > _MAX_SPREAD
+
+
+def draft_cost(
+    decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool = False, choose_threads: bool = False
+) -> DraftCost | None:
     """The decoder's forward costs on this machine: the cached figure if it can be trusted (and
-    ``recalibrate`` is off), else measured now (a few seconds) and cached. None when even a fresh
-    measurement cannot be right (a machine too busy to measure): no figure says less than a wrong one."""
+    ``recalibrate`` is off), else measured now (a few seconds) and cached unless the CPU was busy. None when a
+    fresh measurement cannot be right and no busy CPU explains it: no figure says less than a wrong one.
+
+    ``choose_threads`` (the user gave no ``--threads``): unless OMP_NUM_THREADS fixes the count, the figure is of
+    the faster of torch's current thread count and one thread on a CPU, and torch is left at that count."""
+    on_cpu = decoder.device.type == "cpu"
+    choosing = choose_threads and on_cpu and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1
     machine = _machine(decoder)
-    path = cache_dir() / "calibration" / f"{_key(decoder, machine)}.json"
+    path = cache_dir() / "calibration" / f"{_key(decoder, machine, choosing)}.json"
     cached = None if recalibrate else _read_cached(path)
-    if cached is not None and _plausible(cached, decoder):
+    if cached is not None and _trusted(cached, decoder, choosing):
+        if choosing:
+            torch.set_num_threads(cached.threads)
         return cached
-    cost = _measure(decoder, prompt_ids, machine)
+    cost = _fastest(decoder, prompt_ids) if choosing else _measure(decoder, prompt_ids, machine)
+    if cost.busy:
+        return cost  # this run's figure, which its note calls a busy CPU's; never the machine's
     if not _plausible(cost, decoder):
         return None
     write_cache_file(path, json.dumps(asdict(cost)))  # one that cannot be written only costs measuring again
     return cost
 
 
+def _trusted(cached: DraftCost, decoder: SpeculativeDecoder, choosing: bool) -> bool:
+    """A cached figure can stand for now: plausible, of a thread count when one is to be chosen, and measured at
+    about today's load (a figure with no load recorded is kept until it is a month old)."""
+    now = cpu_load()
+    load_moved = cached.load is not None and now is not None and now.changed_since(cached.load)
+    return _plausible(cached, decoder) and (cached.threads >= 1 or not choosing) and not load_moved
+
+
+def _fastest(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> DraftCost:
+    """Measured at torch's current thread count and at one thread: the one whose block (draft steps and the
+    target's scoring) is faster, with the other's block time; torch is left at the faster count."""
+    costs = []
+    for threads in (torch.get_num_threads(), 1):
+        torch.set_num_threads(threads)
+        costs.append(_measure(decoder, prompt_ids, _machine(decoder)))
+    faster, slower = sorted(costs, key=lambda cost: cost.block_s(decoder.draft_length))  # a tie keeps the default
+    torch.set_num_threads(faster.threads)
+    return replace(faster, slower_threads=slower.threads, slower_block_s=slower.block_s(decoder.draft_length))
+
+
 def _measure(decoder: SpeculativeDecoder, prompt_ids: list[int], machine: str) -> DraftCost:
-    """The least time per forward of each kind over a few short generations with the draft and without."""
+    """The least time per forward of each kind over a few short generations with the draft and without, with the
+    load the CPU had and how far apart the repeats were."""
+    load = cpu_load()
     speculative = _timed_runs(decoder, prompt_ids)
     alone = _timed_runs(decoder.with_config(verifier=AUTOREGRESSIVE), prompt_ids)
+    per_forward = {
+        "target_token_s": [s.target_time_s / max(s.target_forwards, 1) for s in alone],
+        "target_block_s": [s.target_time_s / max(s.target_forwards, 1) for s in speculative],
+        "draft_s": [s.draft_time_s / max(s.draft_forwards, 1) for s in speculative],
+    }
     return DraftCost(
-        target_token_s=min(s.target_time_s / max(s.target_forwards, 1) for s in alone),
-        target_block_s=min(s.target_time_s / max(s.target_forwards, 1) for s in speculative),
-        draft_s=min(s.draft_time_s / max(s.draft_forwards, 1) for s in speculative),
+        **{name: min(times) for name, times in per_forward.items()},
         acceptance=sum(s.token_acceptance for s in speculative) / len(speculative),
         machine=machine,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        threads=torch.get_num_threads(),
+        load=None if load is None else load.average,
+        cores=0 if load is None else load.cores,
+        spread=max(_spread(times) for times in per_forward.values()),
     )
+
+
+def _spread(times: list[float]) -> float:
+    """The middle time over the least (1 for a zero least: no forward takes no time, and :func:`_plausible`
+    turns such a figure down)."""
+    least = min(times)
+    return statistics.median(times) / least if least > 0 else 1.0
 
 
 def _timed_runs(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> list[SampleStats]:
@@ -93,26 +217,32 @@ def _timed_runs(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> list[Samp
 
 def _read_cached(path: Path) -> DraftCost | None:
     """The cached figure, or None when there is none or it is not one (damaged, another shape, an older
-    format): it is then measured again, never trusted."""
+    format without a date): it is then measured again, never trusted. An entry from before the thread count
+    and load were recorded takes their defaults."""
     try:
         entry = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    names = {f.name: f.type for f in fields(DraftCost)}
-    if not isinstance(entry, dict) or entry.keys() != names.keys():
+    kinds = {f.name: f.type for f in fields(DraftCost)}
+    required = {f.name for f in fields(DraftCost) if f.default is MISSING}
+    if not isinstance(entry, dict) or not required <= entry.keys() <= kinds.keys():
         return None
     if not all(
-        isinstance(entry[name], str if kind == "str" else (int, float)) and not isinstance(entry[name], bool)
-        for name, kind in names.items()
+        isinstance(value, _JSON_TYPES[kinds[name]]) and not isinstance(value, bool) for name, value in entry.items()
     ):
         return None
     return DraftCost(**entry)
 
 
+_JSON_TYPES = {"float": (int, float), "int": (int,), "str": (str,), "float | None": (int, float, type(None))}
+"""What JSON gives for each annotation of :class:`DraftCost`."""
+
+
 def _plausible(cost: DraftCost, decoder: SpeculativeDecoder) -> bool:
     """Whether ``cost`` can be this machine's: positive finite times, an acceptance in [0, 1], measured
-    less than :data:`_MAX_AGE` ago, and no draft step slower than the target's forward over a whole block
-    when every draft is smaller than the target and of its dtype (a busy machine measured, not the model)."""
+    less than :data:`_MAX_AGE` ago, no forward slower than :func:`slowest_plausible_s`, and no draft step slower
+    than the target's forward over a whole block when every draft is smaller than the target and of its dtype (a
+    busy machine measured, not the model)."""
     times = (cost.target_token_s, cost.target_block_s, cost.draft_s)
     if not all(math.isfinite(t) and t > 0 for t in times) or not 0 <= cost.acceptance <= 1:
         return False
@@ -126,23 +256,62 @@ def _plausible(cost: DraftCost, decoder: SpeculativeDecoder) -> bool:
     like_the_target = all(
         model.model.dtype == target.dtype and _size(model.model) < _size(target) for model in _draft_models(decoder)
     )
-    return not (like_the_target and cost.draft_s > cost.target_block_s)
+    return not (like_the_target and cost.draft_s > cost.target_block_s) and _within_floors(cost, decoder)
+
+
+def slowest_plausible_s(parameters: int, weight_bytes: int, positions: int) -> float:
+    """The longest one forward over ``positions`` positions of a model of ``parameters`` weights (``weight_bytes``
+    in all) can take on one core of any CPU of the last decade: reading every weight once at
+    :data:`_BYTES_PER_S_FLOOR` or two FLOPs per weight and position at :data:`_FLOPS_FLOOR`, whichever is
+    slower, plus :data:`_FORWARD_OVERHEAD_S`."""
+    reading = weight_bytes / _BYTES_PER_S_FLOOR
+    computing = 2 * parameters * positions / _FLOPS_FLOOR
+    return _FORWARD_OVERHEAD_S + max(reading, computing)
+
+
+def _within_floors(cost: DraftCost, decoder: SpeculativeDecoder) -> bool:
+    """No forward of ``cost`` slower than :func:`slowest_plausible_s` allows for its models: the target's over one
+    position and over a block of each draft's L + 1, a draft step's over one position of each draft."""
+    speculation = decoder.config.speculation
+    target, drafts = [decoder.target.model], [model.model for model in _draft_models(decoder)]
+    forwards = [  # (seconds, models, positions)
+        (cost.target_token_s, target, 1),
+        (cost.target_block_s, target, speculation.num_drafts * (speculation.draft_length + 1)),
+        (cost.draft_s, drafts, speculation.num_drafts),
+    ]
+    return all(seconds <= _slowest_s(models, positions, cost.machine) for seconds, models, positions in forwards)
+
+
+def _slowest_s(models: list[torch.nn.Module], positions: int, machine: str) -> float:
+    """:func:`slowest_plausible_s` summed over ``models``; no bound for half precision that a CPU does in software
+    (float16, or bfloat16 without native instructions): how slow that is has no floor to vouch for."""
+    if any(_emulated(model, machine) for model in models):
+        return math.inf
+    return sum(slowest_plausible_s(_size(model), _weight_bytes(model), positions) for model in models)
+
+
+def _emulated(model: torch.nn.Module, machine: str) -> bool:
+    if model.device.type != "cpu":
+        return False
+    return model.dtype == torch.float16 or (model.dtype == torch.bfloat16 and "no native bfloat16" in machine)
 
 
 def _size(model: torch.nn.Module) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
 
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+
+
 def draft_cost_note(cost: DraftCost, draft_length: int, bfloat16_draft: bool) -> str | None:
-    """One line when speculation cannot pay here: the measured costs, and what would make it pay."""
+    """One line when the CPU was busy (:func:`_busy_note`) or speculation cannot pay here: the measured costs, and
+    what would make it pay."""
+    if cost.busy:
+        return _busy_note(cost, draft_length)
     best, likely = cost.speedup(1.0, draft_length), cost.speedup(cost.acceptance, draft_length)
     if likely >= 1:
         return None
-    figures = (
-        f"on this machine ({cost.machine}) a draft step takes {cost.draft_s * 1e3:.0f} ms and the target "
-        f"{cost.target_token_s * 1e3:.0f} ms per token alone, {cost.target_block_s * 1e3:.0f} ms to score a "
-        f"block"
-    )
     if best < 1:
         verdict = (
             f"so with L={draft_length} speculation is slower than the target alone even if every draft token "
@@ -157,15 +326,52 @@ def draft_cost_note(cost: DraftCost, draft_length: int, bfloat16_draft: bool) ->
     if bfloat16_draft and "no native bfloat16" in cost.machine:
         remedy += ", or a CPU with native bfloat16 (avx512_bf16 or AMX) for this bfloat16 draft,"
     measured = f"measured {cost.measured_at[:10]}" if cost.measured_at else "measured"
-    return f"note: {figures}, {verdict}; {remedy} would make it pay ({measured}, cached; --recalibrate measures again)"
+    return (
+        f"note: on this machine ({cost.machine}) {_figures(cost)}, {verdict}; {remedy} would make it pay ({measured}, "
+        "cached; --recalibrate measures again)"
+    )
 
 
-def note_for(decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool = False) -> str | None:
-    """:func:`draft_cost_note` for a speculative decoder (None for the target alone, when the draft pays,
-    or when no trustworthy figure could be measured). ``recalibrate``: measure again, whatever is cached."""
+def _busy_note(cost: DraftCost, draft_length: int) -> str:
+    """The CPU was busy: the figures are of this moment, not of the machine, so no verdict on the draft; what the
+    run did about it (the thread count it chose) or what the user can do."""
+    if cost.busy_load:
+        busy = f"the CPU is busy (load {cost.load:.1f} on {cost.cores} cores)"
+    else:
+        busy = f"the CPU was busy while measuring (repeats {cost.spread:.1f}× apart)"
+    quieter = "a quieter moment gives this machine's own speed"
+    if cost.slower_threads:
+        faster = cost.slower_block_s / cost.block_s(draft_length)
+        chosen, other = _threads(cost.threads), _threads(cost.slower_threads)
+        remedy = f"this run uses {chosen}, {faster:.1f}× as fast here now as {other}; {quieter}"
+    elif cost.threads > 1:
+        remedy = f"--threads 1 may run faster while it lasts, and {quieter}"
+    else:
+        remedy = quieter
+    return f"note: {busy}: {_figures(cost)}, slower than this machine can do (measured now, not cached); {remedy}"
+
+
+def _figures(cost: DraftCost) -> str:
+    return (
+        f"a draft step takes {cost.draft_s * 1e3:.0f} ms and the target {cost.target_token_s * 1e3:.0f} ms per token "
+        f"alone, {cost.target_block_s * 1e3:.0f} ms to score a block"
+    )
+
+
+def _threads(count: int) -> str:
+    return f"{count} thread" if count == 1 else f"{count} threads"
+
+
+def note_for(
+    decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool = False, choose_threads: bool = False
+) -> str | None:
+    """:func:`draft_cost_note` for a speculative decoder (None for the target alone, when the draft pays on a quiet
+    CPU, or when no trustworthy figure could be measured). ``recalibrate``: measure again, whatever is cached.
+    ``choose_threads`` (the user gave no ``--threads``): leave torch at the faster of its default thread count and
+    one thread (:func:`draft_cost`)."""
     if decoder.verifier is None or not _draft_models(decoder):  # a drafter without a model costs no forward
         return None
-    cost = draft_cost(decoder, prompt_ids, recalibrate)
+    cost = draft_cost(decoder, prompt_ids, recalibrate, choose_threads)
     if cost is None:
         return None
     bfloat16_draft = any(model.model.dtype == torch.bfloat16 for model in _draft_models(decoder))
@@ -184,7 +390,9 @@ def _machine(decoder: SpeculativeDecoder) -> str:
     return f"{cpu_model()}, {torch.get_num_threads()} threads"
 
 
-def _key(decoder: SpeculativeDecoder, machine: str) -> str:
+def _key(decoder: SpeculativeDecoder, machine: str, choosing: bool) -> str:
+    """The cache entry's name: the machine (with torch's thread count before any choice), the versions, the models
+    and the speculation; a figure whose thread count was chosen has its own entry."""
     config = decoder.config
     models = [decoder.target.name, *(model.name for model in _draft_models(decoder))]
     dtypes = [str(decoder.target.model.dtype), *(str(model.model.dtype) for model in _draft_models(decoder))]
@@ -198,4 +406,5 @@ def _key(decoder: SpeculativeDecoder, machine: str) -> str:
         config.speculation.num_drafts,
     ]
     parts += drafters if any(draft.model is None for draft in decoder.drafts) else []  # old keys stay valid
+    parts += ["the faster of these threads and one"] if choosing else []
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]

@@ -18,7 +18,15 @@ from ..base.recipe import AUTOREGRESSIVE, Recipe, VerifierConfig, target_alone
 from ..engine.decoder import SpeculativeDecoder
 from ..plugins.parameters import parameter_defaults
 from ..plugins.registry import VerifierRegistry
-from ..results.stats import GenerationResult
+from ..results.stats import (
+    GenerationResult,
+    RunRate,
+    describe_speedup,
+    engine_counters,
+    position_totals,
+    speedup_interval,
+    token_count,
+)
 
 TokenCallback = Callable[[int], None]
 """on_tokens(count): tokens committed (or, at a sample's end, the rest of its budget) for progress."""
@@ -33,6 +41,9 @@ class ConfigurationResult:
     results: list[GenerationResult] = field(default_factory=list)
     speedup: float | None = None
     """Token rate over the target alone's, when the comparison includes it."""
+    speedup_interval: tuple[float, float] | None = None
+    """The speedup's confidence interval from the rounds (:func:`~specdec_cli.results.stats.speedup_interval`),
+    set when a run ends: None for the target alone, with one round, or without the target alone."""
 
     @property
     def speculative(self) -> bool:
@@ -59,8 +70,32 @@ class ConfigurationResult:
         drafted = self._total("drafted_tokens")
         return self._total("accepted_tokens") / drafted if drafted else 0.0
 
+    def tokens_per_second_text(self) -> str:
+        """'21.3 (40 tokens)': the token rate with the tokens it counts."""
+        return f"{self.tokens_per_second:.1f} {token_count(self._total('new_tokens'))}"
+
+    def speedup_text(self) -> str:
+        """'0.96× [0.81–1.10]', or '0.96× (1 sample: no interval)'; '1.00×' for the target alone, '—' when the
+        comparison does not include it."""
+        if self.speedup is None:
+            return "—"
+        if not self.speculative:
+            return describe_speedup(self.speedup, None, 0, "×")
+        return describe_speedup(self.speedup, self.speedup_interval, len(self.results), "×")
+
+    def _engine_counters(self) -> dict:
+        """vLLM's counters pooled over the samples (:func:`~specdec_cli.results.stats.engine_counters`)."""
+        accepted = position_totals([r.stats.accepted_per_position for r in self.results])
+        return engine_counters(
+            int(self._total("num_drafts")),
+            int(self._total("drafted_tokens")),
+            int(self._total("accepted_tokens")),
+            accepted,
+        )
+
     def summary(self) -> dict:
         config = self.decoder.config
+        low, high = self.speedup_interval or (None, None)
         return {
             "label": self.label,
             "verifier": config.verifier.name,
@@ -74,6 +109,10 @@ class ConfigurationResult:
             "block_efficiency": self.block_efficiency,
             "acceptance_rate": self.acceptance_rate,
             "speedup": self.speedup,
+            "speedup_low": low,
+            "speedup_high": high,
+            "speedup_samples": len(self.results),
+            **self._engine_counters(),
         }
 
 
@@ -97,7 +136,7 @@ class Comparison:
         self, prompts: Sequence[str], num_samples: int = 1, on_tokens: TokenCallback | None = None
     ) -> Iterator[list[GenerationResult]]:
         """Warm every configuration up, then yield each round's results (in the order of :attr:`rows`)
-        once they are added to the rows; speedups are updated after each round."""
+        once they are added to the rows; speedups are updated after each round, their intervals at the end."""
         encoded = {row.label: [row.decoder.encode_prompt(p) for p in prompts] for row in self.rows}  # all checked first
         for row in self.rows:
             row.decoder.warm_up(encoded[row.label][0])
@@ -120,12 +159,26 @@ class Comparison:
             for row in self.rows:
                 del row.results[min(len(r.results) for r in self.rows) :]
             self._update_speedups()
+            self._update_intervals()
 
     def _update_speedups(self) -> None:
         baseline = next((row for row in self.rows if not row.speculative), None)
         if baseline is not None and baseline.tokens_per_second:
             for row in self.rows:
                 row.speedup = row.tokens_per_second / baseline.tokens_per_second
+
+    def _update_intervals(self) -> None:
+        """The speedups' intervals over the rounds: once, at the end (a bootstrap per round would cost a run of
+        many rounds more than its figures are worth)."""
+        baseline = next((row for row in self.rows if not row.speculative), None)
+        for row in self.rows:
+            if baseline is not None and row.speculative and row.speedup is not None:
+                rounds = [(_run_rate(mine), _run_rate(theirs)) for mine, theirs in zip(row.results, baseline.results)]
+                row.speedup_interval = speedup_interval(rounds)
+
+
+def _run_rate(result: GenerationResult) -> RunRate:
+    return RunRate(tokens=result.stats.new_tokens, seconds=result.stats.wall_time_s)
 
 
 def comparison_recipes(

@@ -9,14 +9,19 @@ skips the conversion.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..base.errors import ModelLoadError, SpecdecError, UsageError
-from ..base.inputs import cache_dir, check_writable_folder
+from ..base.inputs import cache_dir, check_writable_folder, write_atomically
 from ..base.recipe import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -128,8 +133,7 @@ def locate_model_source(spec: ModelConfig) -> tuple[str, str | None]:
 
 def _gguf_file_path(model: str, folder: Path, gguf_file: str, revision: str | None) -> Path:
     """The recipe's ``gguf_file``: in the local folder ``model`` names, else in that hub repository."""
-    looks_local = folder.is_absolute() or model.startswith((".", "~"))
-    if not folder.is_dir() and not looks_local:
+    if not folder.is_dir() and _is_hub_id(model):
         return _hub_file(model, gguf_file, revision)
     gguf_path = folder / gguf_file
     if not gguf_path.is_file():
@@ -144,10 +148,58 @@ def _hub_file(repository: str, file_name: str, revision: str | None) -> Path:
     """The local copy of a file of a hub repository (downloaded once, then from the hub's cache)."""
     from huggingface_hub import hf_hub_download
 
+    where = _hub_access(repository, file_name, revision)
     try:
-        return Path(hf_hub_download(repository, file_name, revision=revision))
+        return Path(hf_hub_download(repository, file_name, revision=revision, **where))
     except Exception as error:  # network and hub failures come in many types
         raise _not_found(f"{repository}/{file_name}", error) from None
+
+
+def _is_hub_id(model: str) -> bool:
+    """Whether ``model`` names a hub repository: no file or folder of that name, and not written as a path."""
+    path = Path(model).expanduser()
+    return not path.exists() and not path.is_absolute() and not model.startswith((".", "~"))
+
+
+HUB_PROBE_TIMEOUT_S = 2.0
+"""How long the Hub may take to answer one request before it counts as unreachable."""
+
+
+def _hub_access(repository: str, file_name: str, revision: str | None) -> dict[str, Any]:
+    """Keyword arguments that load ``repository`` from the Hub: none where it answers (or the user switched
+    it off with HF_HUB_OFFLINE); from the local cache only where it does not and the cache holds
+    ``file_name``; one line at once otherwise. Without a network huggingface_hub retries each missing file
+    for half a minute before failing."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or _hub_answers(constants.ENDPOINT):
+        return {}
+    if isinstance(try_to_load_from_cache(repository, file_name, revision=revision), str):
+        return {"local_files_only": True}
+    raise _unreachable(repository)
+
+
+@functools.cache
+def _hub_answers(endpoint: str) -> bool:
+    """Whether ``endpoint`` answers one request within HUB_PROBE_TIMEOUT_S, through huggingface_hub's own
+    client (so its proxy settings hold); asked once per process. A thread bounds the wait: a name lookup
+    ignores the request's timeout."""
+    from huggingface_hub.utils import get_session
+
+    answers: list[bool] = []
+
+    def probe() -> None:
+        try:
+            get_session().head(endpoint, timeout=HUB_PROBE_TIMEOUT_S)
+        except Exception:  # any failure to get an answer (name lookup, refused, timed out, TLS)
+            answers.append(False)
+        else:
+            answers.append(True)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_TIMEOUT_S)
+    return answers == [True]
 
 
 def load_model(spec: ModelConfig, role: str = "target") -> LoadedModel:
@@ -162,6 +214,8 @@ def load_model(spec: ModelConfig, role: str = "target") -> LoadedModel:
         common["revision"] = spec.revision
     if gguf_file:
         source, gguf_file = _cached_gguf_conversion(source, gguf_file, common), None
+    elif _is_hub_id(source):
+        common.update(_hub_access(source, "config.json", spec.revision))
     try:
         config = AutoConfig.from_pretrained(source, **common)
     except (OSError, ValueError) as error:
@@ -234,7 +288,8 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         example = f" (first difference: {differing[0][0]!r})" if differing else ""
         raise ModelLoadError(
             f"the {draft.name} does not share the target's tokenizer ({len(draft_vocab)} vs {len(target_vocab)} "
-            f"tokens{example}); speculative decoding needs a draft from the same model family"
+            f"tokens{example}); use a draft from the same model family, or set `drafter: retokenize` on its draft "
+            "entry to draft through text"
         )
 
 
@@ -299,9 +354,7 @@ STALE_STAGING_AFTER_S = 24 * 3600
 def _cached_gguf_conversion(folder: str, gguf_file: str, common: dict[str, Any]) -> str:
     """A directory with the GGUF's weights dequantised to safetensors, converting on first use."""
     gguf_path = Path(folder) / gguf_file
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+    target = cache_dir() / "gguf" / f"{gguf_path.stem}-{_content_digest(gguf_path)[:16]}"
     remove_stale_staging(target.parent)
     if (target / "config.json").is_file():
         return str(target)
@@ -311,12 +364,44 @@ def _cached_gguf_conversion(folder: str, gguf_file: str, common: dict[str, Any])
     return str(target)
 
 
+_DIGESTS = "gguf-digests"
+"""The cache's folder of remembered GGUF digests, one small file per (path, size, modification time); beside
+the conversions' folder, which holds conversions only."""
+_DIGEST_CHUNK_BYTES = 2**20
+
+
+def _content_digest(path: Path) -> str:
+    """The SHA-256 of the file's content, which keys its conversion: the same file installed in several places
+    (one per virtual environment) shares one conversion. Read whole once per (path, size, modification time)
+    and remembered in the cache: a digest of some parts only could take two files that differ in their middle
+    tensors (a fine-tune) for one. A remembered digest that is not 64 hex digits is computed again."""
+    stat = path.stat()
+    where = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+    memo = cache_dir() / _DIGESTS / hashlib.sha256(where.encode()).hexdigest()[:32]
+    with suppress(OSError, UnicodeDecodeError):
+        remembered = memo.read_text(encoding="ascii").strip()
+        if re.fullmatch("[0-9a-f]{64}", remembered):
+            return remembered
+    try:
+        with open(path, "rb") as handle:
+            hashed = hashlib.sha256()
+            while chunk := handle.read(_DIGEST_CHUNK_BYTES):
+                hashed.update(chunk)
+    except OSError as error:
+        raise ModelLoadError(f"cannot read the GGUF file '{path}' ({error.strerror}); make it readable") from None
+    digest = hashed.hexdigest()
+    with suppress(OSError):  # a cache that cannot keep it: the next run reads the file again
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(memo, digest + "\n")
+    return digest
+
+
 def _dequantised(folder: str, gguf_file: str, common: dict[str, Any]) -> tuple[Any, Any]:
     """The GGUF's model, with float weights, and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _conversion_bar_as_the_cli_says():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, **common)
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, **common)
@@ -330,6 +415,24 @@ def _dequantised(folder: str, gguf_file: str, common: dict[str, Any]) -> tuple[A
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     return model, tokenizer
+
+
+@contextmanager
+def _conversion_bar_as_the_cli_says() -> Iterator[None]:
+    """transformers' GGUF conversion draws its tqdm bar whatever its progress bar setting (which the CLI
+    switches off unless --verbose): drawn here only where that setting lets its own bars through."""
+    from transformers import modeling_gguf_pytorch_utils as conversion
+    from transformers.utils import logging
+
+    bar = getattr(conversion, "tqdm", None)
+    if bar is None or logging.is_progress_bar_enabled():
+        yield
+        return
+    conversion.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        conversion.tqdm = bar
 
 
 def _save_atomically(model: Any, tokenizer: Any, target: Path) -> None:
@@ -391,19 +494,32 @@ def _not_found(model: str, error: Exception) -> ModelLoadError:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
     names = {type(c).__name__ for c in chain}
-    local_hint = "or point model: at a local directory saved with save_pretrained (or a .gguf file)"
     if Path(model).expanduser().exists():
         return ModelLoadError(f"cannot load model '{model}' from its local directory: {str(error).splitlines()[0]}")
     if names & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
         return ModelLoadError(
             f"model '{model}' not found: the Hugging Face Hub was reached but has no such (public) repository "
-            f"or revision; check the spelling, log in for gated models, {local_hint}"
+            f"or revision; check the spelling, log in for gated models, {_LOCAL_HINT}"
         )
     offline = bool(names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError", "ConnectionError"})
     offline = offline or os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(error).lower()
     if offline or "connect" in str(error).lower():
-        return ModelLoadError(
-            f"model '{model}' not found: it is not a local path, not in the Hugging Face cache, and the Hub could "
-            f"not be reached (offline); download it on a connected machine, {local_hint}"
-        )
-    return ModelLoadError(f"model '{model}' could not be loaded ({str(error).splitlines()[0]}); {local_hint}")
+        return _unreachable(model)
+    return ModelLoadError(f"model '{model}' could not be loaded ({str(error).splitlines()[0]}); {_LOCAL_HINT}")
+
+
+_LOCAL_HINT = "or point model: at a local directory saved with save_pretrained (or a .gguf file)"
+
+
+def _unreachable(model: str) -> ModelLoadError:
+    """One line for a model that is neither local nor cached, while the Hub is out of reach."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:  # the user's choice: no word on how to make it
+        why = "(HF_HUB_OFFLINE is set); download it on a connected machine"
+    else:
+        why = "(offline); download it on a connected machine and set HF_HUB_OFFLINE=1 to use the local cache only"
+    return ModelLoadError(
+        f"model '{model}' not found: it is not a local path, not in the Hugging Face cache, and the Hub could "
+        f"not be reached {why}, {_LOCAL_HINT}"
+    )

@@ -32,9 +32,14 @@ class ModelPool:
 
     def draft(self, spec: ModelConfig, target: LoadedModel) -> LoadedModel:
         """A draft model, loaded and checked to share the target's tokenizer."""
-        loaded = self._get(_model_key(spec), lambda: self._loader(spec, "draft"))
+        loaded = self.draft_with_own_tokenizer(spec)
         check_same_tokenizer(target, loaded)
         return loaded
+
+    def draft_with_own_tokenizer(self, spec: ModelConfig) -> LoadedModel:
+        """A draft model whose tokenizer may differ from the target's (the retokenize drafter maps text between
+        the two), so it is not checked against the target's."""
+        return self._get(_model_key(spec), lambda: self._loader(spec, "draft"))
 
     def early_exit(self, target: LoadedModel, layers: int) -> LoadedModel:
         """A draft derived from ``target``'s first ``layers`` decoder layers (its weights shared)."""

@@ -20,6 +20,7 @@ EARLY_EXIT_DRAFTER = "early-exit"
 DRAFTER_DESCRIPTION_TYPES: dict[str, tuple[type, ...]] = {
     "deterministic": (bool,),
     "uses_model": (bool,),
+    "own_vocabulary": (bool,),
     "summary": (str,),
     "parameters": (dict,),
     "parameter_docs": (dict,),
@@ -40,10 +41,15 @@ class DrafterRegistry(PluginRegistry):
     def contract_problem(self, loaded: Any) -> str | None:
         from .drafting import Drafter  # imports torch, which loading any plugin did already
 
-        return class_problem(loaded, Drafter, ("deterministic", "uses_model"))
+        return class_problem(loaded, Drafter, ("deterministic", "uses_model", "own_vocabulary"))
 
     def class_description(self, cls: type) -> dict[str, Any]:
-        return {"deterministic": cls.deterministic, "uses_model": cls.uses_model, "summary": class_summary(cls)}
+        return {
+            "deterministic": cls.deterministic,
+            "uses_model": cls.uses_model,
+            "own_vocabulary": cls.own_vocabulary,
+            "summary": class_summary(cls),
+        }
 
     def entry_drafter(self, entry: DraftConfig) -> tuple[str, dict[str, Any]]:
         """(drafter name, parameters) of a draft entry: a bare ``model:`` is the model drafter, a bare

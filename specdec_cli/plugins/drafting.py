@@ -71,7 +71,8 @@ class DraftSetup:
     rows: int
     """Rows it fills each block: ``speculation.num_drafts``, or 1 for a deterministic drafter."""
     vocab_size: int
-    """V: the laws' last dimension (the vocabulary the target and every draft share)."""
+    """V: the laws' last dimension (the vocabulary the target and every draft share, but a draft with
+    ``own_vocabulary``)."""
     device: torch.device
     """Where the block's tensors live (the target's device)."""
     kv_cache: bool = True
@@ -128,6 +129,9 @@ class Drafter(ABC):
     """Its tokens are a function of the context, its laws one-hot: it fills one row."""
     uses_model: ClassVar[bool] = False
     """It drafts with a model named by its draft entry (``model:``, ``early_exit:``): :meth:`load_model`."""
+    own_vocabulary: ClassVar[bool] = False
+    """Its model has a tokenizer of its own, and it proposes in the target's ids (retokenize): the laws' V is
+    shared by the target and the other drafts' models, whatever this model's vocabulary."""
 
     def __new__(cls, *args: Any, **params: Any) -> "Drafter":
         # As BlockVerifier.__new__: an unknown or ill-typed parameter is one line before the constructor runs.

@@ -255,24 +255,31 @@ class PluginRegistry:
         """Installed plugins whose class satisfies ``wanted`` (for suggestions in messages)."""
         return [name for name in self.names() if wanted(self.load_class(name))]
 
-    def create(self, name: str, params: dict[str, Any] | None = None) -> Any:
+    def create(self, name: str, params: dict[str, Any] | None = None, set_by: str | None = None) -> Any:
         """An instance of ``name``; a plugin's own ValueError or TypeError about its parameters becomes
         one line for the user (PluginParameterError), naming the plugin; any other exception from
-        its constructor is the plugin's fault (PluginFault, the original chained for ``--debug``)."""
+        its constructor is the plugin's fault (PluginFault, the original chained for ``--debug``).
+        ``set_by`` names the flag and value that gave the parameters (``--kl -1``): the line then starts
+        with them, where it would otherwise end with how to fix the recipe."""
         key = self.canonical(name)
         cls = self.load_class(key)
         try:
             return cls(**(params or {}))
         except PluginParameterError as error:  # the base class's check (check_parameters): it names the plugin
-            raise PluginParameterError(f"{error} (given {params or {}}; {self.parameters_hint})") from error
+            raise PluginParameterError(self._parameter_line(str(error), params, set_by)) from error
         except SpecdecError:
             raise
         except (ValueError, TypeError) as error:
             reason = str(error).removeprefix(f"{key}: ")
             wrapper = PluginParameterValueError if isinstance(error, ValueError) else PluginParameterError
-            raise wrapper(f"{self.kind} '{key}': {reason} (given {params or {}}; {self.parameters_hint})") from error
+            raise wrapper(self._parameter_line(f"{self.kind} '{key}': {reason}", params, set_by)) from error
         except Exception as error:
             raise self.fault(key, f"failed to start: {error_line(error)}") from error
+
+    def _parameter_line(self, problem: str, params: dict[str, Any] | None, set_by: str | None) -> str:
+        if set_by is not None:
+            return f"{set_by}: {problem}"
+        return f"{problem} (given {params or {}}; {self.parameters_hint})"
 
 
 class VerifierRegistry(PluginRegistry):
@@ -339,11 +346,14 @@ class VerifierRegistry(PluginRegistry):
         """``params`` with verifier ``name``'s KL bound set to ``bound`` (a UsageError if it has none)."""
         parameter = self.verifier_class(name).kl_bound_parameter
         if parameter is None:
-            bounded = ", ".join(self.names_where(lambda cls: cls.kl_bound_parameter is not None)) or "none installed"
-            raise UsageError(
-                f"--kl sets a KL bound, which verifier '{name}' does not have; verifiers with one: {bounded}"
-            )
+            raise self.no_kl_bound([name])
         return {**params, parameter: bound}
+
+    def no_kl_bound(self, names: list[str]) -> UsageError:
+        """The refusal of --kl for a run whose verifiers ``names`` have no KL bound: the flag would be ignored."""
+        bounded = ", ".join(self.names_where(lambda cls: cls.kl_bound_parameter is not None)) or "none installed"
+        which = f"verifier '{names[0]}' does not have" if len(names) == 1 else f"none of {', '.join(names)} has"
+        return UsageError(f"--kl sets a KL bound, which {which}; verifiers with one: {bounded}")
 
 
 REQUIRED = "<required>"

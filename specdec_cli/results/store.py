@@ -113,11 +113,12 @@ class ResultsStore:
         if folder is None:
             return
         check_writable_folder(folder, "--output")
-        self._lock = _take_lock(folder / (LOCK if world_size == 1 else f"{LOCK}.rank{rank}"))
+        self._lock_path = folder / (LOCK if world_size == 1 else f"{LOCK}.rank{rank}")
+        self._lock = _take_lock(self._lock_path)
         try:
             self._open(folder, kind)
         except BaseException:
-            self._lock.close()  # a refused folder stays free for the next run
+            self._release_lock()  # a refused folder stays free for the next run
             raise
 
     def _open(self, folder: Path, kind: RecordKind) -> None:
@@ -142,6 +143,12 @@ class ResultsStore:
 
     def done(self, key: tuple) -> bool:
         return key in self.records
+
+    def resume_note(self, done: int, total: int, unit: str = "samples") -> str | None:
+        """What a resumed run reuses of its folder (None: no folder, or nothing done there yet)."""
+        if self.folder is None or not done:
+            return None
+        return f"resuming '{self.folder}': {done} of {total} {unit} already done, {total - done} to run"
 
     def append(self, record: dict) -> None:
         if self.folder is not None:
@@ -189,7 +196,14 @@ class ResultsStore:
                 self._write_config()
         finally:
             self._handle.close()
-            self._lock.close()  # releases the lock
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        """Remove the lock file, then free the lock: a finished folder keeps only its results. Removed while
+        held, so no other run can hold a lock on this file any more (:func:`_take_lock` checks for that)."""
+        with suppress(OSError):  # a folder that turned read-only: the file stays, and the next run takes it
+            self._lock_path.unlink()
+        self._lock.close()
 
 
 def load_saved(folder: Path) -> tuple[dict, list[dict]]:
@@ -232,14 +246,44 @@ def _check_same_run(folder: Path, saved: dict, current: dict, kind: RecordKind) 
         )
     # A grid of other cells over the same recipe, data and seeds reuses every sample it shares
     # (the baseline's above all); anything else would mix runs that do not compare.
-    changed = sorted(
-        k for k in set(saved) | set(current) if k not in kind.may_change and saved.get(k) != current.get(k)
-    )
+    fixed = [{key: value for key, value in config.items() if key not in kind.may_change} for config in (saved, current)]
+    changed = _differences(*fixed)
     if changed:
         raise UsageError(
-            f"'{folder}' holds results of a different configuration (changed: {', '.join(changed)}); "
+            f"'{folder}' holds results of a different configuration (changed: {_changes_text(changed)}); "
             "use another --output folder, or delete this one to start over"
         )
+
+
+_ABSENT = object()
+"""The value of a configuration key that one of two configurations lacks."""
+_SHOWN_CHANGES = 5
+_SHOWN_VALUE_CHARS = 40
+
+
+def _differences(saved: Any, current: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted path, saved value, current value) of each leaf where two JSON configurations differ, in key
+    order; mappings are compared key by key, lists of one length item by item (``cells[2].kl``)."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        keys = sorted(set(saved) | set(current))
+        pairs = [(f"{path}.{key}" if path else key, saved.get(key, _ABSENT), current.get(key, _ABSENT)) for key in keys]
+    elif isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
+        pairs = [(f"{path}[{index}]", old, new) for index, (old, new) in enumerate(zip(saved, current))]
+    else:
+        return [] if saved == current else [(path, saved, current)]
+    return [change for key, old, new in pairs for change in _differences(old, new, key)]
+
+
+def _changes_text(changes: list[tuple[str, Any, Any]]) -> str:
+    """'recipe.generation.max_new_tokens (128 → 64), data.examples (8 → 4)', the first few and how many more."""
+    shown = ", ".join(f"{key} ({_value_text(old)} → {_value_text(new)})" for key, old, new in changes[:_SHOWN_CHANGES])
+    more = len(changes) - _SHOWN_CHANGES
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def _value_text(value: Any) -> str:
+    text = "absent" if value is _ABSENT else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= _SHOWN_VALUE_CHARS else text[: _SHOWN_VALUE_CHARS - 1] + "…"
 
 
 def _writer(config: dict) -> str | None:
@@ -323,7 +367,23 @@ def _drop_cut_line(path: Path) -> bool:
 
 def _take_lock(path: Path):
     """An exclusive lock on ``path`` for as long as the returned file stays open (the OS frees it if
-    the process dies): a second run writing the same folder is refused, naming the holder."""
+    the process dies): a second run writing the same folder is refused, naming the holder. A lock won on
+    a file that its holder removed as it finished (:meth:`ResultsStore._release_lock`) guards nothing: the
+    file now at ``path`` is taken instead."""
+    while True:
+        handle = _locked_file(path)
+        with suppress(OSError):  # no file at path any more: the loop opens a new one
+            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                break
+        handle.close()
+    with suppress(OSError):  # the pid only names the holder to a refused run: a full disk may keep it out
+        os.ftruncate(handle.fileno(), 0)
+        os.write(handle.fileno(), str(os.getpid()).encode())  # unbuffered: nothing left to fail at close
+    return handle
+
+
+def _locked_file(path: Path):
+    """``path`` opened (made if absent) and locked, or one line saying why it cannot be."""
     try:
         handle = open(path, "a+", encoding="utf-8", errors="replace")
     except OSError as error:  # a folder of that name, a read-only file
@@ -342,12 +402,10 @@ def _take_lock(path: Path):
                 f"'{path.parent}' is being written by another specdec run (pid {holder}); wait for it "
                 "to finish or give another --output folder"
             ) from None
-        raise UsageError(
+        # The filesystem's condition, not a wrong input: a runtime failure (exit 1).
+        raise SpecdecError(
             f"cannot lock '{path}' ({error.strerror}): its filesystem does not support file locks, "
             "which keep two runs from mixing their results; give an --output folder on a local "
             "disk"
         ) from None
-    with suppress(OSError):  # the pid only names the holder to a refused run: a full disk may keep it out
-        os.ftruncate(handle.fileno(), 0)
-        os.write(handle.fileno(), str(os.getpid()).encode())  # unbuffered: nothing left to fail at close
     return handle
