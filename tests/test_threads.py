@@ -23,7 +23,7 @@ from specdec_cli.base.recipe import build_recipe
 from specdec_cli.engine.decoder import SpeculativeDecoder
 from specdec_cli.generation import calibration
 from specdec_cli.generation.calibration import CpuLoad, DraftCost
-from tests.conftest import tiny_recipe
+from tests.conftest import bench_on_files, tiny_recipe
 
 PROMPT = [3, 4, 5]
 RUNS_PER_MEASUREMENT = 2 * (1 + calibration._REPEATS)  # with the draft and without, each after a warm-up
@@ -266,3 +266,28 @@ def test_generate_without_threads_runs_at_the_faster_count_and_with_them_at_the_
     assert code == 0, err
     assert json.loads(out)["environment"]["threads"] == 2
     assert "; --threads 1 may run faster while it lasts, and a quieter moment gives " in err
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bench_on_a_busy_cpu_says_its_figures_are_the_moment_s_and_keeps_the_note(
+    run, bench_recipe, data, tmp_path, load, threads
+):
+    load(4.2)
+    out = tmp_path / "busy"
+    code, _, err = run(
+        [*bench_on_files(bench_recipe, data, out, "--verifier", "speculative"), "--threads", str(threads)]
+    )
+    assert code == 0, err
+    note = (
+        "the CPU is busy (load 4.2 on 2 cores): speed figures are slower and noisier than this machine's; "
+        + ("--threads 1 often gives steadier ones (compare runs only at the same setting), and " if threads > 1 else "")
+        + "a quieter moment gives this machine's own"
+    )
+    assert f"note: {note}\n" in err
+    assert note in json.loads((out / "results.json").read_text())["notes"]
+
+
+def test_bench_on_a_quiet_cpu_says_nothing_of_it(run, bench_recipe, data, tmp_path):
+    code, _, err = run(bench_on_files(bench_recipe, data, tmp_path / "quiet", "--verifier", "speculative"))
+    assert code == 0, err
+    assert "busy" not in err

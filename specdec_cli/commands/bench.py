@@ -323,16 +323,11 @@ def _run(plan: _Plan, output: _Output) -> None:
         )
     for line in [f"skipped: {reason}" for reason in plan.skipped] + [f"note: {note}" for note in plan.notes]:
         err.print(line, highlight=False, soft_wrap=True)
-    from ..bench.runner import BenchRunner, check_conditions, pending_samples, shard  # torch: only a run imports it
-    from ..models.loading import resolve_device
+    from ..bench.runner import BenchRunner  # torch: only a run imports it
     from ..models.pool import ModelPool
-    from ..results.provenance import provenance, run_conditions
+    from ..results.provenance import provenance
 
-    conditions = run_conditions(resolve_device(plan.base.target.device))
-    if not output.allow_mixed_conditions and pending_samples(
-        store, plan.cells, plan.seeds, shard(plan.examples, rank, world_size)
-    ):
-        check_conditions(list(store.records.values()), conditions, output.folder)
+    conditions = _conditions(plan, output, store, err)
     pool = ModelPool()
     with err.status("Loading models…"):
         runner = BenchRunner(
@@ -367,6 +362,29 @@ def _run(plan: _Plan, output: _Output) -> None:
         notes=[*plan.skipped, *plan.notes, *runner.notes],
     )
     _finish(results, output, len(store.records))
+
+
+def _conditions(plan: _Plan, output: _Output, store: ResultsStore, err: Console) -> dict:
+    """This run's conditions (threads, device, versions), checked against the samples it would resume beside; on a
+    busy CPU a note says that its speed figures are the moment's (printed before any sample, kept with the
+    results)."""
+    from ..bench.runner import check_conditions, pending_samples, shard
+    from ..generation.calibration import busy_cpu_note
+    from ..models.loading import resolve_device
+    from ..results.provenance import run_conditions
+
+    rank, world_size = store.rank, store.world_size
+    device = resolve_device(plan.base.target.device)
+    conditions = run_conditions(device)
+    busy = busy_cpu_note(conditions["threads"]) if device.type == "cpu" else None
+    if busy is not None:
+        err.print(f"note: {busy}", highlight=False, soft_wrap=True)
+        plan.notes.append(busy)
+    if not output.allow_mixed_conditions and pending_samples(
+        store, plan.cells, plan.seeds, shard(plan.examples, rank, world_size)
+    ):
+        check_conditions(list(store.records.values()), conditions, output.folder)
+    return conditions
 
 
 def _generate(runner: "BenchRunner", budget: int, enabled: bool, err: Console) -> bool:

@@ -351,6 +351,21 @@ def _busy_note(cost: DraftCost, draft_length: int) -> str:
     return f"note: {busy}: {_figures(cost)}, slower than this machine can do (measured now, not cached); {remedy}"
 
 
+def busy_cpu_note(threads: int) -> str | None:
+    """For a run that times models on the CPU at ``threads`` threads (``bench``): one line when other jobs keep the
+    CPU busy now, since its speed figures are then the moment's, not the machine's; None on a quiet CPU."""
+    load = cpu_load()
+    if load is None or not load.busy:
+        return None
+    advice = "a quieter moment gives this machine's own"
+    if threads > 1:
+        advice = f"--threads 1 often gives steadier ones (compare runs only at the same setting), and {advice}"
+    return (
+        f"the CPU is busy (load {load.average:.1f} on {load.cores} cores): speed figures are slower and noisier than "
+        f"this machine's; {advice}"
+    )
+
+
 def _figures(cost: DraftCost) -> str:
     return (
         f"a draft step takes {cost.draft_s * 1e3:.0f} ms and the target {cost.target_token_s * 1e3:.0f} ms per token "
