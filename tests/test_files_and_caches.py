@@ -261,3 +261,21 @@ def _refusing_open(refused: Path):
         return original(file, *args, **kwargs)
 
     return refusing
+
+
+def test_a_lock_file_whose_identity_never_holds_still_is_one_error_not_a_loop(tmp_path, monkeypatch):
+    """A filesystem whose file identities change between two looks (some network mounts) would make the lock's
+    retry, meant for a finished run removing the file, spin forever."""
+    import itertools
+    import os
+
+    from specdec_cli.base.errors import SpecdecError
+    from specdec_cli.results import store as results_store
+
+    inodes = itertools.count()
+    real_stat = os.stat
+    monkeypatch.setattr(
+        results_store.os, "stat", lambda path, *a, **k: os.stat_result((0, next(inodes), *real_stat(path)[2:]))
+    )
+    with pytest.raises(SpecdecError, match=r"kept changing under this run \(20 tries\); give an --output folder on a"):
+        results_store._take_lock(tmp_path / ".lock")

@@ -3,6 +3,8 @@ its text ends before it, its stop reason says so; in a batch each sequence stops
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specdec_cli import SpeculativeDecoder
@@ -81,3 +83,20 @@ def test_a_stop_string_that_never_occurs_changes_nothing(tiny_models):
     never = _greedy(tiny_models, ["zebra"]).generate(PROMPTS, batch_size=2)
     assert [r.token_ids for r in never] == [r.token_ids for r in free]
     assert [r.stats.stop_reason for r in never] == [r.stats.stop_reason for r in free]
+
+
+def test_the_streamed_text_is_the_result_s_text(run, tiny_models, write_recipe):
+    """generate's stream shows what the result keeps: not the stop text, nor what its last token adds after it."""
+    recipe = write_recipe(tiny_recipe(tiny_models, generation={"max_new_tokens": 24, "temperature": 0.0}))
+    code, out, err = run(["generate", "-r", str(recipe), "--json", "a b c d"])
+    assert code == 0, err
+    words = json.loads(out)["samples"][0]["text"].split()
+    stop = f"{words[2]} {words[3]}"
+    code, out, err = run(["generate", "-r", str(recipe), "--json", "--stop", stop, "a b c d"])
+    cut = json.loads(out)["samples"][0]["text"]
+    assert code == 0 and stop not in cut and len(cut) < len(" ".join(words)), err
+    code, streamed, err = run(["generate", "-r", str(recipe), "--stop", stop, "a b c d"])
+    assert code == 0, err
+    assert streamed == cut + "\n"
+    code, streamed, err = run(["generate", "-r", str(recipe), "--stop", "zebra", "a b c d"])
+    assert code == 0 and streamed == " ".join(words) + "\n", err  # what was held back comes out at the end

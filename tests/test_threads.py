@@ -269,6 +269,7 @@ def test_generate_without_threads_runs_at_the_faster_count_and_with_them_at_the_
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.usefixtures("one_thread")  # --threads sets the whole process's count: the next test gets its own back
 def test_bench_on_a_busy_cpu_says_its_figures_are_the_moment_s_and_keeps_the_note(
     run, bench_recipe, data, tmp_path, load, threads
 ):

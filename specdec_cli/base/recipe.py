@@ -142,7 +142,8 @@ class GenerationConfig:
     chat: bool = False
     """Apply the tokenizer's chat template to each prompt."""
     stop: tuple[str, ...] = ()
-    """Texts that end a sample at their first occurrence in its decoded text; a single string is one text."""
+    """Texts that end a sample at their first occurrence in its decoded text (a recipe gives a list; a library
+    caller may give one string, which is one text)."""
 
     def __post_init__(self) -> None:
         # A library caller's list (or one string) becomes the tuple a frozen, hashable config holds.

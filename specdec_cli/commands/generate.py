@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional, TypeVar
 
 import typer
@@ -19,6 +20,7 @@ from .. import __version__
 from ..base.errors import UsageError
 from ..base.inputs import require_text
 from ..base.recipe import AUTOREGRESSIVE, Recipe, target_alone
+from ..engine.stopping import cut_at_stop
 from ..plugins.registry import VerifierRegistry
 from ..results.stats import INTERVAL_LEVEL, GenerationResult
 from . import common, options
@@ -165,10 +167,7 @@ def generate(
     names = _verifier_names(verifier, autoregressive)
     comparing = len(names) > 1
     if comparing and batch_size > 1:
-        raise UsageError(
-            "--batch-size decodes one configuration at a time; compare verifiers at --batch-size 1, or "
-            "run each verifier on its own with --batch-size"
-        )
+        raise UsageError(_COMPARED_AT_BATCH_ONE)
     resolved = common.RecipeOptions.of(
         model,
         sets=common.with_compile(model.sets, compile_steps),
@@ -182,20 +181,13 @@ def generate(
         stop=stop,
     ).resolve()
     common.check_batch_sizes([batch_size])
-    if not comparing and target_alone(resolved.verifier.name):
-        _check_nothing_to_draft(
-            kl,
-            {
-                "--num-drafts": num_drafts,
-                "--draft-length": draft_length,
-                "--draft-length-schedule": draft_length_schedule,
-            },
-        )
-    elif comparing:
-        common.check_kl_bounds([] if kl is None else [kl], names, resolved.verifier.params, VerifierRegistry())
-    prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
-    for text in prompts:  # checked before the models load, which can take a while
-        require_text(text)
+    drafting = {
+        "--num-drafts": num_drafts,
+        "--draft-length": draft_length,
+        "--draft-length-schedule": draft_length_schedule,
+    }
+    _check_drafting_flags(resolved, names if comparing else None, kl, drafting)
+    prompts = _prompts(prompt, prompt_file, field)
     common.apply_threads(model.threads)
     choose_threads = model.threads is None  # the calibration then keeps the faster of the default and one thread
     with _quiet_when_the_reader_leaves():
@@ -203,6 +195,29 @@ def generate(
             _compare(resolved, names, kl, prompts, num_samples, as_json, recalibrate, choose_threads)
         else:
             _generate(resolved, prompts, num_samples, as_json, recalibrate, choose_threads, batch_size)
+
+
+_COMPARED_AT_BATCH_ONE = (
+    "--batch-size decodes one configuration at a time; compare verifiers at --batch-size 1, or run each verifier on "
+    "its own with --batch-size"
+)
+
+
+def _prompts(prompt: str | None, prompt_file: Path | None, field: str | None) -> list[str]:
+    """The prompts from the argument, the file or stdin, each checked before the models load (which takes a while)."""
+    prompts = common.read_prompts(prompt, prompt_file, sys.stdin, field)
+    for text in prompts:
+        require_text(text)
+    return prompts
+
+
+def _check_drafting_flags(recipe: Recipe, compared: list[str] | None, kl: float | None, drafting: dict) -> None:
+    """Flags that shape drafts or the KL bound, refused where nothing takes them: with the target alone, or a
+    --kl that none of the ``compared`` verifiers (None: the recipe's one, checked as it was resolved) takes."""
+    if compared is None and target_alone(recipe.verifier.name):
+        _check_nothing_to_draft(kl, drafting)
+    elif compared is not None:
+        common.check_kl_bounds([] if kl is None else [kl], compared, recipe.verifier.params, VerifierRegistry())
 
 
 def _verifier_names(verifier: str | None, autoregressive: bool) -> list[str]:
@@ -272,7 +287,8 @@ def _generate(
     decoder.warm_up(first)
     _print_notes(err, decoder, first, recalibrate, choose_threads)
     out = Console(highlight=False)
-    stream = None if as_json else _Stream(decoder.target.tokenizer, out, several=len(prompts) * num_samples > 1)
+    several = len(prompts) * num_samples > 1
+    stream = None if as_json else _Stream(decoder.target.tokenizer, out, several, recipe.generation.stop)
     began = time.perf_counter()
     # A terminal that shows the text needs no bar; a pipe or --json would otherwise be silent.
     results, interrupted = _samples(decoder, (prompts, num_samples, batch_size), stream, as_json or not out.is_terminal)
@@ -468,12 +484,16 @@ def _comparison_table(rows: list[ConfigurationResult], samples: int) -> Table:
 
 
 class _Stream:
-    """Writes each committed block's text as it arrives, styling accepted draft tokens on a terminal."""
+    """Writes each committed block's text as it arrives, styling accepted draft tokens on a terminal. With stop
+    texts it shows what the result's text will be: nothing from a stop text on, and the last characters that could
+    begin one held back until the text goes on past them or the sample ends."""
 
-    def __init__(self, tokenizer, console: Console, several: bool):
+    def __init__(self, tokenizer, console: Console, several: bool, stops: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.console = console
         self.several = several
+        self.stops = stops
+        self.held = max(map(len, stops), default=1) - 1  # characters that may be a stop text's beginning
         self.current: tuple[int, int] | None = None
         self.tokens: list[int] = []
         self.shown = ""
@@ -490,8 +510,13 @@ class _Stream:
             text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
             if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for its next token
                 continue
+            cut = cut_at_stop(text, self.stops)
+            text = cut if cut != text else text[: len(text) - self.held]
             piece.append(text[len(self.shown) :], style=ACCEPTED_STYLE if from_draft else None)
-            self.shown = text
+            self.shown = max(text, self.shown, key=len)
+        self._write(piece)
+
+    def _write(self, piece: Text) -> None:
         if self.console.is_terminal:
             self.console.print(piece, end="", soft_wrap=True)
         else:
@@ -500,6 +525,9 @@ class _Stream:
 
     def finish(self) -> None:
         if self.current is not None:
+            if self.held:  # what was held back and turned out not to begin a stop text
+                text = cut_at_stop(self.tokenizer.decode(self.tokens, skip_special_tokens=True), self.stops)
+                self._write(Text(text[len(self.shown) :]))
             if self.console.is_terminal:
                 self.console.print()
             else:

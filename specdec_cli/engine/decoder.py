@@ -348,7 +348,8 @@ class SpeculativeDecoder:
         warm = self.with_config(max_new_tokens=max_new_tokens)
         # This decoder's own compiled steps, so that their compilation and CUDA graphs are paid here, untimed.
         warm._verify_block, warm._sampling_law = self._verify_block, self._sampling_law
-        warm.generate_ids(prompt_ids, key=-1)
+        with self.running:  # those steps are this decoder's: a generation in another thread waits, as for its own
+            warm.generate_ids(prompt_ids, key=-1)
 
     def generate_ids(
         self, prompt_ids: list[int], key: int, on_block: Callable[[list[int], list[bool]], None] | None = None

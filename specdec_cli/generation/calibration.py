@@ -168,10 +168,13 @@ def _trusted(cached: DraftCost, decoder: SpeculativeDecoder, choosing: bool) -> 
 def _fastest(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> DraftCost:
     """Measured at torch's current thread count and at one thread: the one whose block (draft steps and the
     target's scoring) is faster, with the other's block time; torch is left at the faster count."""
-    costs = []
-    for threads in (torch.get_num_threads(), 1):
-        torch.set_num_threads(threads)
-        costs.append(_measure(decoder, prompt_ids, _machine(decoder)))
+    costs, default = [], torch.get_num_threads()
+    try:
+        for threads in (default, 1):
+            torch.set_num_threads(threads)
+            costs.append(_measure(decoder, prompt_ids, _machine(decoder)))
+    finally:  # a measurement stopped half-way (Ctrl-C, out of memory) leaves the run at its own count
+        torch.set_num_threads(default)
     faster, slower = sorted(costs, key=lambda cost: cost.block_s(decoder.draft_length))  # a tie keeps the default
     torch.set_num_threads(faster.threads)
     return replace(faster, slower_threads=slower.threads, slower_block_s=slower.block_s(decoder.draft_length))

@@ -365,17 +365,28 @@ def _drop_cut_line(path: Path) -> bool:
     return True
 
 
+_LOCK_TRIES = 20
+"""Finished runs removing the lock file between this run's open and its check: a few races at most; more means a
+filesystem whose file identities do not hold still."""
+
+
 def _take_lock(path: Path):
     """An exclusive lock on ``path`` for as long as the returned file stays open (the OS frees it if
     the process dies): a second run writing the same folder is refused, naming the holder. A lock won on
     a file that its holder removed as it finished (:meth:`ResultsStore._release_lock`) guards nothing: the
     file now at ``path`` is taken instead."""
-    while True:
+    for _ in range(_LOCK_TRIES):
         handle = _locked_file(path)
         with suppress(OSError):  # no file at path any more: the loop opens a new one
-            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+            named, held = os.stat(path), os.fstat(handle.fileno())
+            if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
                 break
         handle.close()
+    else:
+        raise SpecdecError(
+            f"the lock file '{path}' kept changing under this run ({_LOCK_TRIES} tries); give an --output folder on a "
+            "local disk"
+        )
     with suppress(OSError):  # the pid only names the holder to a refused run: a full disk may keep it out
         os.ftruncate(handle.fileno(), 0)
         os.write(handle.fileno(), str(os.getpid()).encode())  # unbuffered: nothing left to fail at close
