@@ -41,6 +41,7 @@ BUILT_INS = [
     ("speculative", 1, None),
     ("mentored", 1, None),
     ("mentored", 1, {"kl": 0.3}),
+    ("ensemble", 1, {"weight": 0.5}),
     ("block", 1, None),
     ("specinfer", 3, None),
     ("spectr", 3, None),

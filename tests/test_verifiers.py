@@ -386,6 +386,7 @@ FAST = {"keyed_randomness", "capturable", "batches_by_vmap"}
 BUILT_IN_FLAGS = {  # name: (the flags that are True, max_drafts, kl_bound_parameter), as each built-in once spelt them
     "speculative": ({"lossless", "token_level", *FAST}, 1, None),
     "mentored": ({"token_level", "reading_cpu_path", *FAST}, 1, "kl"),
+    "ensemble": ({"token_level", *FAST}, 1, None),
     "specinfer": ({"lossless", "token_level", "reading_cpu_path", *FAST}, None, None),
     "spectr": ({"lossless", "identical_drafts", "token_level", "reading_cpu_path", *FAST}, None, None),
     "block": ({"lossless", *FAST}, 1, None),
