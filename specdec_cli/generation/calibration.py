@@ -68,6 +68,9 @@ class CpuLoad:
         """More runnable tasks than cores: every thread waits for its turn, and a run's threads for each other."""
         return self.average > self.cores
 
+    def __str__(self) -> str:
+        return f"load {self.average:.1f} on {self.cores} cores"
+
     def changed_since(self, average: float) -> bool:
         """Whether the load moved by a core's worth or more since ``average`` (a quarter of the cores on more than
         four): enough to change how many of a run's threads find a free core, so which thread count is faster."""
@@ -339,7 +342,7 @@ def _busy_note(cost: DraftCost, draft_length: int) -> str:
     """The CPU was busy: the figures are of this moment, not of the machine, so no verdict on the draft; what the
     run did about it (the thread count it chose) or what the user can do."""
     if cost.busy_load:
-        busy = f"the CPU is busy (load {cost.load:.1f} on {cost.cores} cores)"
+        busy = f"the CPU is busy ({CpuLoad(cost.load, cost.cores)})"
     else:
         busy = f"the CPU was busy while measuring (repeats {cost.spread:.1f}× apart)"
     quieter = "a quieter moment gives this machine's own speed"
@@ -363,10 +366,7 @@ def busy_cpu_note(threads: int) -> str | None:
     advice = "a quieter moment gives this machine's own"
     if threads > 1:
         advice = f"--threads 1 often gives steadier ones (compare runs only at the same setting), and {advice}"
-    return (
-        f"the CPU is busy (load {load.average:.1f} on {load.cores} cores): speed figures are slower and noisier than "
-        f"this machine's; {advice}"
-    )
+    return f"the CPU is busy ({load}): speed figures are slower and noisier than this machine's; {advice}"
 
 
 def _figures(cost: DraftCost) -> str:
