@@ -56,3 +56,7 @@ class StaticEnsemble(SpeculativeSampling):
 
     def acceptance_probability(self, target_probs, draft_probs):
         return super().acceptance_probability(self.blend(target_probs, draft_probs[..., 0, :]), draft_probs)
+
+    def output_law(self, target_probs, draft_probs):
+        """v itself: speculative sampling against v outputs v exactly."""
+        return self.blend(target_probs, draft_probs[..., 0, :])  # [..., V]

@@ -1,6 +1,8 @@
-"""Mentored decoding: the most accepting rule whose output stays within KL D of the target (lossy).
+"""Mentored decoding: the most accepting rule whose output stays within a divergence D of the target (lossy).
 
-The rule in the project's notation: docs/verifiers.md §2.
+The rule in the project's notation: docs/verifiers.md §2. ``divergence`` picks what the bound D (``kl``, the
+``--kl`` flag) bounds at each position: KL(q ‖ π) in nats ("kl", the default: the thresholds below), or the
+total variation TV(q, π) ("tv": the blend at the end of this docstring).
 
 Source: "Mentored decoding" proof, §4 and Algorithm 1. With q = target, p = draft and
 the ratio t_i = q_i/p_i, the optimum of  max R = Σ p_i r_i  s.t.  KL(q ‖ π) ≤ D  has two thresholds
@@ -49,6 +51,16 @@ draft mass, α = 0, they share the rejection, and KL = band + Q_≥β ln β(ρ).
 bisected into a band [(1-γ)D, (1+γ)D]; here KL(q ‖ π) = D to rounding. Tran-Thien & Nock (arXiv
 2609.30474) build the same O(sort(n)) breakpoint structure for every f-divergence; their text was not
 reachable from this project's machines, so nothing here is taken from it.
+
+Under total variation ("tv"; the optimum as Tran-Thien & Nock state it for TV, accepting 1 - TV(q, p) + D for
+D ≤ TV): at each position w = min(1, D / TV(q, p)) (0 where TV = 0) and v = w·p + (1 - w)·q, and speculative
+sampling runs against v: accept x with probability min(1, v(x)/p(x)), else draw from (v - p)+ ∝ (q - p)+; the
+bonus token comes from q (:func:`tv_blend`, :func:`verify_tv`). The output law is v, TV(q, v) = min(D, TV), and it
+accepts Σ min(p, v) = 1 - TV + min(D, TV): no rule within TV D of q accepts more, since an accepted draft token
+x contributes to π(x) at most p(x) and Σ min(p, π) ≤ 1 - TV(q, p) + TV(q, π). It is the static ensemble
+(``ensemble``) with its weight set per position to D / TV; a fixed number of operations on every device (no
+reading CPU path). At a TV bound the KL rule, given the KL(q ‖ v) the TV rule spends, accepts at least as much
+(it is KL-optimal): tests/test_mentored_tv.py.
 """
 
 from __future__ import annotations
@@ -56,16 +68,21 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 from torch.nn.functional import pad
 
+from specdec_cli.plugins.divergences import kl_divergence
 from specdec_cli.plugins.laws import (
     commit_known,
     excess_or,
+    excess_weights,
     first_accepted,
+    normalized_excess,
     normalized_or,
+    one_hot_mass,
+    ratio_acceptance,
     row_at,
     single_draft_block,
     single_draft_draws,
@@ -87,6 +104,7 @@ _RATIO_ROUNDING = 1e-6  # CPU path: a margin far wider than float32's rounding o
 _FLOAT32_NORMAL = (torch.finfo(torch.float32).tiny * 2, torch.finfo(torch.float32).max / 2)
 _COARSE_TOLERANCE = 1e-6  # CPU path: float32 set steps stop when α and β move less than this, relatively
 _SCALAR_NEWTON_STEPS = 200  # CPU path: Newton from the left on one segment stops earlier, when it stands still
+DIVERGENCE_NAMES = ("kl", "tv")  # what the bound D may bound: KL(q ‖ π) in nats, or TV(q, π)
 
 
 class MentoredDecoding(Verifier):
@@ -94,46 +112,117 @@ class MentoredDecoding(Verifier):
     lossless = False
     max_drafts = 1
     kl_bound_parameter = "kl"
+    optimal_under = {"kl": {"divergence": "kl"}, "tv": {"divergence": "tv"}}  # the optimum under each (docs §2)
     batches_by_vmap = True
     reading_cpu_path = True
 
     def __init__(
-        self, *, kl: Annotated[float, "the bound D on KL(q ‖ output law) per position, in nats (0: lossless)"] = 0.0
+        self,
+        *,
+        kl: Annotated[
+            float,
+            "the bound D on KL(q ‖ π) in nats per position with divergence kl, or on TV(q, π) with divergence tv, "
+            "where π is the output law and q the target's (0: lossless)",
+        ] = 0.0,
+        divergence: Annotated[
+            Literal["kl", "tv"],
+            "the divergence kl bounds: kl (KL(q ‖ π), the KL-optimal thresholds) or tv (total variation, "
+            "the TV-optimal blend of target and draft)",
+        ] = "kl",
     ):
         if not 0 <= kl < math.inf:
             raise ValueError(f"mentored: kl must be a finite number >= 0 (nats), got {kl}")
+        if divergence not in DIVERGENCE_NAMES:
+            raise ValueError(f"mentored: divergence must be 'kl' or 'tv', got {divergence!r}")
         self.kl = float(kl)
+        self.divergence = divergence
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
-        solution = self.solve(target_probs, draft_probs)
         x = draft_tokens[..., :1]  # [..., 1]
+        if self.divergence == "tv":
+            blend, p = tv_blend(target_probs, draft_probs[..., 0, :], self.kl)  # [..., V] each
+            accept = ratio_acceptance(blend, p, x)  # [..., 1]
+            return one_hot_mass((1 - accept) * normalized_excess(blend, p), x, accept).to(target_probs.dtype)
+        solution = self.solve(target_probs, draft_probs)
         r_x = solution.acceptance_of(x)  # [..., 1]
         law = (1 - r_x) * solution.residual()  # [..., V]
         return law.scatter_add(-1, x, r_x).to(target_probs.dtype)
 
     def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
         x = draft_tokens[..., :1]  # [..., 1]
-        solution = self.solve(target_probs, draft_probs)
-        accept = solution.acceptance_of(x)  # [..., 1]
-        return first_accepted(uniforms_like(accept, randomness), accept, x, solution.residual(), randomness)
+        if self.divergence == "tv":
+            blend, p = tv_blend(target_probs, draft_probs[..., 0, :], self.kl)  # [..., V] each
+            accept = ratio_acceptance(blend, p, x)  # [..., 1]
+            residual = normalized_excess(blend, p)  # [..., V]
+        else:
+            solution = self.solve(target_probs, draft_probs)
+            accept, residual = solution.acceptance_of(x), solution.residual()  # [..., 1], [..., V]
+        return first_accepted(uniforms_like(accept, randomness), accept, x, residual, randomness)
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
         q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
+        if self.divergence == "tv":
+            return verify_tv(q, p, x, self.kl, randomness)
         return verify(q, p, x, self.kl, randomness, lazy=reads_are_free(q))
 
     def acceptance_probability(self, target_probs, draft_probs):
-        """R = 1 - Σ (p_i - q_i/α)+ : exact, since the residual never returns a rejected token."""
+        """R = 1 - Σ (p_i - q_i/α)+ with "kl", exact since the residual never returns a rejected token;
+        Σ min(p, v) = 1 - TV + min(D, TV) with "tv"."""
+        if self.divergence == "tv":
+            blend, p = tv_blend(target_probs, draft_probs[..., 0, :], self.kl)  # [..., V] each
+            return torch.minimum(blend, p).sum(-1).to(target_probs.dtype)  # [...]
         solution = self.solve(target_probs, draft_probs)
         return (1 - solution.rejected_mass.squeeze(-1)).to(target_probs.dtype)
 
     def solve(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> "_Solution":
-        """α, β, 1 - R and KL for q ``[..., V]`` and one draft's p ``[..., 1, V]`` (float64)."""
+        """The KL rule's α, β, 1 - R and KL for q ``[..., V]`` and one draft's p ``[..., 1, V]`` (float64)."""
         return solve(target_probs, draft_probs[..., 0, :], self.kl, lazy=reads_are_free(target_probs))
 
+    def output_law(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+        """The exact output law π ``[..., V]`` for q ``[..., V]`` and p ``[..., 1, V]``: with "kl" the thresholds'
+        q/α, p, q/β (:meth:`_Solution.output_law`), with "tv" the blend v (speculative sampling against v outputs
+        v exactly). Computed in float64, given back in q's dtype."""
+        if self.divergence == "tv":
+            law = tv_blend(target_probs, draft_probs[..., 0, :], self.kl)[0]
+        else:
+            law = self.solve(target_probs, draft_probs).output_law()
+        return law.to(target_probs.dtype)  # [..., V]
+
     def output_kl(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-        """KL(q ‖ π) of the output law π, in nats → ``[...]``: D itself whenever D < KL(q ‖ p)."""
+        """KL(q ‖ π) of the output law π, in nats → ``[...]``: with "kl" from the solution's closed form, D itself
+        whenever D < KL(q ‖ p) (:meth:`output_law` gives the same to rounding); with "tv" KL(q ‖ v) in float64."""
+        if self.divergence == "tv":
+            q, p = _normalised(target_probs), _normalised(draft_probs[..., 0, :])  # [..., V] each
+            return kl_divergence(q, tv_blend(q, p, self.kl)[0]).to(target_probs.dtype)
         solution = self.solve(target_probs, draft_probs)
         return solution.kl.squeeze(-1).to(target_probs.dtype)
+
+    def promised_bound(self) -> tuple[str, float]:
+        """(divergence, D): the bound each position's output law keeps from q, on the divergence chosen."""
+        return self.divergence, self.kl
+
+
+def tv_blend(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TV rule's law to check draft tokens against, for q and p ``[..., V]`` (any probabilities, renormalised
+    in float64) → (v, p) ``[..., V]`` each, float64.
+
+    v = w·p + (1 - w)·q with w = min(1, D / TV(q, p)) per position (0 where TV = 0): TV(q, v) = w·TV = min(D, TV),
+    and Σ min(p, v) = 1 - (1 - w)·TV = 1 - TV + min(D, TV), the most any rule within TV D accepts. w = 1 gives
+    v = p exactly (every draft token accepted), w = 0 gives v = q exactly (speculative sampling).
+    """
+    q, p = _normalised(target_probs), _normalised(draft_probs)  # [..., V] each
+    distance = (q - p).clamp_min(0).sum(-1, keepdim=True)  # [..., 1]: TV(q, p)
+    weight = torch.where(distance > 0, (bound / distance.clamp_min(TINY)).clamp(max=1.0), 0.0)  # [..., 1]
+    return torch.addcmul((1 - weight) * q, weight, p), p
+
+
+def verify_tv(q, p, x, bound: float, randomness) -> BlockDecision:
+    """One block of the TV rule: q ``[L+1, V]``, p ``[L, V]``, draft tokens x ``[L]``. Speculative sampling against
+    each position's blend v (accept x w.p. min(1, v(x)/p(x)), else draw from (v - p)+ ∝ (q - p)+), the bonus from
+    q: a fixed number of operations and no host read, on any device."""
+    blend, draft = tv_blend(q[:-1], p, bound)  # [L, V] each
+    accept = ratio_acceptance(blend, draft, x.unsqueeze(-1)).squeeze(-1)  # [L]
+    return single_draft_block(accept, lambda n: excess_weights(row_at(blend, n), row_at(draft, n)), q, x, randomness)
 
 
 def verify(q, p, x, bound: float, randomness, lazy: bool) -> BlockDecision:
@@ -245,6 +334,14 @@ class _Solution:
         rejected_mass = (p - q).clamp_min(0).sum(-1, keepdim=True)  # [..., 1]
         one = torch.ones_like(rejected_mass)
         return cls(q, p, _ratio(q, p), (one, one), rejected_mass, one, lambda: torch.zeros_like(rejected_mass))
+
+    def output_law(self) -> torch.Tensor:
+        """π ``[..., V]``: q/α where t ≤ α, p where α < t < β, q/β where t ≥ β, i.e. p clipped to [q/β, q/α]
+        (π_i = q_i / clip(t_i, α, β)). A token with q = 0 < p gets 0 where α > 0, and p times the zero-q tokens'
+        shared acceptance where α = 0 (0/0); a row within the bound (α = 0, β = ∞, that acceptance 1) gets p."""
+        below = self.q / self.alpha  # [..., V]: q/α; ∞ where α = 0 < q, NaN where α = q = 0
+        below = torch.where(below.isnan(), self.zero_q_acceptance * self.p, below)
+        return self.p.clamp(self.q / self.beta, below)  # q/β ≤ q/α, as β ≥ α
 
     def acceptance_of(self, x: torch.Tensor) -> torch.Tensor:
         """r_x = min(1, t_x/α) for candidates ``x`` ``[..., 1]``: 1 where α = 0 < q_x, 0 where q_x = 0 < α,

@@ -13,6 +13,8 @@ import torch
 from specdec_cli.kit.conformance import ConformanceError, check_verifier
 from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_cli.plugins.verifiers import BlockDecision, BlockVerifier
+from specdec_plugins.ensemble import StaticEnsemble
+from specdec_plugins.fuzzy import FuzzySpeculative
 from specdec_plugins.mentored import MentoredDecoding, solve
 from specdec_plugins.speculative import SpeculativeSampling
 
@@ -20,7 +22,12 @@ BUILT_INS = sorted({entry.name for entry in VerifierRegistry().entry_points() if
 
 
 REFUSED = {
-    "mentored": [{"kl": -1.0}, {"kl": float("inf")}],
+    "mentored": [{"kl": -1.0}, {"kl": float("inf")}, {"divergence": "js"}],
+    "ensemble": [{"weight": 1.5}, {"weight": -0.1}],
+    "typical": [{"threshold": 0.0}, {"threshold": 1.5}, {"alpha": 0.0}],
+    "threshold": [{"single": 1.5}, {"acc": 0.0}],
+    "fly": [{"window_size": 0}, {"entropy_threshold": -1.0}, {"entropy_top_k": 0}],
+    "fuzzy": [{"threshold": -1.0}, {"threshold": float("inf")}],
     "is-lp": [{"max_support": 0}],
     "is-truncated": [{"s": 0}, {"alphabet": 0}, {"alphabet_mass": 1.5}],
 }
@@ -59,6 +66,43 @@ class Overspent(MentoredDecoding):
         return solve(target_probs, draft_probs[..., 0, :], 4 * self.kl, lazy=False)
 
 
+class Braggart(StaticEnsemble):
+    """Negative control (a lossy rule above the frontier): claims to accept every draft token while its output law
+    spends only the static ensemble's KL."""
+
+    name = "braggart"
+
+    def acceptance_probability(self, target_probs, draft_probs):
+        return torch.ones(target_probs.shape[:-1], dtype=target_probs.dtype)  # [...]
+
+
+class Overclaiming(StaticEnsemble):
+    """Negative control: claims a little more than its rule accepts, still under the frontier."""
+
+    name = "overclaiming"
+
+    def acceptance_probability(self, target_probs, draft_probs):
+        return super().acceptance_probability(target_probs, draft_probs) * 0.999 + 1e-4
+
+
+class Misreported(StaticEnsemble):
+    """Negative control: gives the target's law as its output law."""
+
+    name = "misreported"
+
+    def output_law(self, target_probs, draft_probs):
+        return target_probs
+
+
+class BrokenPromise(FuzzySpeculative):
+    """Negative control: promises a tenth of the divergence it allows itself."""
+
+    name = "broken-promise"
+
+    def promised_bound(self):
+        return self.divergence, self.threshold / 10
+
+
 class RejectsFirst(SpeculativeSampling):
     """Negative control: its block_law is speculative sampling's, its verify_block always rejects at once."""
 
@@ -74,7 +118,11 @@ class RejectsFirst(SpeculativeSampling):
     "cls, params, message",
     [
         (AcceptAll, {}, "declares lossless, but its block's output law differs from the target's"),
-        (Overspent, {"kl": 0.05}, "over its bound 0.05"),
+        (Overspent, {"kl": 0.05}, "over the bound 0.05 it promises"),
+        (Braggart, {"weight": 0.3}, "above the KL-optimal rule's"),
+        (Overclaiming, {"weight": 0.3}, "acceptance_probability gives"),
+        (Misreported, {"weight": 0.3}, "output_law differs from the law its conditional gives"),
+        (BrokenPromise, {"threshold": 0.3}, "over the bound 0.03 it promises"),
         (RejectsFirst, {}, "verify_block's decisions do not follow its block_law"),
     ],
 )

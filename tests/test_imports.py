@@ -27,7 +27,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("built-in plugins", ("specdec_plugins",)),
     ("engine", ("specdec_cli.engine",)),
-    ("plugin registry", ("specdec_cli.plugins.registry", "specdec_cli.plugins.drafter_registry")),
+    (
+        "plugin registry",
+        ("specdec_cli.plugins.registry", "specdec_cli.plugins.drafter_registry", "specdec_cli.plugins.sweeps"),
+    ),
     ("plugin contracts", ("specdec_cli.plugins",)),
     ("models", ("specdec_cli.models",)),
     ("results", ("specdec_cli.results",)),

@@ -367,7 +367,7 @@ def test_mentored_acceptance_grows_with_the_bound_and_zero_is_speculative():
 def test_mentored_rejects_bad_parameters(kl):
     with pytest.raises(ValueError, match="kl must be a finite number >= 0"):
         load_verifier("mentored", {"kl": kl})
-    with pytest.raises(UsageError, match=r"valid parameters: kl \(given"):
+    with pytest.raises(UsageError, match=r"valid parameters: kl, divergence \(given"):
         load_verifier("mentored", {"kll": 0.1})
 
 
@@ -387,6 +387,10 @@ BUILT_IN_FLAGS = {  # name: (the flags that are True, max_drafts, kl_bound_param
     "speculative": ({"lossless", "token_level", *FAST}, 1, None),
     "mentored": ({"token_level", "reading_cpu_path", *FAST}, 1, "kl"),
     "ensemble": ({"token_level", *FAST}, 1, None),
+    "typical": ({"token_level", *FAST}, 1, None),
+    "threshold": ({"token_level", *FAST}, 1, None),
+    "fuzzy": ({"token_level", *FAST}, 1, None),
+    "fly": (FAST, 1, None),
     "specinfer": ({"lossless", "token_level", "reading_cpu_path", *FAST}, None, None),
     "spectr": ({"lossless", "identical_drafts", "token_level", "reading_cpu_path", *FAST}, None, None),
     "block": ({"lossless", *FAST}, 1, None),

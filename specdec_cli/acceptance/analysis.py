@@ -21,6 +21,7 @@ over the rows that proposed there, and accept nothing where none did.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -31,14 +32,22 @@ from ..base.errors import NonFiniteLogitsError, SpecdecError, UsageError
 from ..base.randomness import Draws, Stream, sample_key
 from ..base.recipe import Recipe, VerifierConfig
 from ..base.sampling import non_finite_message, probs_from_logits, sampling_law
-from ..base.theory import MAX_TWO_DRAFT_SUPPORT, optimal_acceptance, optimal_acceptance_two_drafts, two_draft_support
+from ..base.theory import (
+    MAX_TWO_DRAFT_SUPPORT,
+    optimal_acceptance,
+    optimal_acceptance_two_drafts,
+    tv_optimal_acceptance,
+    two_draft_support,
+)
 from ..engine.decoder import SpeculativeDecoder
 from ..engine.decoding import Draft, load_drafts
 from ..engine.session import next_token_logits
 from ..models.pool import ModelPool
+from ..plugins.divergences import DIVERGENCES, kl_divergence, total_variation
 from ..plugins.draft_rows import DraftRows, round_robin
 from ..plugins.drafting import DraftRequest
 from ..plugins.registry import VerifierRegistry, error_line
+from ..plugins.sweeps import swept_params
 from ..plugins.verifiers import BlockVerifier
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, DrafterSection, PromptAcceptance
 
@@ -122,18 +131,18 @@ class AcceptanceAnalysis:
 
     def _verifiers(self, bounds: Sequence[float]) -> dict[AcceptanceRow, BlockVerifier]:
         """One verifier per row; a verifier with a KL bound gets a row per bound (one with its own
-        parameters while there are none yet)."""
+        parameters while there are none yet), times one per combination of the values its sweeps give."""
         params = self.recipe.verifier.params  # each verifier gets those it takes (is-lp's max_support, ...)
         verifiers = {}
         for name in self.request.verifiers:
             name = self.registry.canonical(name)
             own = self.registry.params_for(name, params)
-            if self.registry.verifier_class(name).kl_bound_parameter is None or not bounds:
-                verifiers[AcceptanceRow(name)] = self.registry.create(name, own)
-                continue
-            for bound in bounds:
-                row = AcceptanceRow(name, kl_bound=bound)
-                verifiers[row] = self.registry.create(name, self.registry.with_kl_bound(name, own, bound))
+            bounded = bounds if self.registry.verifier_class(name).kl_bound_parameter is not None else ()
+            for bound in bounded or (None,):
+                given = own if bound is None else self.registry.with_kl_bound(name, own, bound)
+                for swept in swept_params(name, self.request.sweeps):
+                    row = AcceptanceRow(name, kl_bound=bound, params=swept)
+                    verifiers[row] = self.registry.create(name, {**given, **dict(swept)})
         return verifiers
 
     def rows(self) -> list[AcceptanceRow]:
@@ -169,6 +178,11 @@ class AcceptanceAnalysis:
                 num_drafts=counts,
                 drafter=section.drafter,
                 identical_drafts=all(section.rows(k).identical_laws for k in counts),
+                optimal={
+                    name: (found, self.registry.verifier_class(found).optimal_under[name])
+                    for name in DIVERGENCES
+                    if (found := self.registry.optimal_name(name))
+                },
             )
             for section in self.sections
         ]
@@ -330,14 +344,59 @@ class AcceptanceAnalysis:
         try:
             values, reason = _acceptance(verifier, target, drafts, self.registry.refusal(row.verifier, rows), groups)
             result.record(row, rows.count, values, reason)
-            if values is not None and row.label not in result.kl:
-                divergence, _ = groups.values(lambda q, p, _kept: (verifier.output_kl(q, p), ""), target, drafts)
-                if divergence is not None:
-                    result.kl[row.label] = divergence
+            if values is not None and rows.count == 1 and not verifier.lossless:
+                self._record_spent(result, row.label, verifier, target, drafts, groups)
         except SpecdecError:
             raise
         except Exception as error:
             raise self.registry.fault(row.verifier, f"raised {error_line(error)} in acceptance") from error
+
+    def _record_spent(
+        self,
+        result: PromptAcceptance,
+        label: str,
+        verifier: BlockVerifier,
+        target: torch.Tensor,
+        drafts: torch.Tensor,
+        groups: _ProposingRows,
+    ) -> None:
+        """A lossy row's spent divergence and the optimum at it (:data:`~.results.SPENT_MEASURES`) at each position,
+        for target ``[T, V]`` and one draft ``[T, 1, V]``: from its ``output_law``; from its ``output_kl`` (KL only)
+        where it gives no law; nothing where it gives neither."""
+        laws = groups.laws(lambda q, p: verifier.output_law(q, p) if verifier.token_level else None, target, drafts)
+        if laws is None:
+            divergence, _ = groups.values(lambda q, p, _kept: (verifier.output_kl(q, p), ""), target, drafts)
+            if divergence is not None:
+                result.kl[label] = divergence
+            return
+        spent = {"kl": kl_divergence(target, laws), "tv": total_variation(target, laws)}  # [T] each
+        spent["optimum_at_tv"] = tv_optimal_acceptance(target, drafts[:, 0], spent["tv"])  # [T]
+        optimum = self._optimum_at_kl(target, drafts[:, 0], spent["kl"], groups.proposed)  # [T] or None
+        result.kl[label] = spent.pop("kl").tolist()
+        result.spent = result.spent or {}
+        result.spent[label] = {
+            measure: values.tolist()
+            for measure, values in {**spent, "optimum_at_kl": optimum}.items()
+            if values is not None
+        }
+
+    def _optimum_at_kl(
+        self, target: torch.Tensor, draft: torch.Tensor, spent: torch.Tensor, proposed: torch.Tensor
+    ) -> torch.Tensor | None:
+        """At each position, the acceptance of the installed KL-optimal rule at the KL a row spent there ``[T]``
+        (target ``[T, V]``, draft ``[T, V]``; 0 where no row proposed), or None where no rule is KL-optimal."""
+        values = torch.zeros_like(spent)  # [T]
+        for position in proposed.tolist():
+            bound = float(spent[position])
+            if bound == math.inf:  # an output law that rules out a token q allows: any rule is within that
+                values[position] = 1.0
+                continue
+            rule = self.registry.optimal_rule("kl", max(bound, 0.0))  # rounding can leave -1e-17
+            if rule is None:
+                return None
+            rows = slice(position, position + 1)
+            values[position] = rule.acceptance_probability(target[rows], draft[rows].unsqueeze(1))[0]
+        return values
 
 
 @dataclass(frozen=True)
@@ -373,6 +432,28 @@ class _ProposingRows:
                 return None, reason
             result[positions] = values.to(result)
         return result.tolist(), ""
+
+    def laws(
+        self,
+        law: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None],
+        target: torch.Tensor,
+        drafts: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The output law ``law`` gives over the rows that proposed at each position ``[T, V]``, for target ``[T, V]``
+        and drafts ``[T, K, V]``: q where no row proposed (the target's own token); None where ``law`` gives none."""
+        result = target.clone()  # [T, V]
+        for positions, rows in self.groups:
+            values = law(target[positions], drafts[positions][:, rows])  # [T', V]
+            if values is None:
+                return None
+            result[positions] = values.to(result)
+        return result
+
+    @property
+    def proposed(self) -> torch.Tensor:
+        """The positions where some row proposed ``[P]`` (int64)."""
+        found = [positions for positions, _ in self.groups]
+        return torch.cat(found) if found else torch.zeros(0, dtype=torch.long)
 
 
 def _proposed_laws(

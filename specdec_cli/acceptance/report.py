@@ -14,7 +14,7 @@ from rich.table import Table
 from ..base.inputs import write_atomically
 from ..base.recipe import Recipe
 from ..results.plotting import describe_run, save, verifier_colour
-from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, Estimate
+from .results import OPTIMUM, SPENT_MEASURES, AcceptanceReport, AcceptanceRequest, AcceptanceRow, Estimate
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,9 @@ def payload(
             "verifiers": list(request.verifiers),
             "num_drafts": list(request.num_drafts),
             "kl": list(request.kl_values or ()),
+            "sweeps": [
+                {"verifier": s.verifier, "parameter": s.parameter, "values": list(s.values)} for s in request.sweeps
+            ],
         },
         **results,
     }
@@ -76,20 +79,32 @@ def table(report: AcceptanceReport) -> Table:
     result.add_column("verifier", overflow="fold")
     for k in report.num_drafts:
         result.add_column(f"K={k}", justify="right", overflow="fold")
-    has_kl = any(report.kl(row) is not None for row in report.rows)
-    if has_kl:
-        result.add_column("KL(q‖out), mean", justify="right", overflow="fold")
+    measures = [measure for measure in SPENT_MEASURES if any(report.spent(row, measure) for row in report.rows)]
+    for measure in measures:
+        result.add_column(SPENT_HEADERS[measure], justify="right", overflow="fold")
     for row in report.rows:
         cells = [_format(report.cell(row, k)) for k in report.num_drafts]
-        if has_kl:
-            divergence = report.kl(row)
-            cells.append(f"{divergence.mean:.4g}" if divergence else "")
+        cells += [f"{value.mean:.4g}" if (value := report.spent(row, measure)) else "" for measure in measures]
         optimum = row.verifier == OPTIMUM
         result.add_row(row.label, *cells, style="bold" if optimum else None, end_section=optimum)
+    if len(measures) > 1:
+        result.caption += (
+            "\nlossy rows at K=1: π is the row's output law; best at that KL / TV: the most any rule accepts "
+            "within the KL (or TV) the row spends at each position, averaged"
+        )
     reasons = sorted(set(report.unavailable.values()))
     if reasons:
         result.caption += "\n—: " + "; ".join(reasons)
     return result
+
+
+SPENT_HEADERS = {
+    "kl": "KL(q‖π), mean",
+    "tv": "TV(q,π), mean",
+    "optimum_at_kl": "best at that KL",
+    "optimum_at_tv": "best at that TV",
+}
+"""The table's column for each of :data:`~.results.SPENT_MEASURES`."""
 
 
 def _format(cell: Estimate | None) -> str:
@@ -107,25 +122,16 @@ def write(folder: Path, content: dict, reports: list[AcceptanceReport]) -> None:
     write_atomically(folder / "acceptance.json", json.dumps(content, indent=2) + "\n")
     buffer = io.StringIO(newline="")
     writer = csv.writer(buffer)
-    writer.writerow(["drafter", "coverage", "row", "num_drafts", "mean", "stderr", "positions", "kl_mean"])
+    spent_columns = ["kl_mean", *(f"{measure}_mean" for measure in SPENT_MEASURES[1:])]
+    writer.writerow(["drafter", "coverage", "row", "num_drafts", "mean", "stderr", "positions", *spent_columns])
     for report in reports:
         for row in report.rows:
-            divergence = report.kl(row)
+            spent = [value.mean if (value := report.spent(row, measure)) else "" for measure in SPENT_MEASURES]
             for k in report.num_drafts:
                 cell = report.cell(row, k)
                 if cell is not None:
-                    writer.writerow(
-                        [
-                            report.drafter or "",
-                            report.coverage,
-                            row.label,
-                            k,
-                            cell.mean,
-                            cell.stderr,
-                            cell.count,
-                            divergence.mean if divergence else "",
-                        ]
-                    )
+                    identity = [report.drafter or "", report.coverage, row.label, k]
+                    writer.writerow([*identity, cell.mean, cell.stderr, cell.count, *spent])
     write_atomically(folder / "acceptance.csv", buffer.getvalue())
 
 
@@ -135,16 +141,18 @@ def plot(path: Path, report: AcceptanceReport, content: dict | None = None) -> N
 
 
 def figure(report: AcceptanceReport, content: dict | None = None):
-    """Acceptance against K for every row (± standard error); beside it, acceptance against KL for rows
-    with a KL bound; above, what was run (from ``content``, acceptance.json's: recipe and environment).
+    """Acceptance against K for every row (± standard error); beside it, for the lossy rows, acceptance at K = 1
+    against the KL(q ‖ π) and the TV(q, π) each spends (the frontier: the KL-optimal rule's rows drawn on top);
+    above, what was run (from ``content``, acceptance.json's: recipe and environment).
     Each verifier keeps its colour in every plot (:func:`~specdec_cli.results.plotting.verifier_colour`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bounded = [row for row in report.rows if row.kl_bound is not None and report.kl(row) and report.cell(row, 1)]
-    drawn, axes = plt.subplots(1, 2 if bounded else 1, figsize=(12 if bounded else 6.5, 5.4), squeeze=False)
+    lossy = [row for row in report.rows if report.kl(row) is not None and report.cell(row, 1) is not None]
+    panels = 1 + (2 if lossy else 0)
+    drawn, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 5.4), squeeze=False)
     if content is not None:
         count = len(report.prompts)
         what = f"{count} prompt{'s' if count != 1 else ''}, {report.positions} positions"
@@ -152,8 +160,12 @@ def figure(report: AcceptanceReport, content: dict | None = None):
         what += "" if report.coverage is None else f" (coverage {report.coverage:.1%})"
         drawn.suptitle(describe_run(content["recipe"], what, [content["environment"]]), fontsize=9)
     _plot_by_k(axes[0][0], report)
-    if bounded:
-        _plot_kl_tradeoff(axes[0][1], report, bounded)
+    if lossy:
+        _plot_frontier(axes[0][1], report, lossy, "kl")
+        if any(report.spent(row, "tv") for row in lossy):
+            _plot_frontier(axes[0][2], report, lossy, "tv")
+        else:
+            axes[0][2].set_axis_off()
     drawn.tight_layout()
     return drawn
 
@@ -164,7 +176,7 @@ def _plot_by_k(axis, report: AcceptanceReport) -> None:
     series = [
         (row, [(k, c) for k in report.num_drafts if (c := report.cell(row, k)) is not None])
         for row in report.rows
-        if row.kl_bound is None
+        if row.kl_bound is None and not row.params and report.kl(row) is None  # lossy rows: the frontier panels
     ]
     series = [(row, points) for row, points in series if points]
     width = 0.3 if len(report.num_drafts) > 1 else 0.6
@@ -189,31 +201,69 @@ def _plot_by_k(axis, report: AcceptanceReport) -> None:
     axis.legend(fontsize=8, loc="lower right")
 
 
-def _plot_kl_tradeoff(axis, report: AcceptanceReport, bounded: list[AcceptanceRow]) -> None:
-    """Acceptance at K = 1 against KL(q ‖ output) for each bounded verifier, with the lossless optimum at KL 0.
-    Bounds are labelled in the legend-like text beside each point, alternating above and below."""
-    for verifier in dict.fromkeys(row.verifier for row in bounded):
-        rows = [row for row in bounded if row.verifier == verifier]
-        divergences = [report.kl(row).mean for row in rows]
-        cells = [report.cell(row, 1) for row in rows]
-        errors = [0.0 if math.isnan(c.stderr) else c.stderr for c in cells]
-        colour = verifier_colour(verifier)
-        axis.errorbar(
-            divergences, [c.mean for c in cells], yerr=errors, marker="o", capsize=2, color=colour, label=verifier
+def _plot_frontier(axis, report: AcceptanceReport, lossy: list[AcceptanceRow], measure: str) -> None:
+    """Acceptance at K = 1 against the mean spent ``measure`` ("kl" or "tv") of the lossy rows: a line per series
+    (a verifier with its fixed settings, such as mentored's divergence) through its rows in order of spending, each
+    point marked by the value swept along it; the rule optimal under ``measure`` (``report.optimal``) drawn thick
+    and on top, the lossless optimum at 0. Rows that spend an infinite KL (an output law that rules out a token q
+    allows) are counted in the legend of the KL panel instead."""
+    for (verifier, fixed), rows in _series(lossy).items():
+        points = sorted(
+            ((value.mean, report.cell(row, 1), row) for row in rows if (value := report.spent(row, measure))),
+            key=lambda point: point[0],
         )
-        for number, (row, x, cell) in enumerate(zip(rows, divergences, cells)):
+        finite = [(x, cell, row) for x, cell, row in points if math.isfinite(x)]
+        optimal = report.optimal.get(measure)
+        frontier = optimal is not None and verifier == optimal[0] and _matches(fixed, optimal[1])
+        label = " ".join([verifier, *fixed]) + (f" ({measure.upper()}-optimal)" if frontier else "")
+        label += f" ({len(points) - len(finite)} with KL ∞)" if len(finite) < len(points) else ""
+        axis.errorbar(
+            [x for x, _, _ in finite],
+            [cell.mean for _, cell, _ in finite],
+            yerr=[0.0 if math.isnan(cell.stderr) else cell.stderr for _, cell, _ in finite],
+            marker="s" if fixed else "o",
+            capsize=2,
+            color=verifier_colour(verifier),
+            linewidth=3 if frontier else 1.2,
+            linestyle="-" if frontier or not fixed else "--",
+            zorder=4 if frontier else 2,
+            label=label,
+        )
+        for number, (x, cell, row) in enumerate(finite):
             axis.annotate(
-                f"D={row.kl_bound:g}",
+                _swept_text(row),
                 (x, cell.mean),
-                fontsize=7,
-                color=colour,
+                fontsize=6,
+                color=verifier_colour(verifier),
                 textcoords="offset points",
-                xytext=(5, -12 if number % 2 else 6),
+                xytext=(4, -9 if number % 2 else 4),
                 annotation_clip=True,
             )
     if (optimum := report.cell(OPTIMUM, 1)) is not None:
-        axis.scatter([0.0], [optimum.mean], color=verifier_colour(OPTIMUM), zorder=3, label="lossless optimum (KL 0)")
+        axis.scatter([0.0], [optimum.mean], color=verifier_colour(OPTIMUM), zorder=5, label="lossless optimum")
     axis.margins(x=0.15, y=0.1)  # room for the labels inside the axes
-    axis.locator_params(axis="x", nbins=5)  # small KL values have long tick labels
-    axis.set(xlabel="KL(q ‖ output), nats", ylabel="acceptance probability at K=1 (± s.e.)", title="lossy verifiers")
-    axis.legend(fontsize=8, loc="lower right")
+    axis.locator_params(axis="x", nbins=5)  # small divergences have long tick labels
+    name = {"kl": "KL(q ‖ π), nats", "tv": "TV(q, π)"}[measure]
+    axis.set(xlabel=f"spent {name}, mean over positions", ylabel="acceptance at K=1 (± s.e.)", title="lossy rules")
+    axis.legend(fontsize=7, loc="lower right")
+
+
+def _series(rows: list[AcceptanceRow]) -> dict[tuple[str, tuple[str, ...]], list[AcceptanceRow]]:
+    """The rows grouped by verifier and by the settings that are not numbers (``divergence=tv``): what a line joins."""
+    groups: dict[tuple[str, tuple[str, ...]], list[AcceptanceRow]] = {}
+    for row in rows:
+        fixed = tuple(f"{name}={value}" for name, value in row.params if isinstance(value, str))
+        groups.setdefault((row.verifier, fixed), []).append(row)
+    return groups
+
+
+def _matches(fixed: tuple[str, ...], params: dict) -> bool:
+    """Whether a series' fixed settings (``name=value`` texts) are those ``params`` give, the others at defaults."""
+    given = dict(part.split("=", 1) for part in fixed)
+    return all(given.get(name, value) == value for name, value in params.items())
+
+
+def _swept_text(row: AcceptanceRow) -> str:
+    """The numbers that tell a series' points apart: its KL bound and its numeric swept values."""
+    parts = [] if row.kl_bound is None else [f"D={row.kl_bound:g}"]
+    return " ".join(parts + [f"{name}={value:g}" for name, value in row.params if not isinstance(value, str)])

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..base.recipe import DraftConfig, Recipe
 from ..plugins.drafter_registry import DrafterRegistry
+from ..plugins.sweeps import ParameterSweep, shown_value
 from ..results.store import RecordKind
 
 OPTIMUM = "optimum"
@@ -21,10 +23,12 @@ OPTIMUM = "optimum"
 @dataclass(frozen=True, kw_only=True)
 class AcceptanceRequest:
     verifiers: tuple[str, ...]
-    """Verifier names; one with a KL bound expands to one row per value of ``kl_values``."""
+    """Verifier names; one with a KL bound expands to one row per value of ``kl_values``, and to one per value of
+    each of its ``sweeps`` (every combination)."""
     num_drafts: tuple[int, ...] = (1, 2, 4)
     kl_values: tuple[float, ...] | None = None
     """None: derived from the pair's measured KL(q ‖ p) (see ``AcceptanceAnalysis.derive_kl_values``)."""
+    sweeps: tuple[ParameterSweep, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,14 +56,18 @@ class DrafterSection:
 
 @dataclass(frozen=True)
 class AcceptanceRow:
-    """A row of the table: the optimum, a verifier, or a verifier at one KL bound D."""
+    """A row of the table: the optimum, a verifier, or a verifier at one KL bound D and at one value of each
+    parameter ``--sweep`` sweeps."""
 
     verifier: str
     kl_bound: float | None = None
+    params: tuple[tuple[str, Any], ...] = ()
+    """(parameter, value) for each swept parameter."""
 
     @property
     def label(self) -> str:
-        return self.verifier if self.kl_bound is None else f"{self.verifier} D={self.kl_bound:g}"
+        bound = "" if self.kl_bound is None else f" D={self.kl_bound:g}"
+        return self.verifier + bound + "".join(f" {name}={shown_value(value)}" for name, value in self.params)
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,9 @@ class PromptAcceptance:
     covered: int | None = None
     """Positions where at least one of the section's entries proposed; None: every position (each entry drafts
     with a model, as every section did before drafters without one)."""
+    spent: dict[str, dict[str, list[float]]] | None = None
+    """Each lossy row's divergence at K = 1 beyond ``kl``: ``spent[label][measure]`` per position for each measure
+    of :data:`SPENT_MEASURES` but KL; None when no row has one (and in records of before)."""
 
     def record(self, row: AcceptanceRow, num_drafts: int, values: list[float] | None, reason: str) -> None:
         """The row's values at ``num_drafts`` drafts, or (values None) why there are none."""
@@ -133,7 +144,12 @@ class PromptAcceptance:
         )
 
 
-_OPTIONAL_FIELDS = {"drafter": str, "covered": int}
+SPENT_MEASURES = ("kl", "tv", "optimum_at_kl", "optimum_at_tv")
+"""What a lossy rule's output law costs at each position, and what the best rule gets for that cost: KL(q ‖ π) and
+TV(q, π) of its output law π, and the most any rule accepts within that KL (the installed KL-optimal rule, at that
+position's own KL) or within that TV (1 − TV(q, p) + TV(q, π))."""
+
+_OPTIONAL_FIELDS = {"drafter": str, "covered": int, "spent": dict}
 """PromptAcceptance's fields that a record holds only when they are not None."""
 
 PROMPT_RECORDS = RecordKind(
@@ -156,6 +172,9 @@ class AcceptanceReport:
     interrupted: bool = False
     drafter: str | None = None
     """The section's drafter (``--drafter``); None: every entry of the recipe."""
+    optimal: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    """Divergence name → the installed verifier that is optimal under it and the parameters that make it so (its
+    ``optimal_under``), for the plot."""
 
     def add(self, result: PromptAcceptance) -> None:
         self.prompts.append(result)
@@ -166,8 +185,14 @@ class AcceptanceReport:
         return Estimate.of([v for p in self.prompts for v in p.values.get(label, {}).get(num_drafts, [])])
 
     def kl(self, row: AcceptanceRow | str) -> Estimate | None:
+        return self.spent(row, "kl")
+
+    def spent(self, row: AcceptanceRow | str, measure: str) -> Estimate | None:
+        """The mean of a row's ``measure`` (one of :data:`SPENT_MEASURES`) over the positions, or None."""
         label = row.label if isinstance(row, AcceptanceRow) else row
-        return Estimate.of([v for p in self.prompts for v in p.kl.get(label, [])])
+        if measure == "kl":
+            return Estimate.of([v for p in self.prompts for v in p.kl.get(label, [])])
+        return Estimate.of([v for p in self.prompts for v in (p.spent or {}).get(label, {}).get(measure, [])])
 
     @property
     def positions(self) -> int:
@@ -186,8 +211,9 @@ class AcceptanceReport:
             table[row.label] = {
                 str(k): dataclasses.asdict(c) if (c := self.cell(row, k)) else None for k in self.num_drafts
             }
-            if (divergence := self.kl(row)) is not None:
-                table[row.label]["kl"] = dataclasses.asdict(divergence)
+            for measure in SPENT_MEASURES:
+                if (value := self.spent(row, measure)) is not None:
+                    table[row.label][measure] = dataclasses.asdict(value)
         return {
             "drafter": self.drafter,
             "coverage": self.coverage,

@@ -380,6 +380,19 @@ def _too_deep(source: str) -> RecipeError:
     return RecipeError(f"{source} is nested too deeply to be a recipe setting; a recipe is a few levels of keys")
 
 
+def parse_value(text: str, source: str) -> Any:
+    """A value typed on the command line (``--set``, ``--sweep``), read as YAML; the text itself where it is not
+    YAML. ``source`` names the flag in the refusal of a value too deep or too large to be a setting."""
+    try:
+        value = _parse_yaml(text)
+    except yaml.YAMLError:
+        value = text
+    except RecursionError:
+        raise _too_deep(source) from None
+    check_expanded_size(value, source)
+    return value
+
+
 def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
     """Apply ``key.path=value`` assignments (value parsed as YAML) to a copy of ``data``."""
     data = _deep_copy(data)
@@ -389,13 +402,7 @@ def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, A
         path, sep, raw_value = assignment.partition("=")
         if not sep or not path.strip():
             raise RecipeError(f"--set expects key.path=value, got '{assignment}' (e.g. --set generation.top_k=50)")
-        try:
-            value = _parse_yaml(raw_value) if raw_value.strip() else None
-        except yaml.YAMLError:
-            value = raw_value
-        except RecursionError:
-            raise _too_deep(f"--set {path.strip()}") from None
-        check_expanded_size(value, f"--set {path.strip()}")
+        value = parse_value(raw_value, f"--set {path.strip()}") if raw_value.strip() else None
         set_path(data, path.strip(), value)
     return data
 

@@ -78,3 +78,11 @@ def optimal_acceptance_two_drafts(
     sums = torch.cat(candidates).double() @ vectors  # [C, 3]: q(S), p1(S), p2(S)
     values = sums[:, 0] - sums[:, 1] * sums[:, 2]  # [C]
     return 1.0 + values.min().clamp(max=0.0)  # the empty set gives 0
+
+
+def tv_optimal_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor, spent: torch.Tensor) -> torch.Tensor:
+    """The most any one-draft rule accepts when its output law π stays within TV(q, π) ≤ D of q: 1 − TV(q, p) + D,
+    at most 1 (move D of q's excess over p onto the tokens p has more of; the static ensemble at w = D / TV(q, p)
+    reaches it). ``[..., V]`` twice and D ``[...]`` → ``[...]``."""
+    distance = (target_probs - draft_probs).clamp_min(0).sum(-1)  # [...]: TV(q, p)
+    return (1 - distance + spent).clamp(max=1.0)

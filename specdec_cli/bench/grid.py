@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 from ..base.errors import UsageError
 from ..base.recipe import AUTOREGRESSIVE, Recipe, VerifierConfig
 from ..plugins.drafter_registry import DrafterRegistry, recipe_draft_rows
 from ..plugins.registry import VerifierRegistry
+from ..plugins.sweeps import ParameterSweep, shown_value, swept_params
 
 BASELINE = AUTOREGRESSIVE
 
@@ -32,6 +34,8 @@ class GridCell:
     """Samples decoded at a time (``--batch-size``); its speedup is over the target alone at the same batch size."""
     draft_length_schedule: str = "constant"
     """How the draft length moves between blocks (``--draft-length-schedule``), starting at ``draft_length``."""
+    params: tuple[tuple[str, Any], ...] = ()
+    """The verifier's swept parameters (``--sweep``), as (parameter, value) pairs."""
 
     @classmethod
     def baseline(cls, temperature: float, batch_size: int = 1) -> "GridCell":
@@ -49,7 +53,8 @@ class GridCell:
     def from_config(cls, spec: dict) -> "GridCell":
         """A cell from a results folder's config.json (JSON made the draft temperatures a list)."""
         temperatures = spec["draft_temperatures"]
-        return cls(**{**spec, "draft_temperatures": tuple(temperatures) if temperatures else None})
+        params = tuple(tuple(pair) for pair in spec.get("params", ()))  # JSON made the pairs lists
+        return cls(**{**spec, "draft_temperatures": tuple(temperatures) if temperatures else None, "params": params})
 
     @property
     def key(self) -> str:
@@ -57,6 +62,7 @@ class GridCell:
         if self.verifier == BASELINE:
             return f"baseline T={self.temperature:g}{batch}"
         name = self.verifier if self.kl is None else f"{self.verifier} D={self.kl:g}"
+        name += "".join(f" {parameter}={shown_value(value)}" for parameter, value in self.params)
         drafts = "" if self.draft_temperatures is None else " dT=" + ",".join(f"{t:g}" for t in self.draft_temperatures)
         drafter = "" if self.drafter is None else f" drafter={self.drafter}"  # keys from before drafters stay
         # Keys from before schedules stay: a constant length is what every earlier cell ran.
@@ -84,6 +90,7 @@ class GridCell:
         params = registry.params_for(self.verifier, base.verifier.params)
         if self.kl is not None:
             params = registry.with_kl_bound(self.verifier, params, self.kl)
+        params = {**params, **dict(self.params)}
         return dataclasses.replace(
             base,
             drafts=drafts,
@@ -109,6 +116,7 @@ class Grid:
     drafters: tuple[str | None, ...] = (None,)
     batch_sizes: tuple[int, ...] = (1,)
     draft_length_schedules: tuple[str, ...] = ("constant",)
+    sweeps: tuple[ParameterSweep, ...] = ()
 
     def cells(self, registry: VerifierRegistry, base: Recipe) -> tuple[list[GridCell], list[str]]:
         """Baselines first, then every combination whose verifier takes the cell's draft rows (counted
@@ -120,8 +128,9 @@ class Grid:
             name = registry.canonical(name)
             verifier_class = registry.load_class(name)
             bounds: tuple[float | None, ...] = self.kl if verifier_class.kl_bound_parameter and self.kl else (None,)
-            for kl, k, length, schedule, temperature, draft_temps, drafter, batch in itertools.product(
+            for kl, swept, k, length, schedule, temperature, draft_temps, drafter, batch in itertools.product(
                 bounds,
+                swept_params(name, self.sweeps),
                 self.num_drafts,
                 self.draft_lengths,
                 self.draft_length_schedules,
@@ -140,6 +149,7 @@ class Grid:
                     draft_temperatures=draft_temps,
                     drafter=drafter,
                     batch_size=batch,
+                    params=swept,
                 )
                 rows = recipe_draft_rows(cell.recipe(base, registry))
                 reason = registry.refusal(name, rows)

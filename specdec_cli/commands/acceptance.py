@@ -79,7 +79,7 @@ _PlotOption = Annotated[
     Optional[Path],
     typer.Option(
         metavar="FILE.png",
-        help="Draw acceptance against K, and acceptance against KL for verifiers with a KL bound, to this PNG.",
+        help="Draw acceptance against K, and the lossy rows' acceptance against the KL and TV they spend, to this PNG.",
     ),
 ]
 
@@ -98,6 +98,7 @@ def acceptance(
     verifiers: _VerifiersOption = None,
     num_drafts: _NumDraftsOption = "1,2,4",
     kl: _KlOption = None,
+    sweep: options.SweepOption = None,
     draft_temperatures: _DraftTemperaturesOption = None,
     temperature: options.TemperatureOption = None,
     as_json: _JsonOption = False,
@@ -119,7 +120,10 @@ def acceptance(
     laws = [[draft_law(draft, resolved.generation) for draft in section.drafts] for section in sections]
     names, left_out = _applicable(common.parse_list(verifiers, str, "--verifier"), counts, laws)
     common.check_kl_bounds(bounds, names, resolved.verifier.params, VerifierRegistry())
-    request = AcceptanceRequest(verifiers=tuple(names), num_drafts=counts, kl_values=tuple(bounds) if bounds else None)
+    sweeps = common.run_sweeps(sweep or [], names, resolved.verifier.params)
+    request = AcceptanceRequest(
+        verifiers=tuple(names), num_drafts=counts, kl_values=tuple(bounds) if bounds else None, sweeps=sweeps
+    )
     texts = subset(_prompts([*(prompt_args or []), *(prompts or [])], prompt_file, field), limit, shuffle, shuffle_seed)
     check_plot_path(plot)
     _run(resolved, (request, sections), texts, left_out, output, as_json, plot)
@@ -226,7 +230,8 @@ def _open_store(
     named = [section.drafter for section in sections if section.drafter is not None]
     config = {
         "recipe": recipe.to_dict(),
-        "request": dataclasses.asdict(request),
+        # Sweeps only when given, so that folders of before them resume.
+        "request": {key: value for key, value in dataclasses.asdict(request).items() if key != "sweeps" or value},
         "prompts": hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16],
         **({"drafters": named} if named else {}),
     }

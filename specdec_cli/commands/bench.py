@@ -104,6 +104,7 @@ class _GridOptions:
     kl: Annotated[
         Optional[str], typer.Option("--kl", metavar="NATS[,NATS…]", help="KL bounds D in nats, for verifiers with one.")
     ] = None
+    sweep: options.SweepOption = None
     num_drafts: Annotated[
         Optional[str],
         typer.Option(
@@ -171,10 +172,12 @@ class _GridOptions:
         verifiers = tuple(common.grid_values(self.verifiers, str, "--verifier") or [base.verifier.name])
         bounds = common.grid_values(self.kl, float, "--kl")
         common.check_kl_bounds(bounds, list(verifiers), base.verifier.params, registry)
+        sweeps = common.run_sweeps(self.sweep or [], list(verifiers), base.verifier.params)
         speculation, generation = base.speculation, base.generation
         return Grid(
             verifiers=verifiers,
             kl=tuple(bounds),
+            sweeps=sweeps,
             num_drafts=self._axis("num_drafts", int) or (speculation.num_drafts,),
             draft_lengths=self._axis("draft_length", int) or (speculation.draft_length,),
             draft_length_schedules=self._axis("draft_length_schedule", str) or (speculation.draft_length_schedule,),

@@ -36,6 +36,7 @@ from ..base.recipe import (
 )
 from ..plugins.drafter_registry import DrafterRegistry
 from ..plugins.registry import VerifierRegistry
+from ..plugins.sweeps import ParameterSweep, parse_sweeps
 from .options import ModelOptions
 
 
@@ -119,6 +120,21 @@ def check_kl_bounds(bounds: list[float], names: list[str], params: dict[str, Any
         for bound in bounds:
             given = registry.with_kl_bound(name, registry.params_for(name, params), bound)
             registry.create(name, given, set_by=f"--kl {bound:g}")
+
+
+def run_sweeps(texts: list[str], names: list[str], params: dict[str, Any]) -> tuple[ParameterSweep, ...]:
+    """``--sweep`` values for a run of the verifiers ``names`` (the recipe's verifier.params ``params``), checked before
+    any model loads: each swept verifier must be one the run has, and each value one its constructor takes."""
+    registry = VerifierRegistry()
+    sweeps = parse_sweeps(texts, registry, params)
+    running = {registry.canonical(name) for name in names if not target_alone(name)}
+    for sweep in sweeps:
+        if sweep.verifier not in running:
+            raise UsageError(
+                f"--sweep {sweep.verifier}.{sweep.parameter}: verifier '{sweep.verifier}' is not one this run has; "
+                "add it to --verifier"
+            )
+    return sweeps
 
 
 @dataclass(kw_only=True)

@@ -54,6 +54,15 @@ SetOption = Annotated[
         help="Override any recipe key, e.g. --set generation.top_k=50 (value read as YAML). Repeatable.",
     ),
 ]
+SweepOption = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--sweep",
+        metavar="VERIFIER.PARAM=V[,V…]",
+        help="Sweep a verifier parameter: one row (or cell) per value, e.g. --sweep ensemble.weight=0.2,0.5,0.8 "
+        "(values read as YAML). Repeatable; sweeps of one verifier combine.",
+    ),
+]
 MaxNewTokensOption = Annotated[
     Optional[int],
     typer.Option(

@@ -3,10 +3,14 @@
 
 :func:`check_verifier` checks a verifier class against the contract and, on small vocabularies where every
 draft block can be enumerated, its exact block law (``block_law``): the target's own law for a lossless
-verifier, a law within the KL bound of the target's at each position for a lossy one with a bound; then that
-``verify_block``, drawing as the engine makes it draw, samples that law (a chi-square), with decisions of
-the right types, shapes and values. The built-ins pass it, over the registry; a verifier that accepts every
-draft token while calling itself lossless fails it.
+verifier, a law within the bound it promises (``promised_bound``: mentored's KL or TV bound, fuzzy's divergence
+threshold) of the target's at each position for a lossy one; then that ``verify_block``, drawing as the engine
+makes it draw, samples that law (a chi-square), with decisions of the right types, shapes and values. A lossy
+token-level rule is also held to the frontier: on random law pairs, the acceptance it claims is at most the
+KL-optimal rule's (mentored's) at the KL(q ‖ π) its output law spends, and is the acceptance its ``conditional``
+gives; its ``output_law``, where given, is that law. The built-ins pass it, over the registry; a verifier that
+accepts every draft token while calling itself lossless fails it, and so does a lossy one that claims more than
+the frontier allows.
 
 Both check a plugin's parameters first: each has a type and a description (``Annotated[float, "..."]``, which the
 listing commands show); the given ones make an instance; an unknown parameter, a value of the wrong type, and each
@@ -31,6 +35,7 @@ A failure raises :class:`ConformanceError` saying what is wrong. The built-in dr
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections import Counter
 from collections.abc import Sequence
@@ -43,6 +48,7 @@ from ..base.errors import SpecdecError
 from ..base.randomness import Draws
 from ..base.recipe import DraftConfig, build_recipe
 from ..base.sampling import SamplingParams
+from ..plugins.divergences import DIVERGENCES, kl_divergence
 from ..plugins.drafter_registry import DrafterRegistry
 from ..plugins.drafting import Drafter, Proposal
 from ..plugins.parameters import PluginParameterError, parameter_specs
@@ -244,6 +250,8 @@ def check_verifier(
         for target_law, draft_laws in cases:
             _check_block_law(cls, verifier, target_law, draft_laws, num_drafts)
         _check_sampling(cls, verifier, *cases[0], samples)
+    if not cls.lossless and cls.token_level and not cls.identical_drafts:
+        _check_frontier(cls, verifier)
 
 
 def _verifier_cases(num_drafts: int, identical: bool) -> list:
@@ -280,20 +288,68 @@ def _check_block_law(cls: type, verifier: Any, target_law, draft_laws, num_draft
                 f"{cls.name}: declares lossless, but its block's output law differs from the "
                 f"target's by {gap:.3g} (K = {num_drafts}, V = {VOCAB}, L = {DRAFT_LENGTH})"
             )
-    elif cls.kl_bound_parameter is not None and cls.token_level:
-        _check_kl_bound(cls, verifier, committed_block_law(verifier, target_law, draft_laws, VOCAB, 1), target_law)
+    elif verifier.promised_bound() is not None and cls.token_level:
+        _check_promised_bound(
+            cls, verifier, committed_block_law(verifier, target_law, draft_laws, VOCAB, 1), target_law
+        )
 
 
-def _check_kl_bound(cls: type, verifier: Any, first_token_law: dict, target_law) -> None:
-    """At the block's first position the output law is within the verifier's KL bound of the target's."""
-    bound = float(getattr(verifier, cls.kl_bound_parameter))
+def _check_promised_bound(cls: type, verifier: Any, first_token_law: dict, target_law) -> None:
+    """At the block's first position the output law is within the bound the verifier promises (its
+    ``promised_bound``: a divergence and a bound) of the target's."""
+    divergence, bound = verifier.promised_bound()
     output = torch.zeros(VOCAB, dtype=torch.float64)  # [V]
     for sequence, mass in first_token_law.items():
         output[sequence[0]] += mass
-    target = target_law(())  # [V]
-    kl = float(torch.xlogy(target, target).sum() - torch.xlogy(target, output).sum())
-    if kl > bound * (1 + 1e-6) + 1e-9:
-        raise ConformanceError(f"{cls.name}: its output law is KL {kl:.6g} from the target's, over its bound {bound:g}")
+    spent = float(DIVERGENCES[divergence](target_law(()), output))
+    if spent > bound * (1 + 1e-6) + 1e-9:
+        raise ConformanceError(
+            f"{cls.name}: its output law is {divergence.upper()} {spent:.6g} from the target's, over the bound "
+            f"{bound:g} it promises"
+        )
+
+
+def _check_frontier(cls: type, verifier: Any) -> None:
+    """A lossy token-level rule with one draft, on random law pairs (V = 3 and 6) and the adversarial ones: the
+    acceptance it claims (``acceptance_probability``) is no more than the KL-optimal rule's (the installed one that
+    names "kl" in ``optimal_under``) at the KL(q ‖ π) its output law π spends, π enumerated from ``conditional``;
+    the claim is the enumerated acceptance, and ``output_law``, where given, is π."""
+    from .testing import (
+        adversarial_distribution_pairs,
+        candidate_acceptance,
+        enumerate_output_law,
+        random_distributions,
+    )
+
+    registry = VerifierRegistry()
+    generator = torch.Generator().manual_seed(34)
+    pairs = [tuple(random_distributions(generator, (2, vocab))) for vocab in (3, 6) for _ in range(10)]
+    for target, draft in pairs + adversarial_distribution_pairs(4):
+        drafts = draft.unsqueeze(0)  # [1, V]
+        law = enumerate_output_law(verifier, target, drafts)  # [V]
+        spent = max(float(kl_divergence(target, law)), 0.0)  # rounding leaves -1e-16 where π is q
+        claimed = float(verifier.acceptance_probability(target, drafts))
+        optimal = registry.optimal_rule("kl", spent) if math.isfinite(spent) else None
+        if optimal is not None and claimed > float(optimal.acceptance_probability(target, drafts)) + 1e-7:
+            best = float(optimal.acceptance_probability(target, drafts))
+            raise ConformanceError(
+                f"{cls.name}: claims acceptance {claimed:.6g} where its output law spends KL {spent:.6g}, above the "
+                f"KL-optimal rule's {best:.6g} there (no rule accepts more): its acceptance_probability is wrong"
+            )
+        _check_against_enumeration(cls, verifier, target, drafts, law, claimed, candidate_acceptance)
+
+
+def _check_against_enumeration(cls, verifier, target, drafts, law, claimed: float, candidate_acceptance) -> None:
+    """The claimed acceptance is the one enumerated from ``conditional``; ``output_law``, where given, is ``law``."""
+    enumerated = candidate_acceptance(verifier, target, drafts)
+    if abs(claimed - enumerated) > 1e-7:
+        raise ConformanceError(
+            f"{cls.name}: acceptance_probability gives {claimed:.6g}, but its conditional law accepts {enumerated:.6g}"
+        )
+    given = verifier.output_law(target, drafts)  # [V] or None
+    gap = 0.0 if given is None else float((given - law).abs().max())
+    if gap > 1e-7:
+        raise ConformanceError(f"{cls.name}: output_law differs from the law its conditional gives by {gap:.3g}")
 
 
 def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: int) -> None:

@@ -349,6 +349,26 @@ class VerifierRegistry(PluginRegistry):
             raise self.no_kl_bound([name])
         return {**params, parameter: bound}
 
+    def optimal_name(self, divergence: str) -> str | None:
+        """The installed verifier that is optimal under ``divergence`` (it names it in ``optimal_under``), or None
+        (a plugin that fails to load is passed over)."""
+        for name in self.names():
+            try:
+                cls = self.verifier_class(name)
+            except SpecdecError:
+                continue
+            if divergence in getattr(cls, "optimal_under", {}) and cls.kl_bound_parameter is not None:
+                return name
+        return None
+
+    def optimal_rule(self, divergence: str, bound: float) -> "BlockVerifier | None":
+        """An instance of :meth:`optimal_name`'s verifier at the bound ``bound`` on ``divergence``, or None."""
+        name = self.optimal_name(divergence)
+        if name is None:
+            return None
+        cls = self.verifier_class(name)
+        return self.create(name, {**cls.optimal_under[divergence], cls.kl_bound_parameter: bound})
+
     def no_kl_bound(self, names: list[str]) -> UsageError:
         """The refusal of --kl for a run whose verifiers ``names`` have no KL bound: the flag would be ignored."""
         bounded = ", ".join(self.names_where(lambda cls: cls.kl_bound_parameter is not None)) or "none installed"

@@ -28,6 +28,7 @@ import torch
 
 from ..base.randomness import BatchRandomness, Draws, Randomness, Stream, at, uniforms_from
 from ..base.sampling import sample, sample_with
+from .divergences import kl_divergence
 from .parameters import check_parameters
 
 __all__ = [
@@ -281,6 +282,13 @@ class BlockVerifier(ABC):
     """The constructor parameter that bounds KL(q ‖ output law) in nats, for a lossy scheme that has one:
     ``--kl`` sets it, and ``bench`` and ``acceptance`` sweep it (one configuration per bound)."""
 
+    optimal_under: ClassVar[dict[str, dict[str, Any]]] = {}
+    """For a lossy scheme that is the optimum under a divergence (a name in
+    :data:`~specdec_cli.plugins.divergences.DIVERGENCES`): that name → the parameters, besides its
+    ``kl_bound_parameter`` (which takes the bound D), that make it the rule accepting most among all whose output
+    law stays within D of q in that divergence at each position. ``acceptance`` reports each lossy rule's
+    acceptance beside this rule's at the divergence the rule spends, and the author's kit holds lossy rules to it."""
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # A block vmap can map reads nothing and updates no Python state, as a CUDA graph needs; a block that is
@@ -371,13 +379,27 @@ class BlockVerifier(ABC):
         """
         raise NotImplementedError(f"verifier '{self.name}' does not give its block law")
 
-    def output_kl(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor | None:
-        """Optional, for a lossy scheme: KL(q ‖ output law) in nats at each position → ``[...]``.
-
-        target_probs ``[..., V]``, draft_probs ``[..., K, V]``. ``acceptance`` shows it beside the
-        acceptance; None (the default) means the scheme does not give it.
+    def output_law(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor | None:
+        """The exact law π of the token a position outputs when its K candidates are drawn independently from
+        draft_probs ``[..., K, V]``, for target_probs ``[..., V]`` → ``[..., V]``; None where the scheme does not
+        give it. A lossless scheme's is q itself (the default); a lossy one overrides it, and ``acceptance``
+        reports KL(q ‖ π) and TV(q, π) from it, the divergence the rule spends at each position.
         """
-        return None
+        return target_probs if self.lossless else None
+
+    def output_kl(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor | None:
+        """KL(q ‖ output law) in nats at each position → ``[...]`` (target_probs ``[..., V]``, draft_probs
+        ``[..., K, V]``), from :meth:`output_law`; None where that is not given."""
+        law = self.output_law(target_probs, draft_probs)  # [..., V]
+        return None if law is None else kl_divergence(target_probs, law)
+
+    def promised_bound(self) -> tuple[str, float] | None:
+        """The bound this instance promises on the divergence of each position's output law from q, as (divergence
+        name in :data:`~specdec_cli.plugins.divergences.DIVERGENCES`, bound), or None for a rule that promises
+        none. The author's kit holds a rule to it. The default: the KL bound its ``kl_bound_parameter`` sets."""
+        if self.kl_bound_parameter is None:
+            return None
+        return "kl", float(getattr(self, self.kl_bound_parameter))
 
 
 class _DrawsOnlyThroughVerifier:

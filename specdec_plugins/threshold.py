@@ -1,0 +1,99 @@
+"""Threshold acceptance: SGLang's acceptance thresholds for speculative decoding (lossy but at the defaults).
+
+Source: SGLang's ``--speculative-accept-threshold-single`` (s) and ``--speculative-accept-threshold-acc`` (a),
+applied by sgl-kernel's ``tree_speculative_sampling_target_only`` (``speculative_sampling.cuh``). This is the
+kernel's chain case, one candidate per level. With q = target law at one position and x the draft token
+(drawn from p, which the rule never reads), one uniform u per position::
+
+    accept x         iff u ≤ q(x) / a  or  q(x) ≥ s,   so with probability  a(x) = 1 if q(x) ≥ s, else min(1, q(x) / a)
+    otherwise draw   from q · [y ≠ x] / (1 − q(x))     (the kernel's relu(q − draft_probs) after it sets
+                                                        draft_probs[x] = q(x), draft_probs being zero otherwise)
+
+and after a block accepted whole the bonus token comes from q. The output law at one position is
+π(y) = p(y) a(y) + q(y) Σ_{x ≠ y} p(x) (1 − a(x)) / (1 − q(x)), and it accepts Σ_x p(x) a(x).
+
+At SGLang's defaults s = a = 1 it accepts x with probability q(x) and otherwise draws from q without x, so
+π(y) = p(y) q(y) + q(y) (1 − p(y)) = q(y) for any draft law p: lossless, accepting Σ p q (less than speculative
+sampling's Σ min(p, q)). Lowering s or a accepts more and biases the output towards p; s = 0 accepts every
+draft token (π = p).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import torch
+
+from specdec_cli.plugins.laws import (
+    TINY,
+    excess_or,
+    first_accepted,
+    normalized_or,
+    one_hot_mass,
+    row_at,
+    single_draft_block,
+    uniforms_like,
+)
+from specdec_cli.plugins.verifiers import Verifier
+
+
+class ThresholdAcceptance(Verifier):
+    name = "threshold"
+    lossless = False  # at the defaults it is; any lower threshold is not
+    max_drafts = 1
+    batches_by_vmap = True
+
+    def __init__(
+        self,
+        *,
+        single: Annotated[float, "s: accept a draft token whose target probability is at least s (1: off)"] = 1.0,
+        acc: Annotated[float, "a: accept a draft token x with probability min(1, q(x) / a) (1: lossless)"] = 1.0,
+    ):
+        if not 0 <= single <= 1:  # NaN fails it too
+            raise ValueError(f"threshold: single must be a number in [0, 1], got {single}")
+        if not 0 < acc <= 1:
+            raise ValueError(f"threshold: acc must be a number in (0, 1], got {acc}")
+        self.single = float(single)
+        self.acc = float(acc)
+
+    def acceptance(self, target_x: torch.Tensor) -> torch.Tensor:
+        """a(x) for the target probabilities ``target_x`` ``[...]`` of draft tokens → ``[...]``."""
+        return torch.where(target_x >= self.single, 1.0, (target_x / self.acc).clamp(max=1.0))  # [...]
+
+    @staticmethod
+    def residual_weights(target_probs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """q with the rejected token x ``[..., 1]`` removed, as weights to draw from ``[..., V]``; q itself where
+        nothing is left (q(x) = 1, where x is always accepted and the residual is never drawn)."""
+        return excess_or(target_probs.scatter(-1, x, 0.0), target_probs)  # [..., V]
+
+    def conditional(self, target_probs, draft_probs, draft_tokens):
+        q, x = target_probs, draft_tokens[..., :1]  # [..., V], [..., 1]
+        accept = self.acceptance(q.gather(-1, x))  # [..., 1]
+        residual = normalized_or(self.residual_weights(q, x), q)  # [..., V]
+        return one_hot_mass((1 - accept) * residual, x, accept)  # [..., V]
+
+    def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        q, x = target_probs, draft_tokens[..., :1]  # [..., V], [..., 1]
+        accept = self.acceptance(q.gather(-1, x))  # [..., 1]
+        return first_accepted(uniforms_like(accept, randomness), accept, x, self.residual_weights(q, x), randomness)
+
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        q, x = target_probs[0], draft_tokens[0]  # [L+1, V], [L]
+        accept = self.acceptance(q[:-1].gather(-1, x.unsqueeze(-1)).squeeze(-1))  # [L]
+
+        def residual_at(n: torch.Tensor) -> torch.Tensor:  # [V]: after a rejection at position n
+            return self.residual_weights(row_at(q, n), x.index_select(0, n.view(1)))
+
+        return single_draft_block(accept, residual_at, q, x, randomness)
+
+    def acceptance_probability(self, target_probs, draft_probs):
+        return (draft_probs[..., 0, :] * self.acceptance(target_probs)).sum(-1)  # [...]
+
+    def output_law(self, target_probs, draft_probs):
+        """π(y) = p(y) a(y) + q(y) (R − r(y)), where r(x) = p(x) (1 − a(x)) / (1 − q(x)) is the mass that
+        rejecting x spreads over q without x, and R = Σ_x r(x)."""
+        q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
+        accept = self.acceptance(q)  # [..., V]: a(x) for every token
+        rest = q.sum(-1, keepdim=True) - q  # [..., V]: 1 − q(x), as the residual normalises it
+        rejected = torch.where(rest > 0, p * (1 - accept) / rest.clamp_min(TINY), 0.0)  # [..., V]: r(x), 0 at a(x) = 1
+        return p * accept + q * (rejected.sum(-1, keepdim=True) - rejected)  # [..., V]
