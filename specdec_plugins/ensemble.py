@@ -27,6 +27,7 @@ from specdec_plugins.speculative import SpeculativeSampling
 
 
 class StaticEnsemble(SpeculativeSampling):
+    name = "ensemble"
     lossless = False
 
     def __init__(

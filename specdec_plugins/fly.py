@@ -22,8 +22,9 @@ With q_t = target law and p_t = draft law at position t of a block of L draft to
    (stream BONUS at offset L).
 
 Where no deferral can happen (θ above every entropy, or W ≥ L) the decisions are speculative sampling's on the
-same keyed draws. Unlike vLLM, which takes W = min(6, L − 1) and requires W < L, the verifier is made before it
-knows L: a window that does not fit (W ≥ L) simply defers nothing.
+same keyed draws. W defaults to vLLM's min(6, L − 1), taken from each block's L; vLLM also requires a given W
+to be below L, but a verifier is made before it knows L, so here a given window that does not fit (W ≥ L)
+simply defers nothing.
 
 The rule is lossy (a deferred token is kept where the target would have resampled) and not token-level: the
 decision at i depends on the native decisions at i+1..i+W, so neither a per-position output law nor a per-token
@@ -61,8 +62,10 @@ class FLyVerification(BlockVerifier):
         self,
         *,
         window_size: Annotated[
-            int, "W: a rejection is deferred only when the next W draft tokens are natively accepted"
-        ] = 6,
+            int | None,
+            "W: a rejection is deferred only when the next W draft tokens are natively accepted "
+            "(default: min(6, L − 1), vLLM's, for a block of L)",
+        ] = None,
         entropy_threshold: Annotated[
             float, "θ: a rejection is deferred only where the target's top-k entropy is at least θ nats"
         ] = 0.3,
@@ -70,18 +73,22 @@ class FLyVerification(BlockVerifier):
     ):
         # The types are the base class's to check (check_parameters, before this runs); the ranges are the rule's.
         for parameter, value in (("window_size", window_size), ("entropy_top_k", entropy_top_k)):
-            if value < 1:
+            if value is not None and value < 1:
                 raise ValueError(f"fly: {parameter} must be a whole number >= 1, got {value!r}")
         if not (math.isfinite(entropy_threshold) and entropy_threshold >= 0):
             raise ValueError(f"fly: entropy_threshold must be a finite number >= 0, got {entropy_threshold!r}")
-        self.window_size = int(window_size)
+        self.window_size = None if window_size is None else int(window_size)
         self.entropy_threshold = float(entropy_threshold)
         self.entropy_top_k = int(entropy_top_k)
+
+    def window(self, draft_length: int) -> int:
+        """W for a block of ``draft_length`` draft tokens: the one given, or vLLM's min(6, L − 1)."""
+        return min(6, draft_length - 1) if self.window_size is None else self.window_size
 
     def top_k_entropy(self, target_probs: torch.Tensor) -> torch.Tensor:
         """H_k(q) = −Σ q_j ln q_j over the k largest entries of each law ``[..., V]`` → ``[...]`` (0·ln 0 = 0)."""
         largest = target_probs.topk(min(self.entropy_top_k, target_probs.shape[-1]), dim=-1).values  # [..., k]
-        return -torch.xlogy(largest, largest).sum(-1)
+        return -torch.xlogy(largest, largest).sum(-1)  # [...]
 
     def deferrable(self, target_probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
         """``[L]`` bool: where a native rejection may be deferred, before the window test (entropy ≥ θ, q(x) > 0).
@@ -89,13 +96,14 @@ class FLyVerification(BlockVerifier):
         target_probs ``[L, V]``: q at the drafted positions; draft_tokens ``[L]``.
         """
         target_x = target_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [L]
-        return (self.top_k_entropy(target_probs) >= self.entropy_threshold) & (target_x > 0)
+        return (self.top_k_entropy(target_probs) >= self.entropy_threshold) & (target_x > 0)  # [L]
 
     def window_accepted(self, native: torch.Tensor) -> torch.Tensor:
         """``[L]`` bool: position i's window fits (i + W < L) and is natively accepted throughout (i+1..i+W),
         from the native decisions ``[L]`` bool by a difference of their cumulative sum."""
-        draft_length, window = native.shape[0], self.window_size
-        if window >= draft_length:  # no window fits: nothing is deferred
+        draft_length = native.shape[0]
+        window = self.window(draft_length)
+        if not 0 < window < draft_length:  # no window fits: nothing is deferred
             return torch.zeros_like(native)
         counts = torch.cat([native.new_zeros(1, dtype=torch.long), native.long().cumsum(0)])  # [L+1]: c_t = Σ_{s<t}
         fits = (counts[window + 1 :] - counts[1 : draft_length - window + 1]) == window  # [L-W]: i = 0..L-W-1
@@ -132,6 +140,7 @@ class FLyVerification(BlockVerifier):
 
     def _kept(self, t: int, native: tuple[bool, ...], deferrable: list[bool]) -> bool:
         """Whether position t is accepted, natively or by deferral, given the native pattern (host values)."""
-        window = native[t + 1 : t + 1 + self.window_size]
-        fits = t + self.window_size < len(native)
+        size = self.window(len(native))
+        window = native[t + 1 : t + 1 + size]
+        fits = size > 0 and t + size < len(native)
         return native[t] or (deferrable[t] and fits and all(window))

@@ -52,12 +52,12 @@ bisected into a band [(1-γ)D, (1+γ)D]; here KL(q ‖ π) = D to rounding. Tran
 2609.30474) build the same O(sort(n)) breakpoint structure for every f-divergence; their text was not
 reachable from this project's machines, so nothing here is taken from it.
 
-Under total variation ("tv"; the optimum as Tran-Thien & Nock state it for TV, accepting 1 - TV(q, p) + D for
-D ≤ TV): at each position w = min(1, D / TV(q, p)) (0 where TV = 0) and v = w·p + (1 - w)·q, and speculative
-sampling runs against v: accept x with probability min(1, v(x)/p(x)), else draw from (v - p)+ ∝ (q - p)+; the
-bonus token comes from q (:func:`tv_blend`, :func:`verify_tv`). The output law is v, TV(q, v) = min(D, TV), and it
-accepts Σ min(p, v) = 1 - TV + min(D, TV): no rule within TV D of q accepts more, since an accepted draft token
-x contributes to π(x) at most p(x) and Σ min(p, π) ≤ 1 - TV(q, p) + TV(q, π). It is the static ensemble
+Under total variation ("tv"; the optimum accepts 1 - TV(q, p) + D for D ≤ TV, shown below): at each position
+w = min(1, D / TV(q, p)) (0 where TV = 0) and v = w·p + (1 - w)·q, and speculative sampling runs against v:
+accept x with probability min(1, v(x)/p(x)), else draw from (v - p)+ ∝ (q - p)+; the bonus token comes from q
+(:func:`tv_blend`, then :class:`SpeculativeSampling` against it). The output law is v, TV(q, v) = min(D, TV),
+and it accepts Σ min(p, v) = 1 - TV + min(D, TV): no rule within TV D of q accepts more, since an accepted draft
+token x contributes to π(x) at most p(x) and Σ min(p, π) ≤ 1 - TV(q, p) + TV(q, π). It is the static ensemble
 (``ensemble``) with its weight set per position to D / TV; a fixed number of operations on every device (no
 reading CPU path). At a TV bound the KL rule, given the KL(q ‖ v) the TV rule spends, accepts at least as much
 (it is KL-optimal): tests/test_mentored_tv.py.
@@ -77,12 +77,8 @@ from specdec_cli.plugins.divergences import kl_divergence
 from specdec_cli.plugins.laws import (
     commit_known,
     excess_or,
-    excess_weights,
     first_accepted,
-    normalized_excess,
     normalized_or,
-    one_hot_mass,
-    ratio_acceptance,
     row_at,
     single_draft_block,
     single_draft_draws,
@@ -91,6 +87,7 @@ from specdec_cli.plugins.laws import (
 from specdec_cli.plugins.verifiers import BlockDecision, Verifier, reads_are_free
 
 from ._workspace import per_thread
+from .speculative import SpeculativeSampling
 
 TINY, _LARGEST = torch.finfo(torch.float64).tiny, torch.finfo(torch.float64).max
 # Device path: KL at the breakpoints, at ρ_max/8191 steps and at ρ_max times 2^-1074 ... 2^0 in 8192 geometric
@@ -104,7 +101,9 @@ _RATIO_ROUNDING = 1e-6  # CPU path: a margin far wider than float32's rounding o
 _FLOAT32_NORMAL = (torch.finfo(torch.float32).tiny * 2, torch.finfo(torch.float32).max / 2)
 _COARSE_TOLERANCE = 1e-6  # CPU path: float32 set steps stop when α and β move less than this, relatively
 _SCALAR_NEWTON_STEPS = 200  # CPU path: Newton from the left on one segment stops earlier, when it stands still
-DIVERGENCE_NAMES = ("kl", "tv")  # what the bound D may bound: KL(q ‖ π) in nats, or TV(q, π)
+
+_AGAINST_BLEND = SpeculativeSampling()
+"""The TV rule is speculative sampling against each position's blend v (:func:`tv_blend`)."""
 
 
 class MentoredDecoding(Verifier):
@@ -132,47 +131,51 @@ class MentoredDecoding(Verifier):
     ):
         if not 0 <= kl < math.inf:
             raise ValueError(f"mentored: kl must be a finite number >= 0 (nats), got {kl}")
-        if divergence not in DIVERGENCE_NAMES:
-            raise ValueError(f"mentored: divergence must be 'kl' or 'tv', got {divergence!r}")
         self.kl = float(kl)
         self.divergence = divergence
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
-        x = draft_tokens[..., :1]  # [..., 1]
         if self.divergence == "tv":
-            blend, p = tv_blend(target_probs, draft_probs[..., 0, :], self.kl)  # [..., V] each
-            accept = ratio_acceptance(blend, p, x)  # [..., 1]
-            return one_hot_mass((1 - accept) * normalized_excess(blend, p), x, accept).to(target_probs.dtype)
+            return _AGAINST_BLEND.conditional(*self._tv_laws(target_probs, draft_probs), draft_tokens).to(
+                target_probs.dtype
+            )
+        x = draft_tokens[..., :1]  # [..., 1]
         solution = self.solve(target_probs, draft_probs)
         r_x = solution.acceptance_of(x)  # [..., 1]
         law = (1 - r_x) * solution.residual()  # [..., V]
         return law.scatter_add(-1, x, r_x).to(target_probs.dtype)
 
     def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
-        x = draft_tokens[..., :1]  # [..., 1]
         if self.divergence == "tv":
-            blend, p = tv_blend(target_probs, draft_probs[..., 0, :], self.kl)  # [..., V] each
-            accept = ratio_acceptance(blend, p, x)  # [..., 1]
-            residual = normalized_excess(blend, p)  # [..., V]
-        else:
-            solution = self.solve(target_probs, draft_probs)
-            accept, residual = solution.acceptance_of(x), solution.residual()  # [..., 1], [..., V]
+            return _AGAINST_BLEND.select(*self._tv_laws(target_probs, draft_probs), draft_tokens, randomness)
+        x = draft_tokens[..., :1]  # [..., 1]
+        solution = self.solve(target_probs, draft_probs)
+        accept, residual = solution.acceptance_of(x), solution.residual()  # [..., 1], [..., V]
         return first_accepted(uniforms_like(accept, randomness), accept, x, residual, randomness)
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
-        q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
         if self.divergence == "tv":
-            return verify_tv(q, p, x, self.kl, randomness)
+            blend, draft = tv_blend(target_probs[:, :-1], draft_probs, self.kl)  # [1, L, V] each
+            bonus = _normalised(target_probs[:, -1:])  # [1, 1, V]: the bonus law stays q
+            return _AGAINST_BLEND.verify_block(torch.cat([blend, bonus], dim=1), draft, draft_tokens, randomness)
+        q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
         return verify(q, p, x, self.kl, randomness, lazy=reads_are_free(q))
 
     def acceptance_probability(self, target_probs, draft_probs):
         """R = 1 - Σ (p_i - q_i/α)+ with "kl", exact since the residual never returns a rejected token;
         Σ min(p, v) = 1 - TV + min(D, TV) with "tv"."""
         if self.divergence == "tv":
-            blend, p = tv_blend(target_probs, draft_probs[..., 0, :], self.kl)  # [..., V] each
-            return torch.minimum(blend, p).sum(-1).to(target_probs.dtype)  # [...]
+            return _AGAINST_BLEND.acceptance_probability(*self._tv_laws(target_probs, draft_probs)).to(
+                target_probs.dtype
+            )
         solution = self.solve(target_probs, draft_probs)
         return (1 - solution.rejected_mass.squeeze(-1)).to(target_probs.dtype)
+
+    def _tv_laws(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The TV rule as speculative sampling takes it at a position: (v ``[..., V]``, p ``[..., 1, V]``), float64,
+        for q ``[..., V]`` and one draft's p ``[..., 1, V]``."""
+        blend, draft = tv_blend(target_probs, draft_probs[..., 0, :], self.kl)  # [..., V] each
+        return blend, draft.unsqueeze(-2)
 
     def solve(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> "_Solution":
         """The KL rule's α, β, 1 - R and KL for q ``[..., V]`` and one draft's p ``[..., 1, V]`` (float64)."""
@@ -214,15 +217,6 @@ def tv_blend(target_probs: torch.Tensor, draft_probs: torch.Tensor, bound: float
     distance = (q - p).clamp_min(0).sum(-1, keepdim=True)  # [..., 1]: TV(q, p)
     weight = torch.where(distance > 0, (bound / distance.clamp_min(TINY)).clamp(max=1.0), 0.0)  # [..., 1]
     return torch.addcmul((1 - weight) * q, weight, p), p
-
-
-def verify_tv(q, p, x, bound: float, randomness) -> BlockDecision:
-    """One block of the TV rule: q ``[L+1, V]``, p ``[L, V]``, draft tokens x ``[L]``. Speculative sampling against
-    each position's blend v (accept x w.p. min(1, v(x)/p(x)), else draw from (v - p)+ ∝ (q - p)+), the bonus from
-    q: a fixed number of operations and no host read, on any device."""
-    blend, draft = tv_blend(q[:-1], p, bound)  # [L, V] each
-    accept = ratio_acceptance(blend, draft, x.unsqueeze(-1)).squeeze(-1)  # [L]
-    return single_draft_block(accept, lambda n: excess_weights(row_at(blend, n), row_at(draft, n)), q, x, randomness)
 
 
 def verify(q, p, x, bound: float, randomness, lazy: bool) -> BlockDecision:

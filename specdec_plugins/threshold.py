@@ -47,7 +47,9 @@ class ThresholdAcceptance(Verifier):
         self,
         *,
         single: Annotated[float, "s: accept a draft token whose target probability is at least s (1: off)"] = 1.0,
-        acc: Annotated[float, "a: accept a draft token x with probability min(1, q(x) / a) (1: lossless)"] = 1.0,
+        acc: Annotated[
+            float, "a: accept a draft token x with probability min(1, q(x) / a) (1, with single 1: lossless)"
+        ] = 1.0,
     ):
         if not 0 <= single <= 1:  # NaN fails it too
             raise ValueError(f"threshold: single must be a number in [0, 1], got {single}")

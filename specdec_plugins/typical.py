@@ -8,7 +8,7 @@ With q = target law and p = draft law at one position and the draft token x ~ p:
 
     H(q) = −Σ q ln q                  the target's entropy in nats (0 ln 0 = 0)
     τ    = min(ε, δ·exp(−H(q)))      the acceptance threshold
-    keep x                            iff q(x) > τ (p is not consulted, no uniform is drawn)
+    keep x                            iff q(x) > τ (p is not consulted; no uniform can change it)
     otherwise output argmax q         vLLM's recovered token (torch.argmax: the first index on ties)
 
 A block keeps the draft prefix up to the first position whose token fails, commits argmax q there, and after a
@@ -60,18 +60,18 @@ class TypicalAcceptance(Verifier):
     def acceptance_threshold(self, target_probs: torch.Tensor) -> torch.Tensor:
         """τ = min(ε, δ·exp(−H(q))) ``[...]`` for target_probs ``[..., V]``, with the exact entropy."""
         entropy = -torch.xlogy(target_probs, target_probs).sum(-1)  # [...]
-        return (self.alpha * torch.exp(-entropy)).clamp(max=self.threshold)
+        return (self.alpha * torch.exp(-entropy)).clamp(max=self.threshold)  # [...]
 
     def passes(self, target_probs: torch.Tensor) -> torch.Tensor:
         """[q(y) > τ] ``[..., V]`` bool: the tokens the test keeps (the argmax not always among them)."""
-        return target_probs > self.acceptance_threshold(target_probs).unsqueeze(-1)
+        return target_probs > self.acceptance_threshold(target_probs).unsqueeze(-1)  # [..., V]
 
     def _kept(self, target_probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Whether the output is the draft token ``[...]`` bool, for target_probs ``[..., V]`` and draft_tokens
         ``[...]``: it passes the test, or it is the argmax the test would recover."""
         probability = target_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [...]
         passed = probability > self.acceptance_threshold(target_probs)  # [...]
-        return passed | (draft_tokens == target_probs.argmax(-1))
+        return passed | (draft_tokens == target_probs.argmax(-1))  # [...]
 
     def conditional(self, target_probs, draft_probs, draft_tokens):
         x = draft_tokens[..., 0]  # [...]
@@ -84,7 +84,7 @@ class TypicalAcceptance(Verifier):
 
         def recovered(n: torch.Tensor) -> torch.Tensor:  # [V]: one-hot at argmax q_n, where the block stops
             row = row_at(q, n)  # [V]
-            return torch.zeros_like(row).scatter(0, row.argmax().view(1), 1.0)
+            return torch.zeros_like(row).scatter(0, row.argmax().view(1), 1.0)  # [V]
 
         return single_draft_block(accept, recovered, q, x, randomness)
 
@@ -99,4 +99,4 @@ class TypicalAcceptance(Verifier):
         p = draft_probs[..., 0, :]  # [..., V]
         kept = p * self.passes(target_probs).to(p.dtype)  # [..., V]
         replaced = (p - kept).sum(-1, keepdim=True)  # [..., 1]: the mass of the failing tokens
-        return kept.scatter_add(-1, target_probs.argmax(-1, keepdim=True), replaced)
+        return kept.scatter_add(-1, target_probs.argmax(-1, keepdim=True), replaced)  # [..., V]

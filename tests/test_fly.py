@@ -182,7 +182,7 @@ def test_after_a_deferral_the_block_stops_at_the_next_rejection_it_cannot_defer(
 def _by_the_rule(fly: FLyVerification, target, draft, tokens, draws: Draws) -> tuple[int, int]:
     """(num_accepted, the token after them) by the rule's words, with host loops over the block's own uniforms."""
     q, p, x = target[0].double(), draft[0].double(), tokens[0].tolist()
-    length, window = len(x), fly.window_size
+    length, window = len(x), fly.window(len(x))
     table = single_draft_draws(draws, length, torch.device("cpu")).tolist()  # [L+1][3]
     native = [table[t][0] < min(1.0, float(q[t, x[t]] / p[t, x[t]])) for t in range(length)]
     top = [sorted(q[t].tolist(), reverse=True)[: fly.entropy_top_k] for t in range(length)]
@@ -247,7 +247,7 @@ def _keys(count: int) -> list[Draws]:
 def _enumerated_law(fly: FLyVerification, target, draft, tokens) -> torch.Tensor:
     """``[1, L+1, V]`` by the rule's words: every native pattern, its mass, the deferrals, the token that follows."""
     q, p, x = target[0], draft[0], tokens[0].tolist()
-    length, window = len(x), fly.window_size
+    length, window = len(x), fly.window(len(x))
     accept = [min(1.0, float(q[t, x[t]] / p[t, x[t]])) for t in range(length)]
     entropy = fly.top_k_entropy(q[:-1]).tolist()
     law = torch.zeros_like(target)
@@ -371,7 +371,8 @@ def test_the_flags_say_what_it_is():
     assert (cls.lossless, cls.max_drafts, cls.token_level, cls.kl_bound_parameter) == (False, 1, False, None)
     assert cls.batches_by_vmap and cls.capturable and cls.keyed_randomness and not cls.reading_cpu_path
     fly = _fly()
-    assert (fly.window_size, fly.entropy_threshold, fly.entropy_top_k) == (6, 0.3, 3)
+    assert (fly.window_size, fly.entropy_threshold, fly.entropy_top_k) == (None, 0.3, 3)
+    assert [fly.window(length) for length in (1, 2, 4, 7, 12)] == [0, 1, 3, 6, 6]  # vLLM's min(6, L − 1)
     q, p = torch.tensor([[0.5, 0.5]]), torch.tensor([[[0.9, 0.1]]])
     assert fly.output_law(q, p) is None and fly.output_kl(q, p) is None and fly.promised_bound() is None
 
@@ -447,3 +448,10 @@ def test_acceptance_says_it_has_no_per_token_acceptance(run, recipe_path):
     code, _, err = run(["acceptance", "-r", recipe_path, "a", "--verifier", "fly", "--num-drafts", "1"])
     assert code == 2
     one_error_line(err, "no verifier has a per-token acceptance for these drafts: fly (decides whole blocks")
+
+
+def test_the_default_window_defers_in_a_short_block():
+    """At the default window (vLLM's min(6, L − 1)) a block of 4 defers a rejection at 0 whose next 3 tokens are
+    natively accepted, where speculative sampling stops."""
+    fly, speculative, _ = _decide([UNSURE, SURE, SURE, SURE], entropy_threshold=0.0)
+    assert int(speculative.num_accepted) == 0 and int(fly.num_accepted) == 4

@@ -84,6 +84,13 @@ def test_mentored_is_on_the_kl_frontier_and_the_ensemble_on_the_tv_frontier(repo
     assert float(gap.max()) > 1e-3
 
 
+def test_the_optimal_rows_are_those_at_the_optimal_settings(report):
+    """The plot draws as the frontier the rows of the rule each divergence's optimum names (mentored, at its own
+    divergence kl here): none under TV, where no row runs mentored with divergence tv."""
+    assert report.optimal["kl"] == ["mentored D=0.05", "mentored D=0.3"]
+    assert report.optimal["tv"] == [] and report.optimal["js"] == []
+
+
 def test_the_table_json_csv_and_plot_carry_the_spent_divergence(run, recipe_path, tmp_path):
     plot = tmp_path / "frontier.png"
     out = tmp_path / "out"
@@ -126,6 +133,8 @@ def test_the_table_json_csv_and_plot_carry_the_spent_divergence(run, recipe_path
         ("ensemble.weight=0.5,2", "--sweep ensemble.weight=0.5,2: verifier 'ensemble': weight must be a number"),
         ("ensemble.weight=0.5,0.5", "a value is given twice"),
         ("typical.alpha=0.3", "verifier 'typical' is not one this run has; add it to --verifier"),
+        ("mentored.kl=0.1", "kl is mentored's KL bound; give its values with --kl"),
+        ("ensemble.weight=1,1.0", "a value is given twice"),
     ],
 )
 @pytest.mark.parametrize("command", ["acceptance", "bench"])

@@ -178,11 +178,7 @@ class AcceptanceAnalysis:
                 num_drafts=counts,
                 drafter=section.drafter,
                 identical_drafts=all(section.rows(k).identical_laws for k in counts),
-                optimal={
-                    name: (found, self.registry.verifier_class(found).optimal_under[name])
-                    for name in DIVERGENCES
-                    if (found := self.registry.optimal_name(name))
-                },
+                optimal={name: self._optimal_rows(name) for name in DIVERGENCES},
             )
             for section in self.sections
         ]
@@ -201,6 +197,19 @@ class AcceptanceAnalysis:
             for report in reports:
                 report.interrupted = True
         return reports
+
+    def _optimal_rows(self, divergence: str) -> list[str]:
+        """The labels of the rows whose verifier is the installed optimum under ``divergence``, at the settings its
+        ``optimal_under`` names (mentored with divergence kl under "kl")."""
+        name = self.registry.optimal_name(divergence)
+        if name is None:
+            return []
+        settings = self.registry.verifier_class(name).optimal_under[divergence]
+        return [
+            row.label
+            for row, verifier in self.verifiers.items()
+            if row.verifier == name and all(getattr(verifier, key, None) == value for key, value in settings.items())
+        ]
 
     def _has_kl_bound(self) -> bool:
         return any(self.registry.verifier_class(name).kl_bound_parameter for name in self.request.verifiers)
@@ -385,15 +394,16 @@ class AcceptanceAnalysis:
     ) -> torch.Tensor | None:
         """At each position, the acceptance of the installed KL-optimal rule at the KL a row spent there ``[T]``
         (target ``[T, V]``, draft ``[T, V]``; 0 where no row proposed), or None where no rule is KL-optimal."""
+        name = self.registry.optimal_name("kl")
+        if name is None:
+            return None
         values = torch.zeros_like(spent)  # [T]
         for position in proposed.tolist():
             bound = float(spent[position])
             if bound == math.inf:  # an output law that rules out a token q allows: any rule is within that
                 values[position] = 1.0
                 continue
-            rule = self.registry.optimal_rule("kl", max(bound, 0.0))  # rounding can leave -1e-17
-            if rule is None:
-                return None
+            rule = self.registry.optimal_rule("kl", max(bound, 0.0), name)  # rounding can leave -1e-17
             rows = slice(position, position + 1)
             values[position] = rule.acceptance_probability(target[rows], draft[rows].unsqueeze(1))[0]
         return values

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ..base.inputs import write_atomically
 from ..base.recipe import Recipe
+from ..plugins.sweeps import shown_value
 from ..results.plotting import describe_run, save, verifier_colour
 from .results import OPTIMUM, SPENT_MEASURES, AcceptanceReport, AcceptanceRequest, AcceptanceRow, Estimate
 
@@ -122,7 +123,7 @@ def write(folder: Path, content: dict, reports: list[AcceptanceReport]) -> None:
     write_atomically(folder / "acceptance.json", json.dumps(content, indent=2) + "\n")
     buffer = io.StringIO(newline="")
     writer = csv.writer(buffer)
-    spent_columns = ["kl_mean", *(f"{measure}_mean" for measure in SPENT_MEASURES[1:])]
+    spent_columns = [f"{measure}_mean" for measure in SPENT_MEASURES]
     writer.writerow(["drafter", "coverage", "row", "num_drafts", "mean", "stderr", "positions", *spent_columns])
     for report in reports:
         for row in report.rows:
@@ -213,8 +214,7 @@ def _plot_frontier(axis, report: AcceptanceReport, lossy: list[AcceptanceRow], m
             key=lambda point: point[0],
         )
         finite = [(x, cell, row) for x, cell, row in points if math.isfinite(x)]
-        optimal = report.optimal.get(measure)
-        frontier = optimal is not None and verifier == optimal[0] and _matches(fixed, optimal[1])
+        frontier = all(row.label in report.optimal.get(measure, ()) for row in rows)
         label = " ".join([verifier, *fixed]) + (f" ({measure.upper()}-optimal)" if frontier else "")
         label += f" ({len(points) - len(finite)} with KL ∞)" if len(finite) < len(points) else ""
         axis.errorbar(
@@ -252,18 +252,16 @@ def _series(rows: list[AcceptanceRow]) -> dict[tuple[str, tuple[str, ...]], list
     """The rows grouped by verifier and by the settings that are not numbers (``divergence=tv``): what a line joins."""
     groups: dict[tuple[str, tuple[str, ...]], list[AcceptanceRow]] = {}
     for row in rows:
-        fixed = tuple(f"{name}={value}" for name, value in row.params if isinstance(value, str))
+        fixed = tuple(f"{name}={shown_value(value)}" for name, value in row.params if not _numeric(value))
         groups.setdefault((row.verifier, fixed), []).append(row)
     return groups
 
 
-def _matches(fixed: tuple[str, ...], params: dict) -> bool:
-    """Whether a series' fixed settings (``name=value`` texts) are those ``params`` give, the others at defaults."""
-    given = dict(part.split("=", 1) for part in fixed)
-    return all(given.get(name, value) == value for name, value in params.items())
+def _numeric(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _swept_text(row: AcceptanceRow) -> str:
     """The numbers that tell a series' points apart: its KL bound and its numeric swept values."""
     parts = [] if row.kl_bound is None else [f"D={row.kl_bound:g}"]
-    return " ".join(parts + [f"{name}={value:g}" for name, value in row.params if not isinstance(value, str)])
+    return " ".join(parts + [f"{name}={shown_value(value)}" for name, value in row.params if _numeric(value)])

@@ -172,9 +172,9 @@ class AcceptanceReport:
     interrupted: bool = False
     drafter: str | None = None
     """The section's drafter (``--drafter``); None: every entry of the recipe."""
-    optimal: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
-    """Divergence name → the installed verifier that is optimal under it and the parameters that make it so (its
-    ``optimal_under``), for the plot."""
+    optimal: dict[str, list[str]] = field(default_factory=dict)
+    """Divergence name → the labels of the rows that are the optimal rule under it (the installed verifier that
+    names it in ``optimal_under``, with the settings that make it so), for the plot."""
 
     def add(self, result: PromptAcceptance) -> None:
         self.prompts.append(result)

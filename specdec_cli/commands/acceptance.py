@@ -118,9 +118,10 @@ def acceptance(
     common.check_flag_values("num_drafts", list(counts))
     bounds = common.parse_list(kl, float, "--kl")
     laws = [[draft_law(draft, resolved.generation) for draft in section.drafts] for section in sections]
-    names, left_out = _applicable(common.parse_list(verifiers, str, "--verifier"), counts, laws)
+    requested = common.parse_list(verifiers, str, "--verifier")
+    names, left_out = _applicable(requested, counts, laws)
     common.check_kl_bounds(bounds, names, resolved.verifier.params, VerifierRegistry())
-    sweeps = common.run_sweeps(sweep or [], names, resolved.verifier.params)
+    sweeps = common.run_sweeps(sweep or [], requested or names, resolved.verifier.params, VerifierRegistry())
     request = AcceptanceRequest(
         verifiers=tuple(names), num_drafts=counts, kl_values=tuple(bounds) if bounds else None, sweeps=sweeps
     )

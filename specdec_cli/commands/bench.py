@@ -172,7 +172,7 @@ class _GridOptions:
         verifiers = tuple(common.grid_values(self.verifiers, str, "--verifier") or [base.verifier.name])
         bounds = common.grid_values(self.kl, float, "--kl")
         common.check_kl_bounds(bounds, list(verifiers), base.verifier.params, registry)
-        sweeps = common.run_sweeps(self.sweep or [], list(verifiers), base.verifier.params)
+        sweeps = common.run_sweeps(self.sweep or [], list(verifiers), base.verifier.params, registry)
         speculation, generation = base.speculation, base.generation
         return Grid(
             verifiers=verifiers,

@@ -122,10 +122,12 @@ def check_kl_bounds(bounds: list[float], names: list[str], params: dict[str, Any
             registry.create(name, given, set_by=f"--kl {bound:g}")
 
 
-def run_sweeps(texts: list[str], names: list[str], params: dict[str, Any]) -> tuple[ParameterSweep, ...]:
-    """``--sweep`` values for a run of the verifiers ``names`` (the recipe's verifier.params ``params``), checked before
-    any model loads: each swept verifier must be one the run has, and each value one its constructor takes."""
-    registry = VerifierRegistry()
+def run_sweeps(
+    texts: list[str], names: list[str], params: dict[str, Any], registry: VerifierRegistry
+) -> tuple[ParameterSweep, ...]:
+    """``--sweep`` values for a run of the verifiers ``names`` the user asked for (the recipe's verifier.params
+    ``params``), checked before any model loads: each swept verifier must be one of them, and each value one its
+    constructor takes."""
     sweeps = parse_sweeps(texts, registry, params)
     running = {registry.canonical(name) for name in names if not target_alone(name)}
     for sweep in sweeps:

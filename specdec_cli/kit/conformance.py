@@ -298,6 +298,10 @@ def _check_promised_bound(cls: type, verifier: Any, first_token_law: dict, targe
     """At the block's first position the output law is within the bound the verifier promises (its
     ``promised_bound``: a divergence and a bound) of the target's."""
     divergence, bound = verifier.promised_bound()
+    if divergence not in DIVERGENCES:
+        raise ConformanceError(
+            f"{cls.name}: promised_bound names the divergence {divergence!r}; use one of {', '.join(DIVERGENCES)}"
+        )
     output = torch.zeros(VOCAB, dtype=torch.float64)  # [V]
     for sequence, mass in first_token_law.items():
         output[sequence[0]] += mass

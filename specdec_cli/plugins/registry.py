@@ -302,6 +302,9 @@ class VerifierRegistry(PluginRegistry):
         drafts = loaded.max_drafts
         if drafts is not None and (isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1):
             return f"its class sets max_drafts = {drafts!r}; set an int >= 1, or None for any number of drafts"
+        optimal = getattr(loaded, "optimal_under", {})
+        if not isinstance(optimal, dict) or not all(isinstance(settings, dict) for settings in optimal.values()):
+            return f"its optimal_under is {optimal!r}; set a dict of divergence name → dict of parameters"
         bound = loaded.kl_bound_parameter
         if bound is not None and bound not in parameter_defaults(loaded):
             parameters = ", ".join(parameter_defaults(loaded))
@@ -350,20 +353,22 @@ class VerifierRegistry(PluginRegistry):
         return {**params, parameter: bound}
 
     def optimal_name(self, divergence: str) -> str | None:
-        """The installed verifier that is optimal under ``divergence`` (it names it in ``optimal_under``), or None
-        (a plugin that fails to load is passed over)."""
-        for name in self.names():
+        """The installed verifier that is optimal under ``divergence`` (it names it in ``optimal_under``), a built-in
+        before any plugin's; None where none is. A plugin that fails to load is passed over."""
+        built_in = {entry.name for entry in self.entry_points() if entry.built_in}
+        for name in sorted(self.names(), key=lambda name: name not in built_in):
             try:
                 cls = self.verifier_class(name)
             except SpecdecError:
                 continue
-            if divergence in getattr(cls, "optimal_under", {}) and cls.kl_bound_parameter is not None:
+            if divergence in cls.optimal_under and cls.kl_bound_parameter is not None:
                 return name
         return None
 
-    def optimal_rule(self, divergence: str, bound: float) -> "BlockVerifier | None":
-        """An instance of :meth:`optimal_name`'s verifier at the bound ``bound`` on ``divergence``, or None."""
-        name = self.optimal_name(divergence)
+    def optimal_rule(self, divergence: str, bound: float, name: str | None = None) -> "BlockVerifier | None":
+        """An instance of the rule optimal under ``divergence`` (``name``, or :meth:`optimal_name`'s) at the bound
+        ``bound``, or None where none is installed."""
+        name = name or self.optimal_name(divergence)
         if name is None:
             return None
         cls = self.verifier_class(name)

@@ -44,7 +44,9 @@ def parse_sweeps(texts: list[str], registry: VerifierRegistry, params: dict[str,
                 f"--sweep {text}: verifier '{name}' has no parameter '{parameter}' "
                 f"(it takes: {', '.join(taken) or 'none'})"
             )
-        if len({repr(value) for value in values}) < len(values):
+        if parameter == registry.verifier_class(name).kl_bound_parameter:
+            raise UsageError(f"--sweep {text}: {parameter} is {name}'s KL bound; give its values with --kl")
+        if len({shown_value(value) for value in values}) < len(values):  # two values, one row label or cell key
             raise UsageError(f"--sweep {text}: a value is given twice; give each value once")
         if any(sweep.verifier == name and sweep.parameter == parameter for sweep in sweeps):
             raise UsageError(f"--sweep names {name}.{parameter} twice; give its values in one list")

@@ -391,7 +391,7 @@ class BlockVerifier(ABC):
         """KL(q ‖ output law) in nats at each position → ``[...]`` (target_probs ``[..., V]``, draft_probs
         ``[..., K, V]``), from :meth:`output_law`; None where that is not given."""
         law = self.output_law(target_probs, draft_probs)  # [..., V]
-        return None if law is None else kl_divergence(target_probs, law)
+        return None if law is None else kl_divergence(target_probs, law)  # [...]
 
     def promised_bound(self) -> tuple[str, float] | None:
         """The bound this instance promises on the divergence of each position's output law from q, as (divergence
