@@ -27,24 +27,13 @@ from typing import Annotated, Literal
 import torch
 
 from specdec_cli.plugins.divergences import DIVERGENCES
-from specdec_cli.plugins.laws import (
-    excess_weights,
-    first_accepted,
-    normalized_excess,
-    one_hot_mass,
-    ratio_acceptance,
-    row_at,
-    single_draft_block,
-    uniforms_like,
-)
-from specdec_cli.plugins.verifiers import Verifier
+
+from .speculative import SpeculativeSampling
 
 
-class FuzzySpeculative(Verifier):
+class FuzzySpeculative(SpeculativeSampling):
     name = "fuzzy"
     lossless = False
-    max_drafts = 1
-    batches_by_vmap = True
 
     def __init__(
         self,
@@ -69,32 +58,16 @@ class FuzzySpeculative(Verifier):
         return self.divergences(target_probs, draft_probs) <= self.threshold  # [...]
 
     def acceptance(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The probability of accepting candidates ``x`` ``[..., 1]``: 1 where outright, else min(1, q(x) / p(x))."""
-        ratio = ratio_acceptance(target_probs, draft_probs, x)  # [..., 1]
+        """The probability of accepting candidates ``x`` ``[..., 1]``: 1 where outright, else speculative sampling's
+        min(1, q(x) / p(x)); the residual, the bonus and the block are speculative sampling's."""
+        ratio = super().acceptance(target_probs, draft_probs, x)  # [..., 1]
         outright = self.outright(target_probs, draft_probs).unsqueeze(-1)  # [..., 1]
         return torch.where(outright, torch.ones_like(ratio), ratio)  # [..., 1]
 
-    def conditional(self, target_probs, draft_probs, draft_tokens):
-        q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
-        x = draft_tokens[..., :1]  # [..., 1]
-        accept = self.acceptance(q, p, x)  # [..., 1]
-        return one_hot_mass((1 - accept) * normalized_excess(q, p), x, accept)
-
-    def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
-        q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
-        x = draft_tokens[..., :1]  # [..., 1]
-        accept = self.acceptance(q, p, x)  # [..., 1]
-        return first_accepted(uniforms_like(accept, randomness), accept, x, normalized_excess(q, p), randomness)
-
-    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
-        q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
-        accept = self.acceptance(q[:-1], p, x.unsqueeze(-1)).squeeze(-1)  # [L]
-        return single_draft_block(accept, lambda n: excess_weights(row_at(q, n), row_at(p, n)), q, x, randomness)
-
     def acceptance_probability(self, target_probs, draft_probs):
-        p = draft_probs[..., 0, :]  # [..., V]
-        overlap = torch.minimum(target_probs, p).sum(-1)  # [...]: speculative sampling's 1 − TV
-        return torch.where(self.outright(target_probs, p), torch.ones_like(overlap), overlap)  # [...]
+        overlap = super().acceptance_probability(target_probs, draft_probs)  # [...]: speculative sampling's 1 − TV
+        outright = self.outright(target_probs, draft_probs[..., 0, :])  # [...]
+        return torch.where(outright, torch.ones_like(overlap), overlap)  # [...]
 
     def output_law(self, target_probs, draft_probs):
         """p where Div(q, p) ≤ T (the draft token is kept whatever it is), q elsewhere (speculative sampling)."""

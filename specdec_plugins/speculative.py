@@ -35,21 +35,27 @@ class SpeculativeSampling(Verifier):
     max_drafts = 1
     batches_by_vmap = True
 
+    def acceptance(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The probability of accepting candidates ``x`` ``[..., 1]`` drawn from draft_probs, against target_probs
+        (``[..., V]`` each): min(1, q(x) / p(x)). A rule that keeps the residual and the bonus and changes only this
+        test (fuzzy) overrides it."""
+        return ratio_acceptance(target_probs, draft_probs, x)  # [..., 1]
+
     def conditional(self, target_probs, draft_probs, draft_tokens):
         q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
         x = draft_tokens[..., :1]  # [..., 1]
-        accept = ratio_acceptance(q, p, x)  # [..., 1]
+        accept = self.acceptance(q, p, x)  # [..., 1]
         return one_hot_mass((1 - accept) * normalized_excess(q, p), x, accept)
 
     def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
         q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
         x = draft_tokens[..., :1]  # [..., 1]
-        accept = ratio_acceptance(q, p, x)  # [..., 1]
+        accept = self.acceptance(q, p, x)  # [..., 1]
         return first_accepted(uniforms_like(accept, randomness), accept, x, normalized_excess(q, p), randomness)
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
         q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
-        accept = ratio_acceptance(q[:-1], p, x.unsqueeze(-1)).squeeze(-1)  # [L]: min(1, q(x_t)/p(x_t))
+        accept = self.acceptance(q[:-1], p, x.unsqueeze(-1)).squeeze(-1)  # [L]: min(1, q(x_t)/p(x_t))
         return single_draft_block(accept, lambda n: excess_weights(row_at(q, n), row_at(p, n)), q, x, randomness)
 
     def acceptance_probability(self, target_probs, draft_probs):

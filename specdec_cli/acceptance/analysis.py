@@ -103,6 +103,8 @@ class AcceptanceAnalysis:
         self.request = request
         self.registry = registry or VerifierRegistry()
         self.verifiers = self._verifiers(request.kl_values or ())  # every parameter checked before the models load
+        self.kl_optimal = self.registry.optimal_name("kl")
+        """The installed KL-optimal rule (mentored), looked up once: every lossy row's "best at that KL" is its."""
         self.kl_reference: float | None = None
         """The pair's mean KL(q ‖ p) on the first prompt, when the KL bounds were derived from it."""
         pool = pool if pool is not None else ModelPool()
@@ -394,7 +396,7 @@ class AcceptanceAnalysis:
     ) -> torch.Tensor | None:
         """At each position, the acceptance of the installed KL-optimal rule at the KL a row spent there ``[T]``
         (target ``[T, V]``, draft ``[T, V]``; 0 where no row proposed), or None where no rule is KL-optimal."""
-        name = self.registry.optimal_name("kl")
+        name = self.kl_optimal
         if name is None:
             return None
         values = torch.zeros_like(spent)  # [T]

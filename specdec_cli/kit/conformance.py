@@ -318,14 +318,10 @@ def _check_frontier(cls: type, verifier: Any) -> None:
     acceptance it claims (``acceptance_probability``) is no more than the KL-optimal rule's (the installed one that
     names "kl" in ``optimal_under``) at the KL(q ‖ π) its output law π spends, π enumerated from ``conditional``;
     the claim is the enumerated acceptance, and ``output_law``, where given, is π."""
-    from .testing import (
-        adversarial_distribution_pairs,
-        candidate_acceptance,
-        enumerate_output_law,
-        random_distributions,
-    )
+    from .testing import adversarial_distribution_pairs, enumerate_output_law, random_distributions
 
     registry = VerifierRegistry()
+    optimal_name = registry.optimal_name("kl")
     generator = torch.Generator().manual_seed(34)
     pairs = [tuple(random_distributions(generator, (2, vocab))) for vocab in (3, 6) for _ in range(10)]
     for target, draft in pairs + adversarial_distribution_pairs(4):
@@ -333,18 +329,21 @@ def _check_frontier(cls: type, verifier: Any) -> None:
         law = enumerate_output_law(verifier, target, drafts)  # [V]
         spent = max(float(kl_divergence(target, law)), 0.0)  # rounding leaves -1e-16 where π is q
         claimed = float(verifier.acceptance_probability(target, drafts))
-        optimal = registry.optimal_rule("kl", spent) if math.isfinite(spent) else None
-        if optimal is not None and claimed > float(optimal.acceptance_probability(target, drafts)) + 1e-7:
-            best = float(optimal.acceptance_probability(target, drafts))
+        found = optimal_name is not None and math.isfinite(spent)
+        optimal = registry.optimal_rule("kl", spent, optimal_name) if found else None
+        best = math.inf if optimal is None else float(optimal.acceptance_probability(target, drafts))
+        if claimed > best + 1e-7:
             raise ConformanceError(
                 f"{cls.name}: claims acceptance {claimed:.6g} where its output law spends KL {spent:.6g}, above the "
                 f"KL-optimal rule's {best:.6g} there (no rule accepts more): its acceptance_probability is wrong"
             )
-        _check_against_enumeration(cls, verifier, target, drafts, law, claimed, candidate_acceptance)
+        _check_against_enumeration(cls, verifier, target, drafts, law, claimed)
 
 
-def _check_against_enumeration(cls, verifier, target, drafts, law, claimed: float, candidate_acceptance) -> None:
+def _check_against_enumeration(cls, verifier, target, drafts, law, claimed: float) -> None:
     """The claimed acceptance is the one enumerated from ``conditional``; ``output_law``, where given, is ``law``."""
+    from .testing import candidate_acceptance
+
     enumerated = candidate_acceptance(verifier, target, drafts)
     if abs(claimed - enumerated) > 1e-7:
         raise ConformanceError(
