@@ -2,24 +2,27 @@
 
 The rule in the project's notation: docs/verifiers.md §8.
 
-Sources: transformers' ``assistant_ensemble_weight`` (PR #45979) and DIVERSED (AISTATS 2026, arXiv 2604.07622).
-With q = target law, p = draft law at one position and a weight w in [0, 1], the verifier runs speculative
-sampling (Leviathan et al. 2023, Algorithm 1) against the blend::
+Sources: transformers' ``assistant_ensemble_weight`` (PR #45979; ``_speculative_sampling`` in
+``src/transformers/generation/utils.py``, whose docstring calls the draft's law q and the target's p) and DIVERSED
+(AISTATS 2026, arXiv 2604.07622). The weight w is transformers' own: the *target's* share of the law each draft
+token is checked against. With q = target law, p = draft law at one position and w in [0, 1] (None: lossless, as
+transformers' default), the verifier runs speculative sampling (Leviathan et al. 2023, Algorithm 1) against::
 
-    v = w·p + (1 − w)·q
-    accept x ~ p     with probability min(1, v(x) / p(x))
-    otherwise draw   from (v − p)+ / Σ (v − p)+  =  (q − p)+ / Σ (q − p)+
+    v = w·q + (1 − w)·p
+    accept x ~ p     with probability min(1, v(x) / p(x)) = min(1, 1 − w + w·q(x) / p(x))
+    otherwise draw   from (v − p)+ / Σ (v − p)+  =  (q − p)+ / Σ (q − p)+   (q where it has no mass)
 
-so each position's output follows v exactly: its bias is TV(q, v) = w·TV(q, p), and it accepts
-Σ min(p, v) = 1 − (1 − w)·TV(q, p). Under total variation that is the most any rule accepts for that bias
-(the optimum accepts 1 − TV + D for a bias D ≤ TV): the static ensemble at w = D / TV is the TV-optimal
-lossy rule. w = 0 is speculative sampling; w = 1 accepts every draft token. The bonus token after a block
-accepted whole has no draft law to blend and comes from q.
+which is transformers' ``probability_ratio = 1.0 - w + w * (p_i / q_i)`` and its residual, in the project's letters.
+Each position's output follows v exactly: its bias is TV(q, v) = (1 − w)·TV(q, p), and it accepts
+Σ min(p, v) = 1 − w·TV(q, p). Under total variation that is the most any rule accepts for that bias (the optimum
+accepts 1 − TV + D for a bias D ≤ TV): the static ensemble at w = 1 − D / TV is the TV-optimal lossy rule.
+w = 1 (or None) is speculative sampling, decision for decision; w = 0 accepts every draft token. The bonus token
+after a block accepted whole has no draft law to blend and comes from q.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import torch
 
@@ -29,31 +32,31 @@ from specdec_plugins.speculative import SpeculativeSampling
 class StaticEnsemble(SpeculativeSampling):
     name = "ensemble"
     lossless = False
+    revisions: ClassVar[tuple[str, ...]] = (
+        "weight is transformers' assistant_ensemble_weight, the target's share of the blend (it was the draft's)",
+    )
 
     def __init__(
         self,
         *,
-        weight: Annotated[float, "w: the draft's share of the law the draft is checked against (0: lossless)"] = 0.0,
+        weight: Annotated[
+            float | None,
+            "w: transformers' assistant_ensemble_weight, the target's share of the law v = w·q + (1 − w)·p each "
+            "draft token is checked against (None or 1: lossless; 0: accept every draft token)",
+        ] = None,
     ):
-        if not 0 <= weight <= 1:  # NaN fails it too
-            raise ValueError(f"ensemble: weight must be a number in [0, 1], got {weight}")
-        self.weight = float(weight)
+        if weight is not None and not 0 <= weight <= 1:  # NaN fails it too
+            raise ValueError(f"ensemble: weight must be a number in [0, 1] or null (lossless), got {weight}")
+        self.weight = 1.0 if weight is None else float(weight)
+
+    def acceptance(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """min(1, v(x) / p(x)) for candidates ``x`` ``[..., 1]``, which is transformers' 1 − w + w·q(x)/p(x) where
+        p(x) > 0; at w = 1 the blend is q to the bit, so the decisions are speculative sampling's."""
+        return super().acceptance(self.blend(target_probs, draft_probs), draft_probs, x)  # [..., 1]
 
     def blend(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-        """v = w·p + (1 − w)·q, position by position (``[..., V]`` each)."""
-        return self.weight * draft_probs + (1 - self.weight) * target_probs  # [..., V]
-
-    def conditional(self, target_probs, draft_probs, draft_tokens):
-        return super().conditional(self.blend(target_probs, draft_probs[..., 0, :]), draft_probs, draft_tokens)
-
-    def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
-        blended = self.blend(target_probs, draft_probs[..., 0, :])  # [..., V]
-        return super().select(blended, draft_probs, draft_tokens, randomness)
-
-    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
-        drafted = self.blend(target_probs[:, :-1], draft_probs)  # [1, L, V]
-        blended = torch.cat([drafted, target_probs[:, -1:]], dim=1)  # [1, L+1, V]: the bonus law stays q
-        return super().verify_block(blended, draft_probs, draft_tokens, randomness)
+        """v = w·q + (1 − w)·p, position by position (``[..., V]`` each)."""
+        return self.weight * target_probs + (1 - self.weight) * draft_probs  # [..., V]
 
     def acceptance_probability(self, target_probs, draft_probs):
         return super().acceptance_probability(self.blend(target_probs, draft_probs[..., 0, :]), draft_probs)

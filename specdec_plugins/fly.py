@@ -22,9 +22,12 @@ With q_t = target law and p_t = draft law at position t of a block of L draft to
    (stream BONUS at offset L).
 
 Where no deferral can happen (θ above every entropy, or W ≥ L) the decisions are speculative sampling's on the
-same keyed draws. W defaults to vLLM's min(6, L − 1), taken from each block's L; vLLM also requires a given W
-to be below L, but a verifier is made before it knows L, so here a given window that does not fit (W ≥ L)
-simply defers nothing.
+same keyed draws. W is fixed once per run, as vLLM fixes ``FLY_WINDOW_SIZE`` per engine: the one given, or vLLM's
+default min(6, K − 1) from the configured draft length K (``speculation.draft_length``, vLLM's
+``num_speculative_tokens``), told by :meth:`set_draft_length`. Like vLLM, a run refuses K < 2 and a window W ≥ K.
+A block shorter than K (near the end of an output, under the adaptive schedule) keeps that W, so its last W
+positions cannot defer, as in vLLM's kernel (``pos + FLY_WINDOW_SIZE < num_draft_tokens``). A verifier used
+without a run (a test, the author's kit) is never told K and takes each block's own L for it.
 
 The rule is lossy (a deferred token is kept where the target would have resampled) and not token-level: the
 decision at i depends on the native decisions at i+1..i+W, so neither a per-position output law nor a per-token
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import math
 from itertools import product
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import torch
 
@@ -57,6 +60,10 @@ class FLyVerification(BlockVerifier):
     lossless = False
     max_drafts = 1
     batches_by_vmap = True
+    revisions: ClassVar[tuple[str, ...]] = (
+        "the default window is vLLM's min(6, K − 1) from the configured draft length K, fixed per run (it was taken "
+        "from each block's own length)",
+    )
 
     def __init__(
         self,
@@ -64,7 +71,7 @@ class FLyVerification(BlockVerifier):
         window_size: Annotated[
             int | None,
             "W: a rejection is deferred only when the next W draft tokens are natively accepted "
-            "(default: min(6, L − 1), vLLM's, for a block of L)",
+            "(default: vLLM's min(6, K − 1) for the configured draft length K; must be below K)",
         ] = None,
         entropy_threshold: Annotated[
             float, "θ: a rejection is deferred only where the target's top-k entropy is at least θ nats"
@@ -80,10 +87,26 @@ class FLyVerification(BlockVerifier):
         self.window_size = None if window_size is None else int(window_size)
         self.entropy_threshold = float(entropy_threshold)
         self.entropy_top_k = int(entropy_top_k)
+        self.configured_length: int | None = None
+        """K, the run's configured draft length (None: never told, each block's L stands for it)."""
+
+    def set_draft_length(self, draft_length: int) -> None:
+        """Fix W from the run's configured K, refusing what vLLM's speculative config refuses."""
+        if draft_length < 2:
+            raise ValueError("fly needs at least two draft tokens per block, as vLLM does; set draft_length >= 2")
+        if self.window_size is not None and self.window_size >= draft_length:
+            raise ValueError(
+                f"window_size {self.window_size} must be smaller than the draft length, as vLLM requires; "
+                f"give window_size <= {draft_length - 1} or a longer draft"
+            )
+        self.configured_length = draft_length
 
     def window(self, draft_length: int) -> int:
-        """W for a block of ``draft_length`` draft tokens: the one given, or vLLM's min(6, L − 1)."""
-        return min(6, draft_length - 1) if self.window_size is None else self.window_size
+        """W for a block of ``draft_length`` draft tokens: the one given, else vLLM's min(6, K − 1) from the
+        configured K (this block's L where the verifier was never told K)."""
+        if self.window_size is not None:
+            return self.window_size
+        return min(6, (self.configured_length or draft_length) - 1)
 
     def top_k_entropy(self, target_probs: torch.Tensor) -> torch.Tensor:
         """H_k(q) = −Σ q_j ln q_j over the k largest entries of each law ``[..., V]`` → ``[...]`` (0·ln 0 = 0)."""

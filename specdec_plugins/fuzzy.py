@@ -1,79 +1,186 @@
-"""Fuzzy Speculative Decoding: accept the draft token outright where the draft's law is close to the target's (lossy).
+"""Fuzzy Speculative Decoding (FSD): accept the draft token where the draft's law is close to the target's, back off
+to the target elsewhere (lossy).
 
 Source: Holsman, Huang & Dhingra, "Fuzzy Speculative Decoding for a Tunable Accuracy-Runtime Tradeoff" (ACL
-Findings 2025, arXiv 2502.20704); its reference implementation's ``fsd_div_threshold`` is ``threshold`` here and
-its ``fsd_div_type`` in {js_div, kl_div, tv_div} is ``divergence`` ("js", "kl", "tv"). With q = target law and
-p = draft law at one position, x ~ p the draft token, Div one of :data:`~specdec_cli.plugins.divergences.DIVERGENCES`
-(JS in nats by default; "kl" is KL(q ‖ p)) and a threshold T ≥ 0::
+Findings 2025, arXiv 2502.20704), and its reference implementation, a patched transformers ``utils.py`` whose
+``_speculative_backoff_sampling`` decides (its ``q`` is the draft's law and its ``p`` the target's; here, as
+everywhere in specdec, q is the target's and p the draft's). Its ``fsd_div_threshold`` is ``threshold`` T and its
+``fsd_div_type`` is ``divergence``. At each drafted position, with Div computed on the laws the rule compares::
 
-    Div(q, p) ≤ T:   accept x outright
-    otherwise:       speculative sampling (accept x w.p. min(1, q(x) / p(x)), else draw from (q − p)+ normalised)
+    Div ≤ T:     accept the draft token x
+    otherwise:   reject it, and the block ends with a token drawn from q (the target's sampling law there)
 
-So each position outputs π = p where Div(q, p) ≤ T and q elsewhere: Div(q, π) ≤ T at every position, the bound
-:meth:`FuzzySpeculative.promised_bound` promises. It accepts 1 where Div ≤ T and Σ min(p, q) = 1 − TV elsewhere.
-T = 0 is speculative sampling (Div = 0 only where q = p, where speculative sampling accepts anyway). The bonus
-token after a block accepted whole comes from q. KL(q ‖ p) is +inf where p rules out a token q allows: such a
-position never accepts outright, whatever T.
+and after a block accepted whole the bonus token comes from q. The draft token's own probabilities never enter
+the decision, which FSD makes for whole blocks at once (``is_accepted = divs <= div_threshold``, then the first
+rejection). FSD's divergences, in its letters turned into the project's (π_t = target law, π_d = draft law):
 
-The divergence is computed in float64 (an elementwise pass over [L, V] per block, small beside a forward), so
-the comparison with T is not at the mercy of float32 rounding summed over a large vocabulary.
+- ``kl``: FSD's ``kl_div(log p, q)`` = KL(π_d ‖ π_t) = Σ π_d ln(π_d / π_t), the draft's law against the target's;
+- ``kl_reversed``: FSD's ``kl_div(log q, p)`` = KL(π_t ‖ π_d);
+- ``js``: FSD's ``js_div`` = ½ KL(m ‖ π_t) + ½ KL(m ‖ π_d) with m = ½ (π_t + π_d): FSD's formula, which is not the
+  Jensen-Shannon divergence ½ KL(π_t ‖ m) + ½ KL(π_d ‖ m) (it is +∞ where one law rules out a token the other allows);
+- ``tv``: ½ Σ |π_t − π_d|.
+
+The laws compared (``laws``): FSD's default is ``unprocessed``, each model's law at temperature 1 over the whole
+vocabulary (softmax of the raw logits, whatever the run samples with), which this verifier asks the engine for
+(``judged_laws``); ``sampling`` compares the laws the tokens are sampled from, as FSD does when its
+``fsd_div_logit_processor`` names the temperature, top-k and top-p warpers, adding 1e-10 to both laws and
+renormalising first, as FSD does there.
+
+``fallback: speculative`` is specdec's own variant, not FSD's: where Div > T it runs speculative sampling (accept x
+with probability min(1, q(x) / p(x)), else draw from (q − p)+ normalised). Both output the same law at each
+position, π = p where Div ≤ T and q elsewhere; FSD's accepts [Div ≤ T], the variant accepts 1 − TV(q, p) more where
+Div > T (more acceptance for the same output law).
+
+Div is computed in float64 (an elementwise pass over [L, V] per block, small beside a forward), so the comparison
+with T is not at the mercy of float32 rounding summed over a large vocabulary. On the device the rule is a fixed
+number of operations with no read: the decisions are 0 or 1, so each keyed uniform in ]0, 1[ decides as the test.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, ClassVar, Literal
 
 import torch
 
-from specdec_cli.plugins.divergences import DIVERGENCES
+from specdec_cli.plugins.laws import (
+    excess_weights,
+    first_accepted,
+    one_hot_mass,
+    row_at,
+    single_draft_block,
+    uniforms_like,
+)
+from specdec_cli.plugins.verifiers import JudgedLaws
 
 from .speculative import SpeculativeSampling
+
+SMOOTHING = 1e-10
+"""What FSD adds to both laws before comparing processed ones (``epsilon``), renormalising after."""
+
+
+def _kl(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Σ first · ln(first / second) ``[...]`` for laws ``[..., V]``, as torch's ``kl_div(log second, first)`` sums it
+    (0 where first is 0; +inf where only second is)."""
+    return (torch.xlogy(first, first) - first * torch.log(second)).sum(-1)  # [...]
+
+
+FSD_DIVERGENCES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "kl": lambda target, draft: _kl(draft, target),
+    "kl_reversed": lambda target, draft: _kl(target, draft),
+    "js": lambda target, draft: (_kl((target + draft) / 2, target) + _kl((target + draft) / 2, draft)) / 2,
+    "tv": lambda target, draft: (target - draft).abs().sum(-1) / 2,
+}
+"""FSD's divergences of the target's law and the draft's ``[..., V]`` each → ``[...]``, by FSD's names (module doc)."""
 
 
 class FuzzySpeculative(SpeculativeSampling):
     name = "fuzzy"
     lossless = False
+    revisions: ClassVar[tuple[str, ...]] = (
+        "FSD's rule: where Div > T the draft token is rejected and the target's law drawn from (it ran speculative "
+        "sampling there, now fallback: speculative); FSD's divergences (kl is KL(draft ‖ target), js is FSD's "
+        "formula) on the unprocessed laws by default",
+    )
 
     def __init__(
         self,
         *,
-        threshold: Annotated[float, "T: where Div(q, p) ≤ T the draft token is accepted outright (0: lossless)"] = 0.0,
+        threshold: Annotated[float, "T: where Div ≤ T the draft token is accepted, elsewhere rejected"] = 0.0,
         divergence: Annotated[
-            Literal["js", "kl", "tv"], "Div: Jensen-Shannon (nats), KL(q ‖ p) (nats) or total variation"
+            Literal["js", "kl", "kl_reversed", "tv"],
+            "Div, FSD's fsd_div_type: its js_div, kl_div = KL(draft ‖ target), kl_div_reversed or tv_div (nats)",
         ] = "js",
+        laws: Annotated[
+            Literal["unprocessed", "sampling"],
+            "the laws Div compares: unprocessed (temperature 1, whole vocabulary: FSD's default) or sampling",
+        ] = "unprocessed",
+        fallback: Annotated[
+            Literal["target", "speculative"],
+            "where Div > T: target (reject, draw from q: FSD) or speculative (speculative sampling: specdec's variant)",
+        ] = "target",
     ):
         if not 0 <= threshold < math.inf:  # NaN fails it too
             raise ValueError(f"fuzzy: threshold must be a finite number >= 0, got {threshold}")
-        # A divergence outside the Literal is refused before this runs, in one line, by the parameters' type check.
+        # Values outside the Literals are refused before this runs, in one line, by the parameters' type check.
         self.threshold = float(threshold)
         self.divergence = divergence
+        self.laws = laws
+        self.fallback = fallback
+        self.judged_laws = "unprocessed" if laws == "unprocessed" else None
 
     def divergences(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-        """Div(q, p) at each position, in float64: target_probs and draft_probs ``[..., V]`` → ``[...]``."""
-        return DIVERGENCES[self.divergence](target_probs.double(), draft_probs.double())  # [...]
+        """Div of the target's and the draft's laws at each position, in float64: ``[..., V]`` each → ``[...]``;
+        smoothed as FSD smooths the processed laws it compares."""
+        target, draft = target_probs.double(), draft_probs.double()  # [..., V] each
+        if self.laws == "sampling":
+            target = (target + SMOOTHING) / (target + SMOOTHING).sum(-1, keepdim=True)  # [..., V]
+            draft = (draft + SMOOTHING) / (draft + SMOOTHING).sum(-1, keepdim=True)  # [..., V]
+        return FSD_DIVERGENCES[self.divergence](target, draft)  # [...]
 
-    def outright(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-        """``[...]`` bool: the positions that accept their draft token outright, Div(q, p) ≤ T (``[..., V]`` each)."""
-        return self.divergences(target_probs, draft_probs) <= self.threshold  # [...]
+    def close(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, judged: JudgedLaws = None) -> torch.Tensor:
+        """``[...]`` bool: Div ≤ T at each position, for the laws ``[..., V]`` handed (``draft_probs`` one draft's)
+        or, where the rule compares others, the judged ones (``judged``: target ``[..., V]``, draft ``[..., V]``)."""
+        compared = (target_probs, draft_probs) if judged is None else judged
+        return self.divergences(*compared) <= self.threshold  # [...]
 
-    def acceptance(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The probability of accepting candidates ``x`` ``[..., 1]``: 1 where outright, else speculative sampling's
-        min(1, q(x) / p(x)); the residual, the bonus and the block are speculative sampling's."""
-        ratio = super().acceptance(target_probs, draft_probs, x)  # [..., 1]
-        outright = self.outright(target_probs, draft_probs).unsqueeze(-1)  # [..., 1]
-        return torch.where(outright, torch.ones_like(ratio), ratio)  # [..., 1]
+    def acceptance(self, target_probs, draft_probs, x, judged: JudgedLaws = None):
+        """P(accept x) ``[..., 1]``: 1 where Div ≤ T, else 0 (FSD) or min(1, q(x) / p(x)) (the variant)."""
+        close = self.close(target_probs, draft_probs, judged).unsqueeze(-1)  # [..., 1]
+        otherwise = super().acceptance(target_probs, draft_probs, x) if self.fallback == "speculative" else 0.0
+        return torch.where(close, 1.0, otherwise).to(target_probs.dtype)  # [..., 1]
 
-    def acceptance_probability(self, target_probs, draft_probs):
-        overlap = super().acceptance_probability(target_probs, draft_probs)  # [...]: speculative sampling's 1 − TV
-        outright = self.outright(target_probs, draft_probs[..., 0, :])  # [...]
-        return torch.where(outright, torch.ones_like(overlap), overlap)  # [...]
+    def residual(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+        """What a rejected position draws from ``[..., V]``: q itself (FSD), or (q − p)+ as weights (the variant)."""
+        return target_probs if self.fallback == "target" else excess_weights(target_probs, draft_probs)  # [..., V]
 
-    def output_law(self, target_probs, draft_probs):
-        """p where Div(q, p) ≤ T (the draft token is kept whatever it is), q elsewhere (speculative sampling)."""
+    def conditional(self, target_probs, draft_probs, draft_tokens, judged: JudgedLaws = None):
+        q, p, x = target_probs, draft_probs[..., 0, :], draft_tokens[..., :1]  # [..., V], [..., V], [..., 1]
+        accept = self.acceptance(q, p, x, _one_draft(judged))  # [..., 1]
+        rest = self.residual(q, p)  # [..., V]
+        law = rest / rest.sum(-1, keepdim=True).clamp_min(torch.finfo(rest.dtype).tiny)  # [..., V]
+        return one_hot_mass((1 - accept) * law, x, accept)  # [..., V]
+
+    def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        q, p, x = target_probs, draft_probs[..., 0, :], draft_tokens[..., :1]  # [..., V], [..., V], [..., 1]
+        accept = self.acceptance(q, p, x)  # [..., 1]
+        return first_accepted(uniforms_like(accept, randomness), accept, x, self.residual(q, p), randomness)
+
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None, judged: JudgedLaws = None):
+        q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
+        compared = None if judged is None else (judged[0][0, :-1], judged[1][0])  # [L, V] each
+        accept = self.acceptance(q[:-1], p, x.unsqueeze(-1), compared).squeeze(-1)  # [L]
+        return single_draft_block(accept, lambda n: self.residual(row_at(q, n), row_at(p, n)), q, x, randomness)
+
+    def block_law(self, target_probs, draft_probs, draft_tokens):
+        """The walk's exact law (host loops: for tests only): x_t accepted with its acceptance, else the block ends
+        with a draw from the residual, which may repeat x_t (FSD draws from q): the base class's walk, which goes on
+        wherever the output equals the draft token, would not end it there."""
+        q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
+        accept = self.acceptance(q[:-1], p, x.unsqueeze(-1)).squeeze(-1).tolist()  # [L]
+        law = torch.zeros((1, *q.shape), dtype=q.dtype)  # [1, L+1, V]
+        mass = 1.0
+        for t, kept in enumerate(accept):
+            rest = self.residual(q[t], p[t])  # [V]
+            law[0, t] += mass * (1 - kept) * rest / rest.sum()
+            mass *= kept
+        law[0, -1] += mass * q[-1]
+        return law
+
+    def acceptance_probability(self, target_probs, draft_probs, judged: JudgedLaws = None):
         p = draft_probs[..., 0, :]  # [..., V]
-        return torch.where(self.outright(target_probs, p).unsqueeze(-1), p, target_probs)  # [..., V]
+        close = self.close(target_probs, p, _one_draft(judged))  # [...]
+        otherwise = super().acceptance_probability(target_probs, draft_probs) if self.fallback == "speculative" else 0
+        return torch.where(close, 1.0, otherwise).to(target_probs.dtype)  # [...]
 
-    def promised_bound(self) -> tuple[str, float]:
-        """Div(q, π) ≤ T at every position, in the divergence the rule compares with T."""
-        return self.divergence, self.threshold
+    def output_law(self, target_probs, draft_probs, judged: JudgedLaws = None):
+        """p where Div ≤ T (the draft token is kept whatever it is), q elsewhere (either fallback outputs q)."""
+        p = draft_probs[..., 0, :]  # [..., V]
+        return torch.where(self.close(target_probs, p, _one_draft(judged)).unsqueeze(-1), p, target_probs)  # [..., V]
+
+
+def _one_draft(judged: JudgedLaws) -> JudgedLaws:
+    """The judged laws of the token-level methods (target ``[..., V]``, drafts ``[..., 1, V]``) with the draft's one
+    row taken, as the methods take the handed draft law's."""
+    return None if judged is None else (judged[0], judged[1][..., 0, :])

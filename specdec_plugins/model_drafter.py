@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec_cli.base.sampling import SamplingParams, sample_with
+from specdec_cli.base.sampling import SamplingParams, judged_params, sample_with
 from specdec_cli.engine.session import ModelSession
 from specdec_cli.plugins.drafting import Drafter, DraftRequest, DraftSetup, Proposal
 
@@ -22,6 +22,7 @@ class ModelDrafter(Drafter):
 
     name = "model"
     uses_model = True
+    reports_judged_laws = True
 
     def entry_problem(self, entry):
         if entry.model is None:
@@ -75,6 +76,7 @@ class ModelDrafter(Drafter):
         session.fan_out(rows)
         tokens = torch.empty(batch * rows, length, dtype=torch.long, device=device)  # [B K, n]
         laws = torch.empty(batch * rows, length, vocab, device=device)  # [B K, n, V]
+        judged = torch.empty_like(laws) if request.judged_view else None  # [B K, n, V]
         finite = torch.ones((), dtype=torch.bool, device=device)  # []
         contexts = [context for context in request.contexts for _ in range(rows)]
         by_params = [
@@ -87,6 +89,8 @@ class ModelDrafter(Drafter):
                 law, row_finite = request.sampling_law(logits[same], params)  # [rows', V], [rows']
                 laws[same, t] = law
                 finite &= row_finite.all()
+                if judged is not None:
+                    judged[same, t] = request.sampling_law(logits[same], judged_params(params, request.judged_view))[0]
             tokens[:, t] = sample_with(laws[:, t], request.uniforms[:, t].reshape(-1))
         return Proposal(
             tokens.view(batch, rows, length),
@@ -94,6 +98,7 @@ class ModelDrafter(Drafter):
             finite,
             list(request.max_lengths),
             forwards=length,
+            judged_laws=None if judged is None else judged.view(batch, rows, length, vocab),
         )
 
     def _rows_by_params(self) -> list[tuple[SamplingParams, list[int]]]:

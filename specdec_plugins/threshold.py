@@ -1,11 +1,13 @@
 """Threshold acceptance: SGLang's acceptance thresholds for speculative decoding (lossy but at the defaults).
 
 Source: SGLang's ``--speculative-accept-threshold-single`` (s) and ``--speculative-accept-threshold-acc`` (a),
-applied by sgl-kernel's ``tree_speculative_sampling_target_only`` (``speculative_sampling.cuh``). This is the
+applied by sgl-kernel's ``TreeSpeculativeSamplingTargetOnly`` (sgl-project/sglang,
+``sgl-kernel/csrc/speculative/speculative_sampling.cuh`` at 120affb9613cc3f5bcd055ec09c7621d3ced0ebc). This is the
 kernel's chain case, one candidate per level. With q = target law at one position and x the draft token
 (drawn from p, which the rule never reads), one uniform u per position::
 
-    accept x         iff u ≤ q(x) / a  or  q(x) ≥ s,   so with probability  a(x) = 1 if q(x) ≥ s, else min(1, q(x) / a)
+    accept x         iff u ≤ q(x) / a'  or  q(x) ≥ s,  a' = max(a, 1e-9)  (the kernel's fmaxf(threshold_acc, 1e-9f))
+                     so with probability  a(x) = 1 if q(x) ≥ s, else min(1, q(x) / a')
     otherwise draw   from q · [y ≠ x] / (1 − q(x))     (the kernel's relu(q − draft_probs) after it sets
                                                         draft_probs[x] = q(x), draft_probs being zero otherwise)
 
@@ -14,13 +16,15 @@ and after a block accepted whole the bonus token comes from q. The output law at
 
 At SGLang's defaults s = a = 1 it accepts x with probability q(x) and otherwise draws from q without x, so
 π(y) = p(y) q(y) + q(y) (1 − p(y)) = q(y) for any draft law p: lossless, accepting Σ p q (less than speculative
-sampling's Σ min(p, q)). Lowering s or a accepts more and biases the output towards p; s = 0 accepts every
-draft token (π = p).
+sampling's Σ min(p, q)). SGLang's flags are plain floats with no range check, and this verifier takes every number
+they take (but NaN): lowering s or a accepts more and biases the output towards p (s ≤ 0 or a ≤ 1e-9 accept every
+draft token, π = p); s > 1 turns the first test off; a > 1 accepts less than q(x) and is lossy too.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import math
+from typing import Annotated, ClassVar
 
 import torch
 
@@ -36,31 +40,43 @@ from specdec_cli.plugins.laws import (
 )
 from specdec_cli.plugins.verifiers import Verifier
 
+ACC_FLOOR = float(torch.tensor(1e-9, dtype=torch.float32))
+"""sgl-kernel's floor on threshold_acc (``fmaxf(threshold_acc, 1e-9f)``), as the float32 it is there."""
+
 
 class ThresholdAcceptance(Verifier):
     name = "threshold"
-    lossless = False  # at the defaults it is; any lower threshold is not
+    lossless = False  # at the defaults it is; any other threshold is not
     max_drafts = 1
     batches_by_vmap = True
+    revisions: ClassVar[tuple[str, ...]] = (
+        "acc is floored at 1e-9 as sgl-kernel floors it, and any number SGLang takes is taken (acc 0 was refused)",
+    )
 
     def __init__(
         self,
         *,
-        single: Annotated[float, "s: accept a draft token whose target probability is at least s (1: off)"] = 1.0,
+        single: Annotated[
+            float, "s: accept a draft token whose target probability is at least s (1: off; any number SGLang takes)"
+        ] = 1.0,
         acc: Annotated[
-            float, "a: accept a draft token x with probability min(1, q(x) / a) (1, with single 1: lossless)"
+            float,
+            "a: accept a draft token x with probability min(1, q(x) / a), a floored at 1e-9 as sgl-kernel floors it "
+            "(1, with single 1: lossless)",
         ] = 1.0,
     ):
-        if not 0 <= single <= 1:  # NaN fails it too
-            raise ValueError(f"threshold: single must be a number in [0, 1], got {single}")
-        if not 0 < acc <= 1:
-            raise ValueError(f"threshold: acc must be a number in (0, 1], got {acc}")
+        # SGLang's flags are plain floats (no range check), and its kernel floors acc at 1e-9: take every number.
+        for parameter, value in (("single", single), ("acc", acc)):
+            if math.isnan(value):
+                raise ValueError(f"threshold: {parameter} must be a number, got {value}")
         self.single = float(single)
         self.acc = float(acc)
+        self.floored_acc = max(self.acc, ACC_FLOOR)
+        """What sgl-kernel divides by: ``fmaxf(threshold_acc, 1e-9f)``."""
 
     def acceptance(self, target_x: torch.Tensor) -> torch.Tensor:
         """a(x) for the target probabilities ``target_x`` ``[...]`` of draft tokens → ``[...]``."""
-        return torch.where(target_x >= self.single, 1.0, (target_x / self.acc).clamp(max=1.0))  # [...]
+        return torch.where(target_x >= self.single, 1.0, (target_x / self.floored_acc).clamp(max=1.0))  # [...]
 
     @staticmethod
     def residual_weights(target_probs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -306,7 +306,8 @@ CASES = [
     *(Case("specinfer", k) for k in (1, 2, 3, 4)),
     *(Case("spectr", k) for k in (2, 4)),
     *(Case(name, k) for name in ("is-lp", "is-truncated") for k in (2, 4)),
-    *(Case(name, 1) for name in ("ensemble", "typical", "threshold", "fuzzy", "fly")),
+    *(Case(name, 1) for name in ("ensemble", "typical", "threshold", "fuzzy", "fly", "cactus")),
+    *(Case("match", k) for k in (1, 2, 4)),
 ]
 
 

@@ -14,7 +14,6 @@ from specdec_cli.kit.conformance import ConformanceError, check_verifier
 from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_cli.plugins.verifiers import BlockDecision, BlockVerifier
 from specdec_plugins.ensemble import StaticEnsemble
-from specdec_plugins.fuzzy import FuzzySpeculative
 from specdec_plugins.mentored import MentoredDecoding, solve
 from specdec_plugins.speculative import SpeculativeSampling
 
@@ -25,9 +24,10 @@ REFUSED = {
     "mentored": [{"kl": -1.0}, {"kl": float("inf")}, {"divergence": "js"}],
     "ensemble": [{"weight": 1.5}, {"weight": -0.1}],
     "typical": [{"threshold": 0.0}, {"threshold": 1.5}, {"alpha": 0.0}],
-    "threshold": [{"single": 1.5}, {"acc": 0.0}],
+    "threshold": [{"single": float("nan")}, {"acc": float("nan")}],
     "fly": [{"window_size": 0}, {"entropy_threshold": -1.0}, {"entropy_top_k": 0}],
-    "fuzzy": [{"threshold": -1.0}, {"threshold": float("inf")}],
+    "fuzzy": [{"threshold": -1.0}, {"threshold": float("inf")}, {"laws": "raw"}],
+    "cactus": [{"delta": -0.1}, {"delta": float("nan")}, {"delta": float("inf")}],
     "is-lp": [{"max_support": 0}],
     "is-truncated": [{"s": 0}, {"alphabet": 0}, {"alphabet_mass": 1.5}],
 }
@@ -94,13 +94,13 @@ class Misreported(StaticEnsemble):
         return target_probs
 
 
-class BrokenPromise(FuzzySpeculative):
-    """Negative control: promises a tenth of the divergence it allows itself."""
+class BrokenPromise(MentoredDecoding):
+    """Negative control: under total variation, promises a tenth of the distance it allows itself."""
 
     name = "broken-promise"
 
     def promised_bound(self):
-        return self.divergence, self.threshold / 10
+        return self.divergence, self.kl / 10
 
 
 class RejectsFirst(SpeculativeSampling):
@@ -119,10 +119,10 @@ class RejectsFirst(SpeculativeSampling):
     [
         (AcceptAll, {}, "declares lossless, but its block's output law differs from the target's"),
         (Overspent, {"kl": 0.05}, "over the bound 0.05 it promises"),
-        (Braggart, {"weight": 0.3}, "above the KL-optimal rule's"),
-        (Overclaiming, {"weight": 0.3}, "acceptance_probability gives"),
-        (Misreported, {"weight": 0.3}, "output_law differs from the law its conditional gives"),
-        (BrokenPromise, {"threshold": 0.3}, "over the bound 0.03 it promises"),
+        (Braggart, {"weight": 0.7}, "above the KL-optimal rule's"),
+        (Overclaiming, {"weight": 0.7}, "acceptance_probability gives"),
+        (Misreported, {"weight": 0.7}, "output_law differs from the law its conditional gives"),
+        (BrokenPromise, {"kl": 0.3, "divergence": "tv"}, "over the bound 0.03 it promises"),
         (RejectsFirst, {}, "verify_block's decisions do not follow its block_law"),
     ],
 )

@@ -44,7 +44,7 @@ BUILT_INS = [
     ("ensemble", 1, {"weight": 0.5}),
     ("typical", 1, None),
     ("threshold", 1, {"single": 0.3, "acc": 0.5}),
-    ("fuzzy", 1, {"threshold": 0.1}),
+    ("fuzzy", 1, {"threshold": 0.1, "laws": "sampling"}),
     ("fly", 1, {"window_size": 1, "entropy_threshold": 0.0}),
     ("mentored", 1, {"kl": 0.3, "divergence": "tv"}),
     ("block", 1, None),
@@ -53,6 +53,11 @@ BUILT_INS = [
     ("is-lp", 2, None),
     ("is-truncated", 2, None),
     ("is-truncated", 1, None),
+    ("match", 1, None),
+    ("match", 3, None),
+    ("cactus", 1, {"delta": 0.1}),
+    ("typical", 1, {"rule": "medusa"}),
+    ("fuzzy", 1, {"threshold": 0.1, "laws": "unprocessed"}),
 ]
 
 

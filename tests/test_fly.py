@@ -455,3 +455,32 @@ def test_the_default_window_defers_in_a_short_block():
     natively accepted, where speculative sampling stops."""
     fly, speculative, _ = _decide([UNSURE, SURE, SURE, SURE], entropy_threshold=0.0)
     assert int(speculative.num_accepted) == 0 and int(fly.num_accepted) == 4
+
+
+def test_the_configured_draft_length_fixes_the_default_window_for_every_block():
+    """Told K = 8, the window is vLLM's min(6, 7) = 6 for every block: in a block of 4 no position has six more after
+    it, so the rejection at 0 stands, where a verifier never told K takes W = 3 from the block and defers it."""
+    block, (draws, _) = _hand_block([UNSURE, SURE, SURE, SURE]), _key_fixing([UNSURE, SURE, SURE, SURE])
+    told = _fly(entropy_threshold=0.0)
+    told.set_draft_length(8)
+    assert told.window(4) == told.window(8) == 6
+    assert int(told.verify_block(*block, draws).num_accepted) == 0
+    assert int(_fly(entropy_threshold=0.0).verify_block(*block, draws).num_accepted) == 4
+    told.set_draft_length(4)
+    assert int(told.verify_block(*block, draws).num_accepted) == 4  # K = 4: W = 3, as in a block of its own length
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--draft-length", "1"], "fly needs at least two draft tokens per block, as vLLM does"),
+        (
+            ["--draft-length", "3", "--set", "verifier.params.window_size=3"],
+            "window_size 3 must be smaller than the draft length, as vLLM requires",
+        ),
+    ],
+)
+def test_what_vllm_refuses_of_the_configured_length_is_one_line(run, recipe_path, flags, message):
+    code, _, err = run(["generate", "-r", recipe_path, "--verifier", "fly", *flags, "a"])
+    assert code == 2
+    one_error_line(err, f"verifier 'fly': {message}")

@@ -1,8 +1,11 @@
-"""Fuzzy Speculative Decoding (``fuzzy``): the draft token accepted outright where Div(q, p) ≤ T, speculative
-sampling elsewhere. Each position's output law is π = p where Div ≤ T and q elsewhere, so Div(q, π) ≤ T: the bound
-it promises, checked here by enumeration for each divergence (and a variant with the inequality flipped breaks it,
-and the check says so). At T = 0 it decides as speculative sampling does; the worked example q = [0.5, 0.5],
-p = [0.6, 0.4] by hand; the kit, vmap batching, the device path and one read per block as for every built-in."""
+"""Fuzzy Speculative Decoding (``fuzzy``), FSD's rule: the draft token accepted where Div ≤ T, rejected elsewhere
+with a token drawn from the target's law; FSD's divergences (kl = KL(draft ‖ target), its js formula, tv,
+kl_reversed) on the laws it compares (the unprocessed ones, handed as ``judged``, by default). specdec's variant
+``fallback: speculative`` runs speculative sampling where Div > T. Both output π = p where Div ≤ T and q elsewhere.
+
+The worked example q = [0.5, 0.5], p = [0.6, 0.4] by hand; the output law and the acceptance by enumeration; the
+judged laws deciding in place of the handed ones; FSD's smoothing of compared sampling laws; the kit, vmap
+batching, the device path and one graph. Its decisions against FSD's own code: tests/test_rule_sources.py."""
 
 from __future__ import annotations
 
@@ -18,23 +21,22 @@ from specdec_cli.engine.device_path import OperationCount, count_block
 from specdec_cli.kit.conformance import check_verifier
 from specdec_cli.kit.testing import (
     adversarial_distribution_pairs,
-    candidate_acceptance,
+    block_acceptance,
     enumerate_output_law,
     random_distributions,
 )
-from specdec_cli.plugins.divergences import DIVERGENCES
 from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_cli.plugins.verifiers import BatchDecision, device_path
-from specdec_plugins.fuzzy import FuzzySpeculative
+from specdec_plugins.fuzzy import FSD_DIVERGENCES, FuzzySpeculative
 from tests.conftest import BLOCK_KINDS, one_error_line, random_block
 
 VOCAB = 6
-THRESHOLDS = {"js": (0.01, 0.05, 0.2), "kl": (0.02, 0.1, 0.5), "tv": (0.05, 0.15, 0.4)}
+THRESHOLDS = {"js": (0.01, 0.05, 0.2), "kl": (0.02, 0.1, 0.5), "kl_reversed": (0.02, 0.1, 0.5), "tv": (0.05, 0.15, 0.4)}
 """Per divergence, thresholds that the random laws of :func:`_random_laws` fall on both sides of."""
 
 
-def _fuzzy(threshold: float = 0.0, divergence: str = "js"):
-    return VerifierRegistry().create("fuzzy", {"threshold": threshold, "divergence": divergence})
+def _fuzzy(threshold: float = 0.0, divergence: str = "js", **params):
+    return VerifierRegistry().create("fuzzy", {"threshold": threshold, "divergence": divergence, **params})
 
 
 def _speculative():
@@ -44,53 +46,71 @@ def _speculative():
 # ------------------------------------------------------------------ the worked example, by hand
 
 Q, P = torch.tensor([0.5, 0.5], dtype=torch.float64), torch.tensor([0.6, 0.4], dtype=torch.float64)
-TV_BY_HAND = 0.5 * (abs(0.5 - 0.6) + abs(0.5 - 0.4))  # 0.1
-KL_BY_HAND = 0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4)  # 0.020411
-JS_BY_HAND = 0.5 * (0.5 * math.log(0.5 / 0.55) + 0.5 * math.log(0.5 / 0.45)) + 0.5 * (
-    0.6 * math.log(0.6 / 0.55) + 0.4 * math.log(0.4 / 0.45)
-)  # 0.0050594: m = [0.55, 0.45]
-BY_HAND = {"tv": TV_BY_HAND, "kl": KL_BY_HAND, "js": JS_BY_HAND}
+M = [0.55, 0.45]
+BY_HAND = {
+    "tv": 0.5 * (abs(0.5 - 0.6) + abs(0.5 - 0.4)),  # 0.1
+    "kl": 0.6 * math.log(0.6 / 0.5) + 0.4 * math.log(0.4 / 0.5),  # KL(p ‖ q) = 0.020136
+    "kl_reversed": 0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4),  # KL(q ‖ p) = 0.020411
+    "js": 0.5 * sum(m * math.log(m / q) for m, q in zip(M, (0.5, 0.5)))
+    + 0.5 * sum(m * math.log(m / p) for m, p in zip(M, (0.6, 0.4))),  # ½ KL(m ‖ q) + ½ KL(m ‖ p) = 0.0050772
+}
 
 
 def test_the_worked_example_divergences_by_hand():
-    assert TV_BY_HAND == pytest.approx(0.1, abs=1e-15)
-    assert KL_BY_HAND == pytest.approx(0.0204110, abs=1e-7)
-    assert JS_BY_HAND == pytest.approx(0.0050594, abs=1e-7)
+    assert BY_HAND["tv"] == pytest.approx(0.1, abs=1e-15)
+    assert BY_HAND["kl"] == pytest.approx(0.0201355, abs=1e-7)
+    assert BY_HAND["kl_reversed"] == pytest.approx(0.0204110, abs=1e-7)
+    assert BY_HAND["js"] == pytest.approx(0.0050772, abs=1e-7)
+    true_js = 0.5 * (0.5 * math.log(0.5 / 0.55) + 0.5 * math.log(0.5 / 0.45)) + 0.5 * (
+        0.6 * math.log(0.6 / 0.55) + 0.4 * math.log(0.4 / 0.45)
+    )
+    assert abs(BY_HAND["js"] - true_js) > 1e-6  # FSD's js is not the Jensen-Shannon divergence
     for name, value in BY_HAND.items():
-        assert float(DIVERGENCES[name](Q, P)) == pytest.approx(value, rel=1e-12)
+        assert float(FSD_DIVERGENCES[name](Q, P)) == pytest.approx(value, rel=1e-12)
+        assert float(_fuzzy(divergence=name).divergences(Q, P)) == pytest.approx(value, rel=1e-12)
 
 
 def _law_given(verifier, x: int) -> torch.Tensor:
     return verifier.conditional(Q, P.view(1, 2), torch.tensor([x]))  # [V]
 
 
+@pytest.mark.parametrize("fallback", ["target", "speculative"])
 @pytest.mark.parametrize("divergence", sorted(BY_HAND))
-def test_just_above_the_divergence_the_draft_token_is_accepted_outright(divergence):
-    verifier = _fuzzy(BY_HAND[divergence] * 1.001, divergence)
-    torch.testing.assert_close(_law_given(verifier, 0), torch.tensor([1.0, 0.0], dtype=torch.float64))  # not 5/6
+def test_just_above_the_divergence_the_draft_token_is_accepted(divergence, fallback):
+    verifier = _fuzzy(BY_HAND[divergence] * 1.001, divergence, fallback=fallback)
+    torch.testing.assert_close(_law_given(verifier, 0), torch.tensor([1.0, 0.0], dtype=torch.float64))
     torch.testing.assert_close(_law_given(verifier, 1), torch.tensor([0.0, 1.0], dtype=torch.float64))
     assert float(verifier.acceptance_probability(Q, P.view(1, 2))) == 1.0
     torch.testing.assert_close(verifier.output_law(Q, P.view(1, 2)), P)
 
 
 @pytest.mark.parametrize("divergence", sorted(BY_HAND))
-def test_just_below_the_divergence_the_draft_token_is_accepted_with_min_1_q_over_p(divergence):
+def test_just_below_it_fsd_rejects_and_draws_from_the_target(divergence):
     verifier = _fuzzy(BY_HAND[divergence] * 0.999, divergence)
+    for x in (0, 1):
+        torch.testing.assert_close(_law_given(verifier, x), Q)  # whatever the draft token, a draw from q
+    assert float(verifier.acceptance_probability(Q, P.view(1, 2))) == 0.0
+    torch.testing.assert_close(verifier.output_law(Q, P.view(1, 2)), Q)
+
+
+@pytest.mark.parametrize("divergence", sorted(BY_HAND))
+def test_just_below_it_the_speculative_variant_accepts_with_min_1_q_over_p(divergence):
+    verifier = _fuzzy(BY_HAND[divergence] * 0.999, divergence, fallback="speculative")
     torch.testing.assert_close(_law_given(verifier, 0), torch.tensor([5 / 6, 1 / 6], dtype=torch.float64))
     torch.testing.assert_close(_law_given(verifier, 1), torch.tensor([0.0, 1.0], dtype=torch.float64))  # q/p > 1
     assert float(verifier.acceptance_probability(Q, P.view(1, 2))) == pytest.approx(0.9)  # Σ min(p, q)
     torch.testing.assert_close(verifier.output_law(Q, P.view(1, 2)), Q)
 
 
-def test_a_divergence_equal_to_the_threshold_is_accepted_outright():
-    """Div ≤ T, not <: q = [0.5, 0.5], p = [0.75, 0.25] are exactly TV 0.25 apart (binary fractions)."""
+def test_a_divergence_equal_to_the_threshold_is_accepted():
+    """Div ≤ T, not < (FSD's ``divs <= div_threshold``): q = [0.5, 0.5], p = [0.75, 0.25] are exactly TV 0.25
+    apart (binary fractions)."""
     p = torch.tensor([[0.75, 0.25]], dtype=torch.float64)
-    assert float(DIVERGENCES["tv"](Q, p[0])) == 0.25
+    assert float(FSD_DIVERGENCES["tv"](Q, p[0])) == 0.25
     torch.testing.assert_close(
         _fuzzy(0.25, "tv").conditional(Q, p, torch.tensor([0])), torch.tensor([1.0, 0.0], dtype=torch.float64)
     )
-    torch.testing.assert_close(_fuzzy(0.25, "tv").output_law(Q, p), p[0])
-    assert float(_fuzzy(0.2499, "tv").acceptance_probability(Q, p)) == pytest.approx(0.75)
+    assert float(_fuzzy(0.2499, "tv").acceptance_probability(Q, p)) == 0.0
 
 
 def _example_block() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,27 +120,31 @@ def _example_block() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("divergence", sorted(BY_HAND))
 def test_the_worked_example_along_a_block(divergence):
-    """Above: every one of 180 keyed blocks keeps token 0. Below: speculative sampling's decisions, key by key,
-    which reject about 1/6 of the time."""
+    """Above: every one of 180 keyed blocks keeps token 0. Below: FSD rejects every time and draws its token from
+    q (both tokens come), and the speculative variant decides as speculative sampling, key by key."""
     block = _example_block()
-    above, below = _fuzzy(BY_HAND[divergence] * 1.001, divergence), _fuzzy(BY_HAND[divergence] * 0.999, divergence)
-    rejected = 0
+    above = _fuzzy(BY_HAND[divergence] * 1.001, divergence)
+    below = _fuzzy(BY_HAND[divergence] * 0.999, divergence)
+    variant = _fuzzy(BY_HAND[divergence] * 0.999, divergence, fallback="speculative")
+    drawn = set()
     for key in range(180):
         draws = Draws.create(key, 0)
         assert int(above.verify_block(*block, draws).num_accepted) == 1
-        decision, speculative = below.verify_block(*block, draws), _speculative().verify_block(*block, draws)
+        rejected = below.verify_block(*block, draws)
+        assert int(rejected.num_accepted) == 0
+        drawn.add(int(rejected.tokens[0]))
+        decision, speculative = variant.verify_block(*block, draws), _speculative().verify_block(*block, draws)
         assert decision.tokens.tolist() == speculative.tokens.tolist()
         assert int(decision.num_accepted) == int(speculative.num_accepted)
-        rejected += int(decision.num_accepted) == 0
-    assert 12 <= rejected <= 48  # 180 / 6 = 30 expected
+    assert drawn == {0, 1}
 
 
-# ------------------------------------------------------------------ the promised bound, by enumeration
+# ------------------------------------------------------------------ the output law and acceptance, by enumeration
 
 
 def _random_laws(seed: int, count: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` pairs (q, p) ``[count, V]`` float64, from far apart to nearly equal: p mixes a random law into q
-    in a random share, some laws peaked, some with tokens ruled out (so KL(q ‖ p) is +inf at some)."""
+    in a random share, some laws peaked, some with tokens ruled out (so a KL is +inf at some)."""
     generator = torch.Generator().manual_seed(seed)
     scale = torch.rand(count, 1, generator=generator, dtype=torch.float64) * 4  # [N, 1]
     q = (torch.randn(count, VOCAB, generator=generator, dtype=torch.float64) * scale).softmax(-1)  # [N, V]
@@ -134,77 +158,50 @@ def _random_laws(seed: int, count: int = 400) -> tuple[torch.Tensor, torch.Tenso
     return q / q.sum(-1, keepdim=True), p / p.sum(-1, keepdim=True)
 
 
-def _enumerated_output_law(verifier, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _enumerated_output_law(verifier, q: torch.Tensor, p: torch.Tensor, **judged) -> torch.Tensor:
     """π = Σ_x p(x) · law(· | draft token x), from ``conditional`` ([N, V] laws → [N, V])."""
     count = q.shape[0]
     return sum(
-        p[:, x : x + 1] * verifier.conditional(q, p.unsqueeze(1), torch.full((count, 1), x)) for x in range(VOCAB)
+        p[:, x : x + 1] * verifier.conditional(q, p.unsqueeze(1), torch.full((count, 1), x), **judged)
+        for x in range(VOCAB)
     )  # [N, V]
 
 
-def bound_excess(verifier, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """How far each position's enumerated output law is past the bound the verifier promises: Div(q, π) − T, ``[N]``
-    (positive where the promise is broken)."""
-    divergence, bound = verifier.promised_bound()
-    return DIVERGENCES[divergence](q, _enumerated_output_law(verifier, q, p)) - bound  # [N]
-
-
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("fallback", ["target", "speculative"])
 @pytest.mark.parametrize("divergence", sorted(THRESHOLDS))
-def test_the_output_law_keeps_the_promised_bound(divergence, seed):
-    """For each T: the enumerated law is where(Div ≤ T, p, q), as output_law says; its divergence from q is at most
-    T; acceptance_probability is its mass on the draft token; and the laws fall on both sides of T (not vacuous)."""
-    q, p = _random_laws(seed)
-    distance = DIVERGENCES[divergence](q, p)  # [N]
+def test_the_output_law_is_p_where_close_and_q_elsewhere(divergence, fallback):
+    """For each T: the enumerated law is where(Div ≤ T, p, q) for either fallback, as output_law says;
+    acceptance_probability is [Div ≤ T] (FSD) or 1 there and Σ min(p, q) elsewhere (the variant); the laws fall
+    on both sides of T (not vacuous)."""
+    q, p = _random_laws(0)
+    overlap = torch.minimum(q, p).sum(-1)  # [N]
     for threshold in THRESHOLDS[divergence]:
-        verifier = _fuzzy(threshold, divergence)
-        assert verifier.promised_bound() == (divergence, threshold)
-        outright = distance <= threshold  # [N]
-        assert 20 <= int(outright.sum()) <= q.shape[0] - 20, (threshold, int(outright.sum()))
+        verifier = _fuzzy(threshold, divergence, fallback=fallback, laws="sampling")
+        close = verifier.divergences(q, p) <= threshold  # [N]: FSD smooths the sampling laws it compares
+        assert 20 <= int(close.sum()) <= q.shape[0] - 20, (threshold, int(close.sum()))
         law = _enumerated_output_law(verifier, q, p)  # [N, V]
-        torch.testing.assert_close(law, torch.where(outright.unsqueeze(-1), p, q), rtol=0, atol=1e-12)
+        torch.testing.assert_close(law, torch.where(close.unsqueeze(-1), p, q), rtol=0, atol=1e-12)
         torch.testing.assert_close(verifier.output_law(q, p.unsqueeze(1)), law, rtol=0, atol=1e-12)
-        assert float(bound_excess(verifier, q, p).max()) <= 1e-12
-        kept = sum(
-            p[:, x] * verifier.conditional(q, p.unsqueeze(1), torch.full((q.shape[0], 1), x))[:, x]
-            for x in range(VOCAB)
-        )  # [N]: the probability that the output is the draft token
-        torch.testing.assert_close(verifier.acceptance_probability(q, p.unsqueeze(1)), kept, rtol=0, atol=1e-12)
-        if divergence == "kl":  # what `acceptance` reports is then the same bound
-            assert float(verifier.output_kl(q, p.unsqueeze(1)).max()) <= threshold + 1e-12
+        accepted = torch.where(close, 1.0, overlap if fallback == "speculative" else 0.0).double()  # [N]
+        torch.testing.assert_close(verifier.acceptance_probability(q, p.unsqueeze(1)), accepted, rtol=0, atol=1e-12)
+        assert verifier.promised_bound() is None  # Div is FSD's, on the laws it compares: no bound on π as handed
 
 
-@pytest.mark.parametrize("divergence", sorted(THRESHOLDS))
-def test_the_kits_enumeration_agrees_on_random_and_adversarial_pairs(divergence):
+@pytest.mark.parametrize("fallback", ["target", "speculative"])
+def test_the_kits_enumeration_agrees_on_random_and_adversarial_pairs(fallback):
     """The kit's own enumeration (random sparse laws at V = 3 and 6, and its adversarial pairs): output_law is the
-    enumerated law, acceptance_probability the enumerated acceptance, and the bound holds."""
+    enumerated law and acceptance_probability the acceptance enumerated from the block law (FSD's rejected token
+    may come again from q: the output equals the draft token more often than the draft token is accepted)."""
     generator = torch.Generator().manual_seed(34)
     pairs = [tuple(random_distributions(generator, (2, vocab))) for vocab in (3, 6) for _ in range(10)]
-    verifier = _fuzzy(THRESHOLDS[divergence][1], divergence)
-    for target, draft in pairs + adversarial_distribution_pairs(4):
-        drafts = draft.unsqueeze(0)  # [1, V]
-        law = enumerate_output_law(verifier, target, drafts)  # [V]
-        torch.testing.assert_close(verifier.output_law(target, drafts), law, rtol=0, atol=1e-12)
-        claimed = float(verifier.acceptance_probability(target, drafts))
-        assert claimed == pytest.approx(candidate_acceptance(verifier, target, drafts), abs=1e-12)
-        assert float(DIVERGENCES[divergence](target, law)) <= THRESHOLDS[divergence][1] + 1e-12
-
-
-class Flipped(FuzzySpeculative):
-    """Negative control: accepts outright where Div(q, p) > T (the inequality flipped), promising the same bound."""
-
-    name = "fuzzy-flipped"
-
-    def outright(self, target_probs, draft_probs):
-        return self.divergences(target_probs, draft_probs) > self.threshold
-
-
-@pytest.mark.parametrize("divergence", sorted(THRESHOLDS))
-def test_the_bound_check_catches_the_inequality_flipped(divergence):
-    q, p = _random_laws(0)
-    for threshold in THRESHOLDS[divergence]:
-        assert float(bound_excess(_fuzzy(threshold, divergence), q, p).max()) <= 1e-12
-        assert float(bound_excess(Flipped(threshold=threshold, divergence=divergence), q, p).max()) > 1e-3
+    for divergence, thresholds in THRESHOLDS.items():
+        verifier = _fuzzy(thresholds[1], divergence, fallback=fallback)
+        for target, draft in pairs + adversarial_distribution_pairs(4):
+            drafts = draft.unsqueeze(0)  # [1, V]
+            law = enumerate_output_law(verifier, target, drafts)  # [V]
+            torch.testing.assert_close(verifier.output_law(target, drafts), law, rtol=0, atol=1e-12)
+            claimed = float(verifier.acceptance_probability(target, drafts))
+            assert claimed == pytest.approx(block_acceptance(verifier, target, drafts), abs=1e-12)
 
 
 def test_a_larger_threshold_never_accepts_less():
@@ -216,49 +213,67 @@ def test_a_larger_threshold_never_accepts_less():
         assert float(accepted[-1].mean()) > float(accepted[0].mean()) + 0.05
 
 
-def test_kl_is_infinite_where_the_draft_rules_out_a_token_the_target_allows():
-    """q = [0.5, 0.5], p = [1, 0]: KL(q ‖ p) = +inf > any T, so no outright acceptance under KL; JS (≤ ln 2) does."""
-    q, p = torch.tensor([0.5, 0.5], dtype=torch.float64), torch.tensor([[1.0, 0.0]], dtype=torch.float64)
-    assert math.isinf(float(DIVERGENCES["kl"](q, p[0])))
-    kl = _fuzzy(1e6, "kl")
-    torch.testing.assert_close(kl.conditional(q, p, torch.tensor([0])), q)  # accept 1/2, else token 1
-    assert float(kl.acceptance_probability(q, p)) == pytest.approx(0.5)
-    torch.testing.assert_close(kl.output_law(q, p), q)
-    block = q.float().expand(1, 2, 2), p.float().view(1, 1, 2), torch.tensor([[0]])
-    assert {int(kl.verify_block(*block, Draws.create(key, 0)).num_accepted) for key in range(100)} == {0, 1}
-    js = _fuzzy(math.log(2), "js")
-    torch.testing.assert_close(js.output_law(q, p), p[0])
+def test_fsds_smoothing_makes_a_ruled_out_token_finite_in_compared_sampling_laws():
+    """q = [0.5, 0.5], p = [1, 0]: KL(q ‖ p) (kl_reversed) is +inf on the unprocessed laws, and finite (about
+    0.5 ln(0.5 / 1e-10) = 10.9) on sampling laws smoothed by 1e-10 as FSD smooths them; KL(p ‖ q) (FSD's kl) is
+    ln 2 either way."""
+    q, p = torch.tensor([0.5, 0.5], dtype=torch.float64), torch.tensor([1.0, 0.0], dtype=torch.float64)
+    assert math.isinf(float(_fuzzy(divergence="kl_reversed").divergences(q, p)))
+    smoothed = float(_fuzzy(divergence="kl_reversed", laws="sampling").divergences(q, p))
+    assert smoothed == pytest.approx(0.5 * math.log(0.5 / 1e-10) + 0.5 * math.log(0.5), rel=1e-6)
+    for laws in ("unprocessed", "sampling"):
+        assert float(_fuzzy(divergence="kl", laws=laws).divergences(q, p)) == pytest.approx(math.log(2), rel=1e-8)
 
 
-# ------------------------------------------------------------------ T = 0 is speculative sampling
+# ------------------------------------------------------------------ the laws it compares
+
+
+def test_the_judged_laws_decide_in_place_of_the_handed_ones():
+    """Handed laws far apart (Div > T) but judged laws equal (Div = 0): the draft token is accepted, in every
+    method and along a block; and the other way round. Without judged laws (a test, the kit) the handed ones are
+    judged."""
+    far_q, far_p = Q, torch.tensor([0.9, 0.1], dtype=torch.float64)
+    verifier = _fuzzy(0.001, "js")
+    assert verifier.judged_laws == "unprocessed" and _fuzzy(laws="sampling").judged_laws is None
+    same = (Q, P.view(1, 2))
+    far = (far_q, far_p.view(1, 2))
+    assert float(verifier.acceptance_probability(*far)) == 0.0
+    assert float(verifier.acceptance_probability(*far, judged=(Q, Q.view(1, 2)))) == 1.0
+    torch.testing.assert_close(verifier.output_law(*far, judged=(Q, Q.view(1, 2))), far_p)
+    assert float(verifier.acceptance_probability(*same, judged=(far_q, far_p.view(1, 2)))) == 0.0
+    block = far_q.float().expand(1, 2, 2), far_p.float().view(1, 1, 2), torch.tensor([[0]])
+    judged = (Q.float().expand(1, 2, 2), Q.float().view(1, 1, 2))
+    for key in range(20):
+        assert int(verifier.verify_block(*block, Draws.create(key, 0)).num_accepted) == 0
+        assert int(verifier.verify_block(*block, Draws.create(key, 0), judged=judged).num_accepted) == 1
+
+
+# ------------------------------------------------------------------ T = 0
 
 
 @pytest.mark.parametrize("divergence", sorted(THRESHOLDS))
-@pytest.mark.parametrize("key", range(20))
-def test_at_threshold_zero_it_decides_as_speculative_sampling(divergence, key):
+@pytest.mark.parametrize("key", range(10))
+def test_at_threshold_zero_the_speculative_variant_decides_as_speculative_sampling(divergence, key):
     kind = BLOCK_KINDS[key % len(BLOCK_KINDS)]  # "equal" and "one_token_equal" blocks too: q = p, Div = 0
     target_probs, draft_probs, tokens = random_block(kind, 1, 4, 16, seed=key, identical_drafts=False)
     draws = Draws.create(key=key, block_start=3 * key)
-    fuzzy = _fuzzy(0.0, divergence).verify_block(target_probs, draft_probs, tokens, draws)
+    variant = _fuzzy(0.0, divergence, fallback="speculative")
+    fuzzy = variant.verify_block(target_probs, draft_probs, tokens, draws)
     speculative = _speculative().verify_block(target_probs, draft_probs, tokens, draws)
     assert fuzzy.tokens.tolist() == speculative.tokens.tolist()
     assert int(fuzzy.num_accepted) == int(speculative.num_accepted)
-    q, p, x = target_probs[0, :-1], draft_probs[0].unsqueeze(1), tokens[0].unsqueeze(-1)  # [L, V], [L, 1, V], [L, 1]
-    fuzzy_select = _fuzzy(0.0, divergence).select(q, p, x, draws)
-    speculative_select = _speculative().select(q, p, x, draws)
-    assert all(torch.equal(a, b) for a, b in zip(fuzzy_select, speculative_select))
 
 
-@pytest.mark.parametrize("divergence", sorted(THRESHOLDS))
-def test_at_threshold_zero_the_output_law_is_the_target_law(divergence):
+@pytest.mark.parametrize("fallback", ["target", "speculative"])
+def test_at_threshold_zero_the_output_law_is_the_target_law(fallback):
     q, p = _random_laws(7)
-    same = torch.cat([q, q])  # and laws equal to q: Div = 0 ≤ 0, accepted outright, and p = q
-    verifier = _fuzzy(0.0, divergence)
-    for target, draft in ((q, p), (same, same)):
-        torch.testing.assert_close(_enumerated_output_law(verifier, target, draft), target, rtol=0, atol=1e-12)
-        torch.testing.assert_close(verifier.output_law(target, draft.unsqueeze(1)), target, rtol=0, atol=0)
-        speculative = _speculative().acceptance_probability(target, draft.unsqueeze(1))
-        torch.testing.assert_close(verifier.acceptance_probability(target, draft.unsqueeze(1)), speculative)
+    same = torch.cat([q, q])  # and laws equal to q: Div = 0 ≤ 0, accepted, and p = q
+    for divergence in THRESHOLDS:
+        verifier = _fuzzy(0.0, divergence, fallback=fallback)
+        for target, draft in ((q, p), (same, same)):
+            law = _enumerated_output_law(verifier, target, draft)
+            torch.testing.assert_close(law, target, rtol=0, atol=1e-12)
+            torch.testing.assert_close(verifier.output_law(target, draft.unsqueeze(1)), target, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------ the contract: kit, batches, device path, reads
@@ -267,7 +282,9 @@ CONFIGURATIONS = [
     {},
     {"threshold": 0.05},
     {"threshold": 0.1, "divergence": "kl"},
-    {"threshold": 0.2, "divergence": "tv"},
+    {"threshold": 0.1, "divergence": "kl_reversed", "laws": "sampling"},
+    {"threshold": 0.2, "divergence": "tv", "fallback": "speculative"},
+    {"threshold": 0.05, "laws": "sampling", "fallback": "speculative"},
 ]
 REFUSED = [
     {"threshold": -0.1},
@@ -275,6 +292,8 @@ REFUSED = [
     {"threshold": math.nan},
     {"divergence": "hellinger"},
     {"divergence": "js_div"},
+    {"laws": "raw"},
+    {"fallback": "draft"},
 ]
 
 
@@ -288,6 +307,7 @@ def test_its_capability_flags():
     assert cls is FuzzySpeculative
     assert (cls.lossless, cls.max_drafts, cls.token_level, cls.kl_bound_parameter) == (False, 1, True, None)
     assert cls.batches_by_vmap and cls.capturable and cls.keyed_randomness and not cls.reading_cpu_path
+    assert cls.revision() == 2
 
 
 @pytest.mark.parametrize(
@@ -296,7 +316,8 @@ def test_its_capability_flags():
         ("threshold", "-1", "verifier 'fuzzy': threshold must be a finite number >= 0, got -1"),
         ("threshold", ".inf", "verifier 'fuzzy': threshold must be a finite number >= 0, got inf"),
         ("threshold", ".nan", "verifier 'fuzzy': threshold must be a finite number >= 0, got nan"),
-        ("divergence", "hellinger", "divergence must be 'js' or 'kl' or 'tv', got 'hellinger'"),
+        ("divergence", "hellinger", "divergence must be 'js' or 'kl' or 'kl_reversed' or 'tv', got 'hellinger'"),
+        ("fallback", "draft", "fallback must be 'target' or 'speculative', got 'draft'"),
     ],
 )
 def test_a_bad_parameter_is_one_line(run, recipe_path, param, value, message):
@@ -307,34 +328,47 @@ def test_a_bad_parameter_is_one_line(run, recipe_path, param, value, message):
     one_error_line(err, message)
 
 
-def _batch(batch: int, vocab: int = 16):
+def _batch(batch: int, vocab: int = 16, judged: bool = False):
     blocks = [
         random_block(BLOCK_KINDS[b % len(BLOCK_KINDS)], 1, 4, vocab, seed=b, identical_drafts=False)
         for b in range(batch)
     ]
     draws = Draws.batch([100 + b for b in range(batch)])
     draws.block_start.copy_(torch.arange(batch) * 3)
-    return (*(torch.stack(parts) for parts in zip(*blocks)), draws)
+    target, draft, tokens = (torch.stack(parts) for parts in zip(*blocks))
+    laws = (target.flip(-1), draft.flip(-1)) if judged else None  # other laws than the handed ones
+    return target, draft, tokens, draws, laws
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("judged", [False, True], ids=["handed", "judged"])
 @pytest.mark.parametrize("params", CONFIGURATIONS, ids=str)
-def test_a_mapped_batch_decides_each_block_as_alone_in_the_same_operations_and_reads_nothing(params):
+def test_a_mapped_batch_decides_each_block_as_alone_in_the_same_operations_and_reads_nothing(params, judged):
     verifier = _fuzzy(**params)
-    target, draft, tokens, draws = _batch(7)
+    target, draft, tokens, draws, laws = _batch(7, judged=judged)
+    extra = {} if laws is None else {"judged": laws}
     with torch.inference_mode(), warnings.catch_warnings(), device_path():
         warnings.filterwarnings("error", message="There is a performance drop")  # vmap looping an operation
-        batch = verifier.verify_batch(target, draft, tokens, draws)
+        batch = verifier.verify_batch(target, draft, tokens, draws, **extra)
         alone = BatchDecision.stack(
-            [verifier.verify_block(target[b], draft[b], tokens[b], draws.row(b)) for b in range(7)]
+            [
+                verifier.verify_block(
+                    target[b],
+                    draft[b],
+                    tokens[b],
+                    draws.row(b),
+                    **({} if laws is None else {"judged": (laws[0][b], laws[1][b])}),
+                )
+                for b in range(7)
+            ]
         )
     for field in ("tokens", "num_accepted", "row"):
         assert torch.equal(getattr(batch, field), getattr(alone, field)), field
 
     def count(size: int) -> OperationCount:
-        *block, batch_draws = _batch(size)
+        *block, batch_draws, batch_laws = _batch(size, judged=judged)
         with torch.inference_mode(), device_path(), OperationCount() as counted:
-            verifier.verify_batch(*block, batch_draws)
+            verifier.verify_batch(*block, batch_draws, **({} if batch_laws is None else {"judged": batch_laws}))
         return counted
 
     two, eight = count(2), count(8)
@@ -361,10 +395,13 @@ def test_the_device_path_reads_nothing_in_a_fixed_number_of_operations(params):
 
 @pytest.mark.parametrize("divergence", sorted(THRESHOLDS))
 def test_verify_block_traces_into_one_graph(divergence):
-    """Dynamo traces a block with keyed draws without a graph break (what --compile and a CUDA graph need)."""
-    block = random_block("peaked", 1, 4, 32, seed=0, identical_drafts=False)
+    """Dynamo traces a block with keyed draws, and with judged laws, without a graph break (what --compile and a
+    CUDA graph need)."""
+    target, draft, tokens = random_block("peaked", 1, 4, 32, seed=0, identical_drafts=False)
     torch._dynamo.reset()
     counters.clear()
     with device_path():
-        torch.compile(_fuzzy(0.1, divergence).verify_block, backend="eager")(*block, Draws.create(0, 0))
+        verify = torch.compile(_fuzzy(0.1, divergence).verify_block, backend="eager")
+        verify(target, draft, tokens, Draws.create(0, 0))
+        verify(target, draft, tokens, Draws.create(0, 0), judged=(target.flip(-1), draft.flip(-1)))
     assert not counters["graph_break"], list(counters["graph_break"])

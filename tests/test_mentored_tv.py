@@ -2,10 +2,10 @@
 
 Under total variation the bound D gives each position w = min(1, D / TV(q, p)) and speculative sampling against
 v = w·p + (1 − w)·q: it outputs v, TV(q, v) = min(D, TV), and accepts 1 − TV + min(D, TV) (the TV optimum), as the
-static ensemble does at w = D / TV. Checked here by enumeration, against ``ensemble`` decision by decision, against
-the KL rule (KL-optimal, so at the KL the TV rule spends it accepts at least as much), with the author's kit, in a
-batch, and on the device path (one read per block). ``output_law`` with "kl" is checked against enumeration and the
-KL bound.
+static ensemble does with the draft's share D / TV (transformers' weight 1 − D / TV). Checked here by enumeration,
+against ``ensemble`` decision by decision, against the KL rule (KL-optimal, so at the KL the TV rule spends it
+accepts at least as much), with the author's kit, in a batch, and on the device path (one read per block).
+``output_law`` with "kl" is checked against enumeration and the KL bound.
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ def _mentored(bound: float, divergence: str = "tv") -> MentoredDecoding:
     return load_verifier("mentored", {"kl": bound, "divergence": divergence})
 
 
-def _ensemble(weight: float):
-    return VerifierRegistry().create("ensemble", {"weight": weight})
+def _ensemble(draft_share: float):
+    """The static ensemble whose blend gives the draft ``draft_share`` (transformers' weight, the target's share, is
+    1 − draft_share)."""
+    return VerifierRegistry().create("ensemble", {"weight": 1 - draft_share})
 
 
 # ------------------------------------------------------------------ the TV optimum, by enumeration
@@ -94,7 +96,7 @@ def test_tv_at_zero_is_speculative_sampling_and_equal_laws_accept_everything():
 
 
 def test_the_enumeration_has_power():
-    """Negative control: the ensemble at twice the weight D / TV accepts more than 1 − TV + D and spends over D."""
+    """Negative control: the ensemble at twice the draft share D / TV accepts more than 1 − TV + D and spends over D."""
     q, p = _laws(1)
     tv, bound = _tv(q, p), 0.2 * _tv(q, p)
     overspent = _ensemble(2 * bound / tv)
@@ -102,7 +104,7 @@ def test_the_enumeration_has_power():
     assert _tv(q, enumerate_output_law(overspent, q, p.view(1, VOCAB))) > bound + 1e-3
 
 
-# ------------------------------------------------------------------ the static ensemble at w = D / TV
+# ------------------------------------------------------------------ the static ensemble at draft share D / TV
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from specdec_cli.base.randomness import Draws
-from specdec_cli.base.sampling import sample_with
 from specdec_cli.engine.device_path import OperationCount
 from specdec_cli.kit.conformance import check_verifier
 from specdec_cli.kit.testing import (
@@ -23,15 +22,15 @@ from specdec_cli.kit.testing import (
     random_sequence_laws,
     target_sequence_law,
 )
-from specdec_cli.plugins.laws import single_draft_draws
 from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_cli.plugins.verifiers import BatchDecision, device_path
 from specdec_plugins.threshold import ThresholdAcceptance
 from tests.conftest import one_error_line, random_block
 
 VOCAB = 5
-SETTINGS = [(1.0, 1.0), (0.5, 0.5), (0.3, 1.0), (1.0, 0.2), (0.0, 1.0), (0.9, 0.05)]
-"""(single, acc): SGLang's defaults, the worked example's, each threshold alone, s = 0 (accepts all), a tiny a."""
+SETTINGS = [(1.0, 1.0), (0.5, 0.5), (0.3, 1.0), (1.0, 0.2), (0.0, 1.0), (0.9, 0.05), (1.2, 0.0), (-1.0, 2.0)]
+"""(single, acc): SGLang's defaults, the worked example's, each threshold alone, s = 0 (accepts all), a tiny a, and
+numbers SGLang takes beyond [0, 1] (a = 0 floored at 1e-9, s > 1 off, s < 0 accepting all, a > 1)."""
 
 # The worked example: q = [0.6, 0.3, 0.1], s = a = 0.5, p = [0.2, 0.5, 0.3].
 #   a(0) = 1 (0.6 ≥ 0.5), a(1) = min(1, 0.3 / 0.5) = 0.6, a(2) = min(1, 0.1 / 0.5) = 0.2
@@ -151,63 +150,6 @@ def test_a_token_the_target_is_sure_of_is_always_accepted(single, acc):
     assert torch.isfinite(residual).all() and float(residual.sum()) > 0
 
 
-def _kernel_chain(target_probs, draft_tokens, draws, single, acc) -> tuple[list[int], int]:
-    """sgl-kernel's tree_speculative_sampling_target_only transcribed for one chain (a host loop): at each level
-    prob_acc = q(x); accept iff coin ≤ prob_acc / threshold_acc or q(x) ≥ threshold_single; on a rejection
-    draft_probs[x] = q(x) (zero elsewhere: target-only mode) and the last token comes from relu(q − draft_probs).
-    The coins are the block's: ACCEPT at offset t, RESIDUAL at the rejected offset, BONUS at L."""
-    q, x = target_probs[0], draft_tokens[0].tolist()  # [L+1, V], [L]
-    draft_probs = torch.zeros_like(q)  # [L+1, V]
-    accepted = 0
-    for t, token in enumerate(x):
-        prob_acc = q[t, token]
-        if float(draws[t, 0]) <= float(prob_acc / acc) or float(prob_acc) >= single:
-            accepted += 1
-            continue
-        draft_probs[t, token] = prob_acc
-        break
-    final = (q[accepted] - draft_probs[accepted]).clamp_min(0)  # [V]
-    uniform = draws[accepted, 1 if accepted < len(x) else 2]
-    return x[:accepted] + [int(sample_with(final, uniform))], accepted
-
-
-def _kernel_disagreements(verifier: ThresholdAcceptance, kind: str) -> int:
-    """Of 25 keyed blocks of ``kind``, how many ``verifier`` decides otherwise than :func:`_kernel_chain`."""
-    target, draft, tokens = random_block(kind, 1, 4, 12, seed=3, identical_drafts=True)
-    disagreements = 0
-    for key in range(25):
-        draws = Draws.create(key=key, block_start=7 * key)
-        decision = verifier.verify_block(target, draft, tokens, draws)
-        expected, accepted = _kernel_chain(
-            target, tokens, single_draft_draws(draws, 4, "cpu"), verifier.single, verifier.acc
-        )
-        disagreements += (int(decision.num_accepted), decision.tokens[: accepted + 1].tolist()) != (accepted, expected)
-    return disagreements
-
-
-@pytest.mark.parametrize(("single", "acc"), SETTINGS)
-@pytest.mark.parametrize("kind", ["peaked", "near_one_token", "equal", "disjoint", "flat_draft"])
-def test_a_block_decides_as_the_sglang_kernel_does(kind, single, acc):
-    assert _kernel_disagreements(_threshold(single, acc), kind) == 0
-
-
-class KeepsTheRejected(ThresholdAcceptance):
-    """A wrong variant: after a rejection it draws from q itself, the rejected token included (a kernel that
-    forgot to write draft_probs[x] = q(x))."""
-
-    @staticmethod
-    def residual_weights(target_probs, x):
-        return target_probs
-
-
-def test_negative_control_a_residual_that_keeps_the_rejected_token_is_caught():
-    """Both checks above reject it: at the defaults its output is not q, and its blocks are not the kernel's."""
-    wrong = KeepsTheRejected()
-    q, p = _laws(0)
-    assert (enumerate_output_law(wrong, q, p.view(1, VOCAB)) - q).abs().max() > 1e-3
-    assert sum(_kernel_disagreements(wrong, kind) for kind in ("peaked", "flat_draft")) > 0
-
-
 def test_lower_thresholds_accept_more_along_a_block():
     target, draft, tokens = random_block("flat_draft", 1, 4, 12, seed=2, identical_drafts=True)
     verifiers = [_threshold(single, acc) for single, acc in ((1.0, 1.0), (1.0, 0.3), (1.0, 0.01), (0.0, 1.0))]
@@ -220,7 +162,7 @@ def test_lower_thresholds_accept_more_along_a_block():
 
 @pytest.mark.parametrize(("single", "acc"), [(1.0, 1.0), (0.5, 0.5), (0.2, 0.7)])
 def test_it_passes_the_plugin_authors_kit(single, acc):
-    refused = [{"single": 1.5}, {"single": -0.1}, {"single": float("nan")}, {"acc": 0.0}, {"acc": 1.01}]
+    refused = [{"single": float("nan")}, {"acc": float("nan")}]
     check_verifier(ThresholdAcceptance, {"single": single, "acc": acc}, samples=1000, bad_params=refused)
 
 
@@ -256,15 +198,11 @@ def test_a_batch_decides_each_block_as_it_is_decided_alone_and_reads_nothing():
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
-        ("single=1.5", "single must be a number in [0, 1], got 1.5"),
-        ("single=-0.1", "single must be a number in [0, 1], got -0.1"),
-        ("single=.nan", "single must be a number in [0, 1], got nan"),
-        ("acc=0", "acc must be a number in (0, 1], got 0"),
-        ("acc=1.5", "acc must be a number in (0, 1], got 1.5"),
-        ("acc=.nan", "acc must be a number in (0, 1], got nan"),
+        ("single=.nan", "single must be a number, got nan"),
+        ("acc=.nan", "acc must be a number, got nan"),
     ],
 )
-def test_a_threshold_out_of_range_is_one_line(run, recipe_path, setting, message):
+def test_a_threshold_that_is_not_a_number_is_one_line(run, recipe_path, setting, message):
     code, _, err = run(
         ["generate", "-r", str(recipe_path), "--verifier", "threshold", "--set", f"verifier.params.{setting}", "a"]
     )

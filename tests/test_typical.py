@@ -55,10 +55,10 @@ def _one_hot(token: int, vocab: int) -> torch.Tensor:
 
 
 def test_the_worked_example():
-    entropy = -sum(float(v) * math.log(float(v)) for v in WORKED)
-    assert entropy == pytest.approx(1.1421200, abs=1e-6)
-    assert math.exp(-entropy) == pytest.approx(0.3191417, abs=1e-6)
-    assert 0.3 * math.exp(-entropy) == pytest.approx(0.0957425, abs=1e-6)  # above ε: τ = ε
+    entropy = -sum(float(v) * math.log(float(v) + 1e-5) for v in WORKED)  # vLLM's smoothed entropy
+    assert entropy == pytest.approx(1.1420800, abs=1e-6)
+    assert math.exp(-entropy) == pytest.approx(0.3191545, abs=1e-6)
+    assert 0.3 * math.exp(-entropy) == pytest.approx(0.0957463, abs=1e-6)  # above ε: τ = ε
     verifier = _typical()
     assert (verifier.threshold, verifier.alpha) == (0.09, 0.3)  # vLLM's defaults
     assert float(verifier.acceptance_threshold(WORKED)) == pytest.approx(0.09, abs=1e-15)
@@ -73,7 +73,7 @@ def test_the_worked_example():
 def test_alpha_sets_the_threshold_below_epsilon():
     """At δ = 0.1 the entropy term is the smaller: τ = 0.0319, and token 3 (0.05) passes too."""
     verifier = _typical(alpha=0.1)
-    assert float(verifier.acceptance_threshold(WORKED)) == pytest.approx(0.1 * 0.3191417, abs=1e-6)
+    assert float(verifier.acceptance_threshold(WORKED)) == pytest.approx(0.1 * 0.3191545, abs=1e-6)
     assert torch.equal(_output(verifier, WORKED, 3), _one_hot(3, 4))
 
 
@@ -92,11 +92,11 @@ def test_the_test_is_strict():
     assert int(decision.num_accepted) == 1 and decision.tokens[:2].tolist() == [1, 0]
 
 
-def test_the_entropy_is_exact():
-    """0 ln 0 = 0 (torch.xlogy): a one-hot q has H = 0, so τ = min(ε, δ) exactly (vLLM's ln(q + 1e-5) gives
-    −1e-5 here), and zeros in q leave H as over the support."""
+def test_the_entropy_is_vllms_smoothed_one():
+    """−Σ q ln(q + 1e-5): a one-hot q has H = −ln(1 + 1e-5) < 0, so τ = min(ε, δ·(1 + 1e-5)) (the exact entropy gives
+    δ), and zeros in q add 0·ln(1e-5) = 0, leaving H as over the support."""
     one_hot = _one_hot(2, 5)
-    assert float(_typical(threshold=1.0, alpha=0.4).acceptance_threshold(one_hot)) == 0.4
+    assert float(_typical(threshold=1.0, alpha=0.4).acceptance_threshold(one_hot)) == pytest.approx(0.4 * (1 + 1e-5))
     padded = torch.cat([WORKED, torch.zeros(3, dtype=torch.float64)])
     verifier = _typical(alpha=0.2)
     assert float(verifier.acceptance_threshold(padded)) == float(verifier.acceptance_threshold(WORKED))
@@ -159,8 +159,9 @@ def test_a_greedy_target_makes_it_greedy_matching():
 def test_at_alpha_above_one_the_argmax_fails_and_counts_as_accepted():
     verifier = _typical(threshold=1.0, alpha=2.0)
     tau = float(verifier.acceptance_threshold(FLAT))
-    assert tau == pytest.approx(2 * math.exp(-1.0888999753), abs=1e-9) and tau > float(FLAT.max())
-    assert not verifier.passes(FLAT).any()  # vLLM's mask rejects every token, the argmax too
+    assert tau == pytest.approx(2 * math.exp(-1.0888699758), abs=1e-9) and tau > float(FLAT.max())
+    assert not (FLAT > tau).any()  # vLLM's mask rejects every token, the argmax too
+    assert verifier.passes(FLAT).tolist() == [True, False, False]  # kept as drafted: the recovered argmax only
     assert torch.equal(_output(verifier, FLAT, 0), _one_hot(0, 3))  # the recovered token is x itself
     assert torch.equal(_output(verifier, FLAT, 1), _one_hot(0, 3))
     draft = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)

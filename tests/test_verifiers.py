@@ -20,7 +20,7 @@ from specdec_cli.plugins.registry import VerifierRegistry, load_verifier
 from specdec_cli.plugins.verifiers import BlockVerifier, Verifier, device_path
 from specdec_plugins._importance import Problems
 
-LOSSLESS = ["speculative", "specinfer", "spectr", "is-lp", "is-truncated"]
+LOSSLESS = ["speculative", "specinfer", "spectr", "is-lp", "is-truncated", "match"]
 MULTI_DRAFT = ["specinfer", "spectr", "is-lp", "is-truncated"]
 
 
@@ -391,6 +391,8 @@ BUILT_IN_FLAGS = {  # name: (the flags that are True, max_drafts, kl_bound_param
     "threshold": ({"token_level", *FAST}, 1, None),
     "fuzzy": ({"token_level", *FAST}, 1, None),
     "fly": (FAST, 1, None),
+    "cactus": ({"token_level", *FAST}, 1, None),
+    "match": ({"lossless", "token_level", *FAST}, None, None),
     "specinfer": ({"lossless", "token_level", "reading_cpu_path", *FAST}, None, None),
     "spectr": ({"lossless", "identical_drafts", "token_level", "reading_cpu_path", *FAST}, None, None),
     "block": ({"lossless", *FAST}, 1, None),

@@ -16,6 +16,10 @@ continuation; a drafter without a model is asked, as the engine asks it, what it
 each prefix, and its law is that of its first token (one-hot for prompt lookup). Where a row
 proposes nothing it leaves the block, as in the engine: a verifier and the optimum are evaluated
 over the rows that proposed there, and accept nothing where none did.
+
+With ``exact_first`` N (:class:`~.results.AcceptanceRequest`) a lossy row is evaluated as a run with
+``speculation.exact_first`` N decides: at the first N positions of each continuation its acceptance is the exact
+rule's (``speculation.exact_verifier``), and its spent divergence counts the positions from N on only.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from ..base.errors import NonFiniteLogitsError, SpecdecError, UsageError
 from ..base.randomness import Draws, Stream, sample_key
 from ..base.recipe import Recipe, VerifierConfig
-from ..base.sampling import non_finite_message, probs_from_logits, sampling_law
+from ..base.sampling import judged_params, non_finite_message, probs_from_logits, sampling_law
 from ..base.theory import (
     MAX_TWO_DRAFT_SUPPORT,
     optimal_acceptance,
@@ -40,7 +44,7 @@ from ..base.theory import (
     two_draft_support,
 )
 from ..engine.decoder import SpeculativeDecoder
-from ..engine.decoding import Draft, load_drafts
+from ..engine.decoding import Draft, exact_verifier_name, load_drafts
 from ..engine.session import next_token_logits
 from ..models.pool import ModelPool
 from ..plugins.divergences import DIVERGENCES, kl_divergence, total_variation
@@ -48,7 +52,7 @@ from ..plugins.draft_rows import DraftRows, round_robin
 from ..plugins.drafting import DraftRequest
 from ..plugins.registry import VerifierRegistry, error_line
 from ..plugins.sweeps import swept_params
-from ..plugins.verifiers import BlockVerifier
+from ..plugins.verifiers import BlockVerifier, JudgedLaws, judged_argument
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, DrafterSection, PromptAcceptance
 
 KL_FRACTIONS = (0.1, 0.3, 1.0)
@@ -56,9 +60,10 @@ KL_FRACTIONS = (0.1, 0.3, 1.0)
 FALLBACK_KL_VALUES = (0.05, 0.2, 0.5)
 """Bounds when that mean is zero or not finite (identical models; a draft that rules out target tokens)."""
 
-PositionValues = Callable[[torch.Tensor, torch.Tensor, list[int]], tuple[torch.Tensor | None, str]]
-"""(target ``[T', V]``, drafts ``[T', K', V]`` of the rows that proposed, those rows' places among the K)
-→ (a value at each of the T' positions ``[T']``, or None and why there is none)."""
+PositionValues = Callable[[torch.Tensor, torch.Tensor, list[int], JudgedLaws], tuple[torch.Tensor | None, str]]
+"""(target ``[T', V]``, drafts ``[T', K', V]`` of the rows that proposed, those rows' places among the K, and the
+laws a verifier judges drafts by there, or None) → (a value at each of the T' positions ``[T']``, or None and why
+there is none)."""
 
 
 @dataclass
@@ -103,6 +108,9 @@ class AcceptanceAnalysis:
         self.request = request
         self.registry = registry or VerifierRegistry()
         self.verifiers = self._verifiers(request.kl_values or ())  # every parameter checked before the models load
+        exact = exact_verifier_name(recipe.speculation.exact_verifier, self.registry)
+        self.exact = self.registry.create(exact) if request.exact_first else None
+        """The lossless rule of a lossy row's first ``exact_first`` positions (at its defaults); None: none."""
         self.kl_optimal = self.registry.optimal_name("kl")
         """The installed KL-optimal rule (mentored), looked up once: every lossy row's "best at that KL" is its."""
         self.kl_reference: float | None = None
@@ -181,6 +189,8 @@ class AcceptanceAnalysis:
                 drafter=section.drafter,
                 identical_drafts=all(section.rows(k).identical_laws for k in counts),
                 optimal={name: self._optimal_rows(name) for name in DIVERGENCES},
+                exact_first=self.request.exact_first,
+                exact_verifier=None if self.exact is None else self.exact.name,
             )
             for section in self.sections
         ]
@@ -256,23 +266,27 @@ class AcceptanceAnalysis:
         return float(finite.mean()) if finite.numel() else None
 
     @torch.inference_mode()
-    def target_law(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
-        """q ``[T, V]`` (float64) at the T generated positions."""
+    def target_law(self, prompt_ids: list[int], tokens: list[int], view: str | None = None) -> torch.Tensor:
+        """q ``[T, V]`` (float64) at the T generated positions; with ``view``, the law a verifier judges drafts by
+        (its ``judged_laws``) instead of the sampling law."""
         generated = torch.tensor([tokens], dtype=torch.long)  # [1, T]
         logits = next_token_logits(self.decoder.target, prompt_ids, generated, self.decoder.vocab_size)[
             0, :-1
         ]  # [T, V]
         # float64 laws that sum to 1 to double precision (float32 softmax rows miss by ~1e-7), so
         # every verifier and the optimum are evaluated at the precision the theory is checked to.
-        target = probs_from_logits(logits, self.decoder.target_params, "target").double()  # [T, V]
+        params = self.decoder.target_params if view is None else judged_params(self.decoder.target_params, view)
+        target = probs_from_logits(logits, params, "target").double()  # [T, V]
         return target / target.sum(-1, keepdim=True)
 
     @torch.inference_mode()
     def draft_laws(
-        self, section: _LoadedSection, prompt_ids: list[int], tokens: list[int], key: int
+        self, section: _LoadedSection, prompt_ids: list[int], tokens: list[int], key: int, view: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every entry's p ``[T, C, V]`` (float64; zero where it proposed nothing) at the T generated positions,
-        and where it proposed ``[T, C]`` (an entry with a model always does). ``key``: the sample's randomness."""
+        and where it proposed ``[T, C]`` (an entry with a model always does). ``key``: the sample's randomness.
+        ``view``: an entry with a model gives the law a verifier judges drafts by (its ``judged_laws``) instead of
+        its sampling law; one without (a deterministic drafter) gives its one-hot laws, which stand for any."""
         generated = torch.tensor([tokens], dtype=torch.long)  # [1, T]
         device, vocab = self.decoder.device, self.decoder.vocab_size
         laws, proposed = [], []
@@ -281,7 +295,9 @@ class AcceptanceAnalysis:
                 law, made = _proposed_laws(section.proposers[index], prompt_ids, tokens, key)  # [T, V], [T]
             else:
                 logits = next_token_logits(draft.model, prompt_ids, generated, vocab)[0, :-1].to(device)  # [T, V]
-                law = probs_from_logits(logits, draft.sampling(self.decoder.config), draft.model.name)  # [T, V]
+                params = draft.sampling(self.decoder.config)
+                params = params if view is None else judged_params(params, view)
+                law = probs_from_logits(logits, params, draft.model.name)  # [T, V]
                 made = torch.ones(len(tokens), dtype=torch.bool, device=device)  # [T]
             laws.append(law.double())
             proposed.append(made)
@@ -307,56 +323,93 @@ class AcceptanceAnalysis:
         results = []
         for section in sections:
             configs, proposed = self.draft_laws(section, prompt_ids, tokens, key)  # [T, C, V], [T, C]
+            judged = {  # view → the laws verifiers of this run judge drafts by: [T, V], [T, C, V]
+                view: (
+                    self.target_law(prompt_ids, tokens, view),
+                    self.draft_laws(section, prompt_ids, tokens, key, view)[0],
+                )
+                for view in self.judged_views
+            }
             covered = int(proposed.any(-1).sum()) if section.proposers else None
             result = PromptAcceptance(
                 prompt=prompt, prompt_index=index, positions=len(tokens), drafter=section.drafter, covered=covered
             )
             for num_drafts in self.request.num_drafts:
-                self._evaluate_drafts(result, section, target, configs, proposed, num_drafts)
+                self._evaluate_drafts(result, section, (target, configs, judged), proposed, num_drafts)
             results.append(result)
         return results
+
+    @property
+    def judged_views(self) -> list[str]:
+        """The laws this run's verifiers judge drafts by besides the sampling laws (their ``judged_laws``)."""
+        return sorted({verifier.judged_laws for verifier in self.verifiers.values() if verifier.judged_laws})
 
     def _evaluate_drafts(
         self,
         result: PromptAcceptance,
         section: _LoadedSection,
-        target: torch.Tensor,
-        configs: torch.Tensor,
+        laws: tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]],
         proposed: torch.Tensor,
         num_drafts: int,
     ) -> None:
-        """Every row's acceptance with K = ``num_drafts`` rows, for target ``[T, V]``, the entries' laws
-        ``[T, C, V]`` and where each entry proposed ``[T, C]``."""
+        """Every row's acceptance with K = ``num_drafts`` rows, for ``laws``: target ``[T, V]``, the entries' laws
+        ``[T, C, V]`` and each judged view's two; and where each entry proposed ``[T, C]``."""
+        target, configs, judged = laws
         choice = section.choice(num_drafts)
         drafts = configs[:, choice]  # [T, K, V]
-        rows, laws = section.rows(num_drafts), [section.laws[entry] for entry in choice]
+        judged_k = {
+            view: (view_target, view_configs[:, choice]) for view, (view_target, view_configs) in judged.items()
+        }
+        rows, row_laws = section.rows(num_drafts), [section.laws[entry] for entry in choice]
         groups = _ProposingRows.of(proposed[:, choice])
         # The optimum over the rows that proposed: identical where their laws are.
         optimum, reason = groups.values(
-            lambda q, p, kept: _optimum(q, p, len({laws[row] for row in kept}) <= 1), target, drafts
+            lambda q, p, kept, _judged: _optimum(q, p, len({row_laws[row] for row in kept}) <= 1), target, drafts
         )
         result.record(AcceptanceRow(OPTIMUM), num_drafts, optimum, reason)
+        exact = self._exact_acceptance(target, drafts, (rows, groups))
         for row, verifier in self.verifiers.items():
-            self._evaluate_row(result, row, verifier, target, drafts, (rows, groups))
+            position_laws = (target, drafts, judged_k.get(verifier.judged_laws))
+            self._evaluate_row(result, row, verifier, position_laws, (rows, groups), exact)
+
+    def _exact_acceptance(
+        self, target: torch.Tensor, drafts: torch.Tensor, proposing: tuple[DraftRows, _ProposingRows]
+    ) -> tuple[list[float] | None, str] | None:
+        """The exact rule's acceptance at each position (or None and why) for target ``[T, V]`` and drafts
+        ``[T, K, V]``, which a lossy row has at its first ``exact_first`` positions; None without exact_first."""
+        if self.exact is None:
+            return None
+        rows, groups = proposing
+        try:
+            return _acceptance(self.exact, (target, drafts, None), self.registry.refusal(self.exact.name, rows), groups)
+        except SpecdecError:
+            raise
+        except Exception as error:
+            raise self.registry.fault(self.exact.name, f"raised {error_line(error)} in acceptance") from error
 
     def _evaluate_row(
         self,
         result: PromptAcceptance,
         row: AcceptanceRow,
         verifier: BlockVerifier,
-        target: torch.Tensor,
-        drafts: torch.Tensor,
+        laws: tuple[torch.Tensor, torch.Tensor, JudgedLaws],
         proposing: tuple[DraftRows, _ProposingRows],
+        exact: tuple[list[float] | None, str] | None = None,
     ) -> None:
-        """One row's acceptance (and KL) for target ``[T, V]`` and drafts ``[T, K, V]``: refused as the engine
-        refuses the K rows, evaluated over the rows that proposed (``proposing``); a plugin's own exception
-        becomes one line naming it."""
+        """One row's acceptance (and KL) for ``laws``: target ``[T, V]``, drafts ``[T, K, V]`` and the two the
+        verifier judges drafts by (or None): refused as the engine refuses the K rows, evaluated over the rows that
+        proposed (``proposing``); a lossy row's first ``exact_first`` positions are the exact rule's (``exact``: its
+        values, or None and why). A plugin's own exception becomes one line naming it."""
         rows, groups = proposing
+        target, drafts, judged = laws
         try:
-            values, reason = _acceptance(verifier, target, drafts, self.registry.refusal(row.verifier, rows), groups)
+            refusal = self.registry.refusal(row.verifier, rows)
+            values, reason = _acceptance(verifier, (target, drafts, judged), refusal, groups)
+            if values is not None and exact is not None and not verifier.lossless:
+                values, reason = _exact_first(values, exact, self.request.exact_first)
             result.record(row, rows.count, values, reason)
             if values is not None and rows.count == 1 and not verifier.lossless:
-                self._record_spent(result, row.label, verifier, target, drafts, groups)
+                self._record_spent(result, row.label, verifier, laws, groups)
         except SpecdecError:
             raise
         except Exception as error:
@@ -367,26 +420,33 @@ class AcceptanceAnalysis:
         result: PromptAcceptance,
         label: str,
         verifier: BlockVerifier,
-        target: torch.Tensor,
-        drafts: torch.Tensor,
+        position_laws: tuple[torch.Tensor, torch.Tensor, JudgedLaws],
         groups: _ProposingRows,
     ) -> None:
         """A lossy row's spent divergence and the optimum at it (:data:`~.results.SPENT_MEASURES`) at each position,
-        for target ``[T, V]`` and one draft ``[T, 1, V]``: from its ``output_law``; from its ``output_kl`` (KL only)
-        where it gives no law; nothing where it gives neither."""
-        laws = groups.laws(lambda q, p: verifier.output_law(q, p) if verifier.token_level else None, target, drafts)
+        for target ``[T, V]``, one draft ``[T, 1, V]`` and the two laws it judges drafts by (or None): from its
+        ``output_law``; from its ``output_kl`` (KL only) where it gives no law; nothing where it gives neither. With
+        ``exact_first`` N only the positions from N on, the lossy part: the exact rule spends nothing before it."""
+        first = self.request.exact_first
+        target, drafts, judged = position_laws
+
+        def output_law(q, p, laws):
+            return verifier.output_law(q, p, **judged_argument(laws)) if verifier.token_level else None
+
+        laws = groups.laws(output_law, target, drafts, judged)
         if laws is None:
-            divergence, _ = groups.values(lambda q, p, _kept: (verifier.output_kl(q, p), ""), target, drafts)
+            divergence, _ = groups.values(lambda q, p, _kept, _judged: (verifier.output_kl(q, p), ""), target, drafts)
             if divergence is not None:
-                result.kl[label] = divergence
+                result.kl[label] = divergence[first:]
             return
         spent = {"kl": kl_divergence(target, laws), "tv": total_variation(target, laws)}  # [T] each
         spent["optimum_at_tv"] = tv_optimal_acceptance(target, drafts[:, 0], spent["tv"])  # [T]
-        optimum = self._optimum_at_kl(target, drafts[:, 0], spent["kl"], groups.proposed)  # [T] or None
-        result.kl[label] = spent.pop("kl").tolist()
+        lossy = groups.proposed[groups.proposed >= first]  # [P']: the positions whose optimum is counted
+        optimum = self._optimum_at_kl(target, drafts[:, 0], spent["kl"], lossy)  # [T] or None
+        result.kl[label] = spent.pop("kl").tolist()[first:]
         result.spent = result.spent or {}
         result.spent[label] = {
-            measure: values.tolist()
+            measure: values.tolist()[first:]
             for measure, values in {**spent, "optimum_at_kl": optimum}.items()
             if values is not None
         }
@@ -432,14 +492,15 @@ class _ProposingRows:
         return cls(proposed.shape[0], groups)
 
     def values(
-        self, value: PositionValues, target: torch.Tensor, drafts: torch.Tensor
+        self, value: PositionValues, target: torch.Tensor, drafts: torch.Tensor, judged: JudgedLaws = None
     ) -> tuple[list[float] | None, str]:
-        """``value`` over the rows that proposed at each position, for target ``[T, V]`` and drafts ``[T, K, V]``;
-        0 where no row proposed (the block is the target's own token: nothing is accepted). None and why where
-        ``value`` gives none for some group."""
+        """``value`` over the rows that proposed at each position, for target ``[T, V]``, drafts ``[T, K, V]`` and the
+        laws a verifier judges drafts by (shaped as those two, or None); 0 where no row proposed (the block is the
+        target's own token: nothing is accepted). None and why where ``value`` gives none for some group."""
         result = torch.zeros(self.positions, dtype=torch.float64, device=target.device)  # [T]
         for positions, rows in self.groups:
-            values, reason = value(target[positions], drafts[positions][:, rows], rows.tolist())  # [T']
+            laws = _taken(judged, positions, rows)
+            values, reason = value(target[positions], drafts[positions][:, rows], rows.tolist(), laws)  # [T']
             if values is None:
                 return None, reason
             result[positions] = values.to(result)
@@ -447,15 +508,17 @@ class _ProposingRows:
 
     def laws(
         self,
-        law: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None],
+        law: Callable[[torch.Tensor, torch.Tensor, JudgedLaws], torch.Tensor | None],
         target: torch.Tensor,
         drafts: torch.Tensor,
+        judged: JudgedLaws = None,
     ) -> torch.Tensor | None:
-        """The output law ``law`` gives over the rows that proposed at each position ``[T, V]``, for target ``[T, V]``
-        and drafts ``[T, K, V]``: q where no row proposed (the target's own token); None where ``law`` gives none."""
+        """The output law ``law`` gives over the rows that proposed at each position ``[T, V]``, for target ``[T, V]``,
+        drafts ``[T, K, V]`` and the laws a verifier judges drafts by (or None): q where no row proposed (the
+        target's own token); None where ``law`` gives none."""
         result = target.clone()  # [T, V]
         for positions, rows in self.groups:
-            values = law(target[positions], drafts[positions][:, rows])  # [T', V]
+            values = law(target[positions], drafts[positions][:, rows], _taken(judged, positions, rows))  # [T', V]
             if values is None:
                 return None
             result[positions] = values.to(result)
@@ -497,10 +560,14 @@ def _proposed_laws(
 
 
 def _acceptance(
-    verifier: BlockVerifier, target: torch.Tensor, drafts: torch.Tensor, refusal: str | None, groups: _ProposingRows
+    verifier: BlockVerifier,
+    laws: tuple[torch.Tensor, torch.Tensor, JudgedLaws],
+    refusal: str | None,
+    groups: _ProposingRows,
 ) -> tuple[list[float] | None, str]:
-    """(acceptance at each position, or None and why) for target ``[T, V]`` and drafts ``[T, K, V]``, over the
-    rows that proposed at each position (``groups``)."""
+    """(acceptance at each position, or None and why) for ``laws``: target ``[T, V]``, drafts ``[T, K, V]`` and the
+    two the verifier judges drafts by (or None), over the rows that proposed at each position (``groups``)."""
+    target, drafts, judged = laws
     if not verifier.token_level:
         return (
             None,
@@ -509,9 +576,32 @@ def _acceptance(
     if refusal is not None:
         return None, refusal
     try:
-        return groups.values(lambda q, p, _kept: (verifier.acceptance_probability(q, p), ""), target, drafts)
+        return groups.values(
+            lambda q, p, _kept, laws: (verifier.acceptance_probability(q, p, **judged_argument(laws)), ""),
+            target,
+            drafts,
+            judged,
+        )
     except SpecdecError as error:
         return None, str(error)
+
+
+def _taken(judged: JudgedLaws, positions: torch.Tensor, rows: torch.Tensor) -> JudgedLaws:
+    """Judged laws (target ``[T, V]``, drafts ``[T, K, V]``) at ``positions`` ``[T']`` for the draft ``rows``
+    ``[K']``, as the sampling laws are taken; None stays None."""
+    return None if judged is None else (judged[0][positions], judged[1][positions][:, rows])
+
+
+def _exact_first(
+    values: list[float], exact: tuple[list[float] | None, str], first: int
+) -> tuple[list[float] | None, str]:
+    """A lossy row's ``values`` at each position with the exact rule's (``exact``: its values, or None and why) at
+    the first ``first``: what a run with ``speculation.exact_first`` accepts there. None and why where the exact rule
+    has no value."""
+    exact_values, reason = exact
+    if exact_values is None:
+        return None, f"exact first {first}: {reason}"
+    return exact_values[:first] + values[first:], ""
 
 
 def _optimum(target: torch.Tensor, drafts: torch.Tensor, identical: bool) -> tuple[torch.Tensor | None, str]:

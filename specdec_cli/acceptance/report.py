@@ -53,6 +53,7 @@ def payload(
             "sweeps": [
                 {"verifier": s.verifier, "parameter": s.parameter, "values": list(s.values)} for s in request.sweeps
             ],
+            **({"exact_first": request.exact_first} if request.exact_first else {}),
         },
         **results,
     }
@@ -93,6 +94,8 @@ def table(report: AcceptanceReport) -> Table:
             "\nlossy rows at K=1: π is the row's output law; best at that KL / TV: the most any rule accepts "
             "within the KL (or TV) the row spends at each position, averaged"
         )
+    if report.exact_first:
+        result.caption += "\n" + report.exact_note()
     reasons = sorted(set(report.unavailable.values()))
     if reasons:
         result.caption += "\n—: " + "; ".join(reasons)

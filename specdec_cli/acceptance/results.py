@@ -29,6 +29,9 @@ class AcceptanceRequest:
     kl_values: tuple[float, ...] | None = None
     """None: derived from the pair's measured KL(q ‖ p) (see ``AcceptanceAnalysis.derive_kl_values``)."""
     sweeps: tuple[ParameterSweep, ...] = ()
+    exact_first: int = 0
+    """A lossy row's first N positions of each continuation are the exact rule's (``speculation.exact_verifier``), as a
+    run with ``speculation.exact_first`` N verifies them; its spent divergence counts the positions from N on."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ class PromptAcceptance:
     with a model, as every section did before drafters without one)."""
     spent: dict[str, dict[str, list[float]]] | None = None
     """Each lossy row's divergence at K = 1 beyond ``kl``: ``spent[label][measure]`` per position for each measure
-    of :data:`SPENT_MEASURES` but KL; None when no row has one (and in records of before)."""
+    of :data:`SPENT_MEASURES` but KL; None when no row has one (and in records of before). With ``exact_first`` N,
+    these and ``kl`` hold the positions from N on (the lossy part)."""
 
     def record(self, row: AcceptanceRow, num_drafts: int, values: list[float] | None, reason: str) -> None:
         """The row's values at ``num_drafts`` drafts, or (values None) why there are none."""
@@ -175,6 +179,10 @@ class AcceptanceReport:
     optimal: dict[str, list[str]] = field(default_factory=dict)
     """Divergence name → the labels of the rows that are the optimal rule under it (the installed verifier that
     names it in ``optimal_under``, with the settings that make it so), for the plot."""
+    exact_first: int = 0
+    """The request's ``exact_first``: a lossy row's first N positions are ``exact_verifier``'s."""
+    exact_verifier: str | None = None
+    """The exact rule's name (``speculation.exact_verifier``); None without ``exact_first``."""
 
     def add(self, result: PromptAcceptance) -> None:
         self.prompts.append(result)
@@ -193,6 +201,18 @@ class AcceptanceReport:
         if measure == "kl":
             return Estimate.of([v for p in self.prompts for v in p.kl.get(label, [])])
         return Estimate.of([v for p in self.prompts for v in (p.spent or {}).get(label, {}).get(measure, [])])
+
+    def _exact_fields(self) -> dict:
+        return {"exact_first": self.exact_first, "exact_verifier": self.exact_verifier, "exact_note": self.exact_note()}
+
+    def exact_note(self) -> str:
+        """What ``exact_first`` does to the lossy rows' values, in a sentence (the table's footnote, the JSON's)."""
+        n, name = self.exact_first, self.exact_verifier
+        return (
+            f"exact first {n}: a lossy row's first {n} positions of each continuation are verified by {name}, so its "
+            f"acceptance there is {name}'s; its spent KL(q‖π), TV(q,π) and the best at them count positions >= {n} "
+            "only (the lossy part)"
+        )
 
     @property
     def positions(self) -> int:
@@ -222,6 +242,7 @@ class AcceptanceReport:
             "table": table,
             "unavailable": {f"{label}|{k}": why for (label, k), why in self.unavailable.items()},
             "identical_drafts": self.identical_drafts,
+            **(self._exact_fields() if self.exact_first else {}),
             "interrupted": self.interrupted,
             "prompts": [p.to_record() for p in self.prompts],
         }

@@ -129,6 +129,12 @@ class SpeculationConfig:
     """How L moves between blocks: ``constant`` keeps ``draft_length``; ``heuristic`` starts there and follows
     transformers' rule (+2 after a block whose draft was wholly accepted, -1 otherwise), decided from past
     blocks only so that every verifier stays exact."""
+    exact_first: int = 0
+    """Verify the first N generated tokens of every sample with ``exact_verifier`` (lossless) and the rest with the
+    run's verifier; 0: off. A block that starts before N drafts at most up to N, so that every token before N is
+    decided by the lossless rule. A lossless verifier is exact already: it changes nothing there."""
+    exact_verifier: str = VerifierConfig().name
+    """The lossless verifier (at its defaults) that decides the first ``exact_first`` tokens."""
 
 
 @dataclass(frozen=True)
@@ -162,8 +168,8 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as plain data; a draft entry leaves out a drafter and parameters it does not set, and the
-        speculation and generation sections a schedule and stop texts at their defaults, so a recipe written before
-        them reads as it did (results folders compare these to resume)."""
+        speculation and generation sections a schedule, the exact-first settings and stop texts at their defaults,
+        so a recipe written before them reads as it did (results folders compare these to resume)."""
         data = dataclasses.asdict(self)
         sections = [*data["drafts"], data["speculation"], data["generation"]]
         for section in sections:
@@ -179,7 +185,14 @@ class Recipe:
         )
 
 
-_LEFT_OUT_AT_DEFAULT = {"drafter": None, "params": {}, "draft_length_schedule": "constant", "stop": ()}
+_LEFT_OUT_AT_DEFAULT = {
+    "drafter": None,
+    "params": {},
+    "draft_length_schedule": "constant",
+    "exact_first": 0,
+    "exact_verifier": VerifierConfig().name,
+    "stop": (),
+}
 """Keys that :meth:`Recipe.to_dict` leaves out at these values: recipes written before the keys existed read
 as they did, so results folders written then still resume. A verifier's ``params`` is not among the sections
 walked."""
@@ -236,6 +249,8 @@ class DecodingConfig:
         checks = [
             (self.speculation.draft_length >= 1, "speculation.draft_length", "must be >= 1"),
             (self.speculation.num_drafts >= 1, "speculation.num_drafts", "must be >= 1"),
+            (self.speculation.exact_first >= 0, "speculation.exact_first", "must be >= 0"),
+            (bool(self.speculation.exact_verifier.strip()), "speculation.exact_verifier", "must not be empty"),
             (self.generation.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1"),
             (bool(self.verifier.name.strip()), "verifier.name", "must not be empty"),
             (

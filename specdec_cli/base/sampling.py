@@ -17,7 +17,15 @@ import torch
 from .errors import NonFiniteLogitsError
 from .randomness import Randomness, Stream, uniforms_from
 
-__all__ = ["SamplingParams", "non_finite_message", "probs_from_logits", "sample", "sample_with", "sampling_law"]
+__all__ = [
+    "SamplingParams",
+    "judged_params",
+    "non_finite_message",
+    "probs_from_logits",
+    "sample",
+    "sample_with",
+    "sampling_law",
+]
 
 _BELOW_ONE = 1.0 - 2.0**-52
 """Largest factor that keeps u · total strictly below total in float64 (so no zero-mass tail is drawn)."""
@@ -35,6 +43,17 @@ class SamplingParams:
     top_k: int = 0
     """0 = off."""
     top_p: float = 1.0
+
+
+def judged_params(params: SamplingParams, view: str) -> SamplingParams:
+    """The settings of the law a verifier judges drafts by (its ``judged_laws``), for a model sampled with ``params``:
+    ``unprocessed``, temperature 1 over the whole vocabulary (softmax of the raw logits); ``untruncated``, the same
+    temperature with no top-k or top-p."""
+    if view == "unprocessed":
+        return SamplingParams()
+    if view == "untruncated":
+        return SamplingParams(temperature=params.temperature)
+    raise ValueError(f"no judged law '{view}': unprocessed or untruncated")
 
 
 def sampling_law(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,9 @@ class GridCell:
     """Samples decoded at a time (``--batch-size``); its speedup is over the target alone at the same batch size."""
     draft_length_schedule: str = "constant"
     """How the draft length moves between blocks (``--draft-length-schedule``), starting at ``draft_length``."""
+    exact_first: int = 0
+    """Tokens of every sample verified by the lossless ``speculation.exact_verifier`` before this cell's verifier
+    takes over (``--exact-first``); 0: none."""
     params: tuple[tuple[str, Any], ...] = ()
     """The verifier's swept parameters (``--sweep``), as (parameter, value) pairs."""
 
@@ -67,6 +70,7 @@ class GridCell:
         drafter = "" if self.drafter is None else f" drafter={self.drafter}"  # keys from before drafters stay
         # Keys from before schedules stay: a constant length is what every earlier cell ran.
         length = "" if self.draft_length_schedule == "constant" else f" ({self.draft_length_schedule})"
+        length += f" exact={self.exact_first}" if self.exact_first else ""  # keys from before exact_first stay
         return (
             f"{name} K={self.num_drafts} L={self.draft_length}{length} T={self.temperature:g}{drafts}{drafter}{batch}"
         )
@@ -100,6 +104,7 @@ class GridCell:
                 num_drafts=self.num_drafts,
                 draft_length=self.draft_length,
                 draft_length_schedule=self.draft_length_schedule,
+                exact_first=self.exact_first,
             ),
             generation=generation,
         )
@@ -116,6 +121,7 @@ class Grid:
     drafters: tuple[str | None, ...] = (None,)
     batch_sizes: tuple[int, ...] = (1,)
     draft_length_schedules: tuple[str, ...] = ("constant",)
+    exact_first: tuple[int, ...] = (0,)
     sweeps: tuple[ParameterSweep, ...] = ()
 
     def cells(self, registry: VerifierRegistry, base: Recipe) -> tuple[list[GridCell], list[str]]:
@@ -128,12 +134,13 @@ class Grid:
             name = registry.canonical(name)
             verifier_class = registry.load_class(name)
             bounds: tuple[float | None, ...] = self.kl if verifier_class.kl_bound_parameter and self.kl else (None,)
-            for kl, swept, k, length, schedule, temperature, draft_temps, drafter, batch in itertools.product(
+            for kl, swept, k, length, schedule, exact, temperature, draft_temps, drafter, batch in itertools.product(
                 bounds,
                 swept_params(name, self.sweeps),
                 self.num_drafts,
                 self.draft_lengths,
                 self.draft_length_schedules,
+                self.exact_first,
                 self.temperatures,
                 self.draft_temperatures,
                 drafters,
@@ -145,6 +152,7 @@ class Grid:
                     num_drafts=k,
                     draft_length=length,
                     draft_length_schedule=schedule,
+                    exact_first=exact,
                     temperature=temperature,
                     draft_temperatures=draft_temps,
                     drafter=drafter,

@@ -249,7 +249,8 @@ def _add_speedup(metrics: dict, cell: GridCell, samples: list[dict], baseline: l
 
     The expected speedup assumes each draft token is accepted independently with probability α,
     so it is left out for verifiers that decide a block jointly (``per_token`` False), and for a draft length that
-    changes from block to block (``draft_length_schedule``).
+    changes from block to block (``draft_length_schedule``, or ``exact_first``, which also shortens the blocks that
+    would cross it and changes the rule there).
     """
     pairs = _pairs(samples, baseline)
     rate, base = speed_summary([a["stats"] for a, _ in pairs]), speed_summary([b["stats"] for _, b in pairs])
@@ -259,7 +260,7 @@ def _add_speedup(metrics: dict, cell: GridCell, samples: list[dict], baseline: l
     metrics.update(speedup_interval_fields([(a["stats"], b["stats"]) for a, b in pairs]))
     cost_ratio = rate["draft_s_per_forward"] / base["target_s_per_forward"] if base["target_s_per_forward"] else 0.0
     metrics["cost_ratio"] = cost_ratio
-    if not per_token or cell.draft_length_schedule != "constant":  # the formula is for one L every block
+    if not per_token or cell.draft_length_schedule != "constant" or cell.exact_first:  # one L and rule every block
         return
     metrics["expected_speedup"] = expected_speedup(rate["token_acceptance"], cell.draft_length, cost_ratio)
     metrics["efficiency_vs_expected"] = metrics["speedup"] / metrics["expected_speedup"]

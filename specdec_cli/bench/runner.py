@@ -135,7 +135,7 @@ class BenchRunner:
             }
             if pending:
                 decoder = self.decoder(cell)
-                self._note(decoder.cache_notes)
+                self._note([*decoder.cache_notes, *filter(None, [decoder.exact_first_note])])
                 prompt_ids = {key: decoder.encode_prompt(self.prompt(example)) for key, example in pending.items()}
                 try:
                     if cell.batch_size > 1:

@@ -100,6 +100,7 @@ def acceptance(
     kl: _KlOption = None,
     sweep: options.SweepOption = None,
     draft_temperatures: _DraftTemperaturesOption = None,
+    exact_first: options.ExactFirstOption = None,
     temperature: options.TemperatureOption = None,
     as_json: _JsonOption = False,
     output: options.OutputOption = None,
@@ -109,8 +110,11 @@ def acceptance(
     common.apply_threads(model.threads)
     temperatures = common.parse_list(draft_temperatures, float, "--draft-temperatures")
     resolved = common.RecipeOptions.of(
-        model, temperature=temperature, draft_temperatures=temperatures or None
+        model, temperature=temperature, draft_temperatures=temperatures or None, exact_first=exact_first
     ).resolve()
+    from ..engine.decoding import exact_verifier_name  # torch, which the verifiers below import anyway
+
+    exact_verifier_name(resolved.speculation.exact_verifier, VerifierRegistry())
     # Each drafter's entries, checked (an unknown drafter, one that needs an entry): one line before models load.
     sections = DrafterSection.of_recipe(resolved, common.grid_values(drafters, str, "--drafter"))
     common.check_at_least_one(limit, "--limit")
@@ -123,7 +127,11 @@ def acceptance(
     common.check_kl_bounds(bounds, names, resolved.verifier.params, VerifierRegistry())
     sweeps = common.run_sweeps(sweep or [], requested or names, resolved.verifier.params, VerifierRegistry())
     request = AcceptanceRequest(
-        verifiers=tuple(names), num_drafts=counts, kl_values=tuple(bounds) if bounds else None, sweeps=sweeps
+        verifiers=tuple(names),
+        num_drafts=counts,
+        kl_values=tuple(bounds) if bounds else None,
+        sweeps=sweeps,
+        exact_first=resolved.speculation.exact_first,
     )
     texts = subset(_prompts([*(prompt_args or []), *(prompts or [])], prompt_file, field), limit, shuffle, shuffle_seed)
     check_plot_path(plot)
@@ -231,12 +239,18 @@ def _open_store(
     named = [section.drafter for section in sections if section.drafter is not None]
     config = {
         "recipe": recipe.to_dict(),
-        # Sweeps only when given, so that folders of before them resume.
-        "request": {key: value for key, value in dataclasses.asdict(request).items() if key != "sweeps" or value},
+        # Sweeps and exact_first only when given, so that folders of before them resume.
+        "request": {
+            key: value
+            for key, value in dataclasses.asdict(request).items()
+            if key not in ("sweeps", "exact_first") or value
+        },
         "prompts": hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16],
         **({"drafters": named} if named else {}),
     }
-    return ResultsStore(output, config, kind=PROMPT_RECORDS)
+    exact = [recipe.speculation.exact_verifier] if request.exact_first else []  # its decisions are in the values
+    revisions = VerifierRegistry().revisions([*request.verifiers, *exact])
+    return ResultsStore(output, config, kind=PROMPT_RECORDS, revisions=revisions)
 
 
 def _applicable(

@@ -130,6 +130,15 @@ class _GridOptions:
             "each cell's draft length). " + options.from_recipe(_recipe.speculation.draft_length_schedule),
         ),
     ] = None
+    exact_first: Annotated[
+        Optional[str],
+        typer.Option(
+            "--exact-first",
+            metavar="N[,N…]",
+            help="Tokens of every sample verified by a lossless rule (speculation.exact_verifier) before the cell's "
+            f"verifier takes over (0 = off). {options.from_recipe(_recipe.speculation.exact_first)}",
+        ),
+    ] = None
     temperature: Annotated[
         Optional[str],
         typer.Option(
@@ -181,6 +190,7 @@ class _GridOptions:
             num_drafts=self._axis("num_drafts", int) or (speculation.num_drafts,),
             draft_lengths=self._axis("draft_length", int) or (speculation.draft_length,),
             draft_length_schedules=self._axis("draft_length_schedule", str) or (speculation.draft_length_schedule,),
+            exact_first=self._axis("exact_first", int) or (speculation.exact_first,),
             temperatures=self._axis("temperature", float) or (generation.temperature,),
             draft_temperatures=_draft_temperature_sets(self.draft_temperatures),
             drafters=tuple(common.grid_values(self.drafters, str, "--drafter")) or (None,),
@@ -297,6 +307,14 @@ class _Plan:
         references = report.reference_note(self.task.metrics, [e.reference for e in self.examples], self.reference_hint)
         self.notes += [note for note in (turns_note(self.examples), references) if note is not None]
 
+    def verifiers(self) -> list[str]:
+        """Every verifier whose decisions the cells' samples hold: each cell's, and the exact rule of a cell with
+        ``exact_first``."""
+        names = {cell.verifier for cell in self.cells}
+        if any(cell.exact_first for cell in self.cells):
+            names.add(self.base.speculation.exact_verifier)
+        return sorted(names)
+
     def config(self) -> dict:
         """What defines the run's results (a results folder refuses another)."""
         return {
@@ -318,7 +336,8 @@ def _run(plan: _Plan, output: _Output) -> None:
     """Run what the folder does not hold yet, then write and show the results (also when stopped)."""
     rank, world_size = _init_distributed()
     config = plan.config()
-    store = ResultsStore(output.folder, config, rank, world_size)
+    revisions = plan.registry.revisions(plan.verifiers())
+    store = ResultsStore(output.folder, config, rank, world_size, revisions=revisions)
     err = Console(stderr=True)
     if store.dropped_cut_line:
         err.print(

@@ -74,6 +74,7 @@ FLAG_PATHS = {
     "num_drafts": "speculation.num_drafts",
     "draft_length": "speculation.draft_length",
     "draft_length_schedule": "speculation.draft_length_schedule",
+    "exact_first": "speculation.exact_first",
     "max_new_tokens": "generation.max_new_tokens",
     "temperature": "generation.temperature",
     "top_k": "generation.top_k",
@@ -151,6 +152,7 @@ class RecipeOptions(ModelOptions):
     num_drafts: int | None = None
     draft_length: int | None = None
     draft_length_schedule: str | None = None
+    exact_first: int | None = None
     temperature: float | None = None
     stop: list[str] | None = None
     """Stop texts added to the recipe's."""

@@ -97,6 +97,7 @@ _DraftLengthOption = options.one_value(
 )
 _TemperatureOption = options.one_value(options.TemperatureOption, "--temperature", _BENCH)
 _DraftLengthScheduleOption = options.one_value(options.DraftLengthScheduleOption, "--draft-length-schedule", _BENCH)
+_ExactFirstOption = options.one_value(options.ExactFirstOption, "--exact-first", _BENCH)
 _NumSamplesOption = Annotated[
     int, typer.Option(metavar="N", help="Independent samples per prompt, each with its own seed.")
 ]
@@ -148,6 +149,7 @@ def generate(
     num_drafts: _NumDraftsOption = None,
     draft_length: _DraftLengthOption = None,
     draft_length_schedule: _DraftLengthScheduleOption = None,
+    exact_first: _ExactFirstOption = None,
     temperature: _TemperatureOption = None,
     stop: options.StopOption = None,
     compile_steps: options.CompileOption = False,
@@ -168,7 +170,7 @@ def generate(
     comparing = len(names) > 1
     if comparing and batch_size > 1:
         raise UsageError(_COMPARED_AT_BATCH_ONE)
-    resolved = common.RecipeOptions.of(
+    flags = common.RecipeOptions.of(
         model,
         sets=common.with_compile(model.sets, compile_steps),
         verifier=None if comparing else (names or [None])[0],
@@ -177,15 +179,13 @@ def generate(
         num_drafts=num_drafts,
         draft_length=draft_length,
         draft_length_schedule=draft_length_schedule,
+        exact_first=exact_first,
         temperature=temperature,
         stop=stop,
-    ).resolve()
+    )
+    resolved = flags.resolve()
     common.check_batch_sizes([batch_size])
-    drafting = {
-        "--num-drafts": num_drafts,
-        "--draft-length": draft_length,
-        "--draft-length-schedule": draft_length_schedule,
-    }
+    drafting = {common.flag_name(setting): getattr(flags, setting) for setting in _DRAFTING_SETTINGS}
     _check_drafting_flags(resolved, names if comparing else None, kl, drafting)
     prompts = _prompts(prompt, prompt_file, field)
     common.apply_threads(model.threads)
@@ -197,6 +197,8 @@ def generate(
             _generate(resolved, prompts, num_samples, as_json, recalibrate, choose_threads, batch_size)
 
 
+_DRAFTING_SETTINGS = ("num_drafts", "draft_length", "draft_length_schedule", "exact_first")
+"""The settings whose flags shape drafting: refused with the target alone, which would ignore them."""
 _COMPARED_AT_BATCH_ONE = (
     "--batch-size decodes one configuration at a time; compare verifiers at --batch-size 1, or run each verifier on "
     "its own with --batch-size"
@@ -379,6 +381,9 @@ def _compare(
         }
     )
     _print_notes(err, base, base.encode_prompt(prompts[0]), recalibrate, choose_threads)
+    for note in dict.fromkeys(row.decoder.exact_first_note for row in comparison.rows):  # base's is printed
+        if note not in (None, base.exact_first_note):
+            err.print(f"note: {note}", highlight=False, soft_wrap=True)
     out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     total = len(recipes) * len(prompts) * num_samples * recipe.generation.max_new_tokens
     with common.token_progress(total) as progress:
@@ -423,7 +428,8 @@ def _print_notes(
     measurement also settles the thread count when the user gave none)."""
     from ..generation.calibration import note_for
 
-    for note in [*decoder.cache_notes, note_for(decoder, prompt_ids, recalibrate, choose_threads)]:
+    exact_first = None if decoder.exact_first_note is None else f"note: {decoder.exact_first_note}"
+    for note in [*decoder.cache_notes, exact_first, note_for(decoder, prompt_ids, recalibrate, choose_threads)]:
         if note is not None:
             err.print(note, highlight=False, soft_wrap=True)
 

@@ -172,6 +172,15 @@ DraftLengthScheduleOption = Annotated[
         f"-1 otherwise, starting at --draft-length). {from_recipe(_speculation.draft_length_schedule)}",
     ),
 ]
+ExactFirstOption = Annotated[
+    Optional[int],
+    typer.Option(
+        "--exact-first",
+        metavar="N",
+        help="Verify the first N generated tokens of every sample with a lossless rule (speculation.exact_verifier) "
+        f"and the rest with the verifier (0 = off). {from_recipe(_speculation.exact_first)}",
+    ),
+]
 OutputOption = Annotated[
     Optional[Path],
     typer.Option(

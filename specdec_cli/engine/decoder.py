@@ -8,8 +8,8 @@ samples) and up to L draft tokens:
    one forward per position for all rows); each sequence's block length is its own (its drafters' proposals, its
    remaining tokens), and the model drafters are asked last, for what the others leave to verify;
 2. the target scores all B × K rows in one forward (:class:`~specdec_cli.engine.session.ModelSession`);
-3. the verifier decides every sequence's block on the device, one call per distinct block shape: a block alone
-   through :meth:`~specdec_cli.verifiers.BlockVerifier.verify_block` (compiled, or replayed from a CUDA graph,
+3. the verifier decides every sequence's block on the device, one call per distinct block shape and rule: a block
+   alone through :meth:`~specdec_cli.verifiers.BlockVerifier.verify_block` (compiled, or replayed from a CUDA graph,
    under ``--compile``), several through :meth:`~specdec_cli.verifiers.BlockVerifier.verify_batch`;
 4. EOS, finiteness and every model's longest-agreeing row are folded in on the device, and the step reads the
    device once for the whole batch; each sequence then commits its own tokens and keeps its own cache rows.
@@ -20,10 +20,21 @@ share sampler and stopping. Sequences that finish leave the batch after the step
 long answer does not hold the others. A sequence's draws are keyed by its own (seed, prompt, sample) and its own
 block starts, so its tokens do not depend on what else is in its batch, up to the float rounding of batched
 forwards. docs/block-loop.md walks through it.
+
+Exact first (``speculation.exact_first`` N > 0 with a lossy verifier): a block that starts after g < N generated
+tokens is decided by a lossless rule (``speculation.exact_verifier``) and drafts at most N − g tokens, so that no
+block straddles N. Its draft tokens lie at positions g .. N − 1 and its correction before N (a bonus token, at N at
+the latest, is drawn from q anyway); a lossless block commits tokens distributed as the target's own continuation,
+and the rule and cap of each block depend on the tokens before it only, so the first N tokens follow the target's
+law exactly. One rule decides a whole block, so without the cap a block from before N would either let the exact
+rule decide tokens past N or let the lossy one decide tokens before it. Blocks that start at g >= N are the run's
+verifier's. One step may hold sequences of both phases: each is a group of its own, decided on the device before
+the step's one read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import threading
@@ -39,7 +50,7 @@ from ..base.errors import NonFiniteLogitsError, SpecdecError, UsageError, is_all
 from ..base.inputs import require_text
 from ..base.randomness import Draws, Stream, block_generator, sample_key
 from ..base.recipe import AUTOREGRESSIVE, DecodingConfig, Recipe
-from ..base.sampling import non_finite_message, sample_with, sampling_law
+from ..base.sampling import judged_params, non_finite_message, sample_with, sampling_law
 from ..base.timing import RegionTimer
 from ..models.loading import LoadedModel, shared_vocab_size
 from ..models.pool import ModelPool
@@ -58,13 +69,16 @@ from ..plugins.drafting import (
 from ..plugins.registry import VerifierRegistry, error_line
 from ..plugins.verifiers import (
     BatchDecision,
+    BlockVerifier,
+    JudgedLaws,
     batch_decision_problem,
     batch_departs_from_drafts,
     decision_problem,
     decision_value_problem,
+    judged_argument,
 )
 from ..results.stats import GenerationResult, SampleStats
-from .decoding import Draft, create_verifier, load_drafts, target_sampling
+from .decoding import Draft, create_exact_verifier, create_verifier, exact_first_note, load_drafts, target_sampling
 from .draft_schedule import next_draft_length
 from .drafted import Drafted, count_to_eos, longest_matches
 from .graphs import CapturedVerifyStep
@@ -73,6 +87,15 @@ from .stopping import cut_at_stop, tokens_through_stop
 
 BlockCallback = Callable[[int, int, list[int], list[bool]], None]
 """on_block(prompt_index, sample_index, new_token_ids, accepted_mask) after each committed block."""
+
+
+@dataclass(frozen=True)
+class TargetLaws:
+    """The target's laws of a step ``[B, K, n+1, V]``: the sampling laws, and the ones the verifier judges drafts by
+    where it asks for others (its ``judged_laws``; None otherwise)."""
+
+    probs: torch.Tensor
+    judged: torch.Tensor | None = None
 
 
 class PromptTypeError(UsageError, TypeError):
@@ -107,13 +130,15 @@ class SpeculativeDecoder:
         self.vocab_size = shared_vocab_size(target, self._models_in_target_ids())
         self.target_params = target_sampling(config)
         self.drafters, row_laws = self._drafters() if config.speculative else ([], [])
-        rows = DraftRows.of(row_laws)
+        rows = dataclasses.replace(DraftRows.of(row_laws), unjudged=self._unjudged_drafters())
         self.verifier = create_verifier(config, rows, self.registry)
-        self._verify_block, self._sampling_law = (
-            self._compiled()
-            if config.speculation.compile
-            else (getattr(self.verifier, "verify_block", None), sampling_law)
-        )
+        self.exact_verifier = create_exact_verifier(config, rows, self.registry, self.verifier)
+        """The lossless rule of the blocks that start before :attr:`exact_first`; None where no block needs one."""
+        self.exact_first = config.speculation.exact_first if self.exact_verifier is not None else 0
+        """Tokens of every sample the exact rule decides (0: the run's verifier decides every block)."""
+        self._sampling_law = torch.compile(sampling_law) if config.speculation.compile else sampling_law
+        self._verify_block = self._verify_step(self.verifier)
+        self._verify_exact_block = self._verify_step(self.exact_verifier)
         self.draft_length = config.speculation.draft_length if self.drafters else 0
         self.running = threading.RLock()
         """Held by the generation under way (:meth:`DecodingRun.run`): calls from other threads wait their turn."""
@@ -130,20 +155,45 @@ class SpeculativeDecoder:
             if draft.model is not None and not self.drafter_registry.plugin_class(draft.drafter).own_vocabulary
         ]
 
-    def _compiled(self) -> tuple[Callable, Callable]:
-        """The verify step and the sampling law through ``torch.compile``: each traces into one graph (keyed
-        randomness, no reads: :func:`~specdec_cli.engine.decoding.create_verifier` refused a verifier without keyed
-        randomness). On a GPU the verify step is captured in CUDA graphs instead (:mod:`specdec_cli.engine.graphs`),
-        compiled only where a block reads the host; on the CPU a verifier with a reading CPU path stays eager."""
-        compiled_law = torch.compile(sampling_law)
-        if self.verifier is None:
-            return None, compiled_law
-        compiled_verify = torch.compile(self.verifier.verify_block)
+    def _unjudged_drafters(self) -> tuple[str, ...]:
+        """The drafters of this decoder's entries that sample without reporting judged laws (:attr:`DraftRows.unjudged`,
+        as the recipe's rows give it before the models load)."""
+        classes = [(draft.drafter, self.drafter_registry.plugin_class(draft.drafter)) for draft in self.drafts]
+        return tuple(name for name, cls in classes if not (cls.deterministic or cls.reports_judged_laws))
+
+    def _verify_step(self, verifier: BlockVerifier | None) -> Callable | None:
+        """``verifier``'s step for a block alone (None for no verifier): its ``verify_block``, or under ``--compile``
+        through ``torch.compile``, which traces it into one graph (keyed randomness, no reads:
+        :func:`~specdec_cli.engine.decoding.create_verifier` refused a verifier without keyed randomness). On a GPU
+        it is captured in CUDA graphs instead (:mod:`specdec_cli.engine.graphs`), compiled only where a block reads
+        the host; on the CPU a verifier with a reading CPU path stays eager. The run's verifier and its exact rule
+        each get their own step."""
+        if verifier is None or not self.config.speculation.compile:
+            return getattr(verifier, "verify_block", None)
+        compiled_verify = torch.compile(verifier.verify_block)
         if self.target.device.type == "cuda":
-            return CapturedVerifyStep(self.verifier, fallback=compiled_verify), compiled_law
-        if self.verifier.reading_cpu_path:  # compiled, it would leave its CPU path for a costlier one
-            return self.verifier.verify_block, compiled_law
-        return compiled_verify, compiled_law
+            return CapturedVerifyStep(verifier, fallback=compiled_verify)
+        if verifier.reading_cpu_path:  # compiled, it would leave its CPU path for a costlier one
+            return verifier.verify_block
+        return compiled_verify
+
+    @property
+    def judged_view(self) -> str | None:
+        """The laws the run's verifier judges drafts by besides the sampling laws (its ``judged_laws``), which the
+        steps compute from the same logits; None where it judges by the sampling laws (or there is none)."""
+        return None if self.verifier is None else self.verifier.judged_laws
+
+    def rule(self, exact: bool) -> tuple[BlockVerifier, Callable]:
+        """The verifier that decides a block and its step for a block alone: the exact rule for a block that starts
+        before :attr:`exact_first` (``exact``), the run's verifier for any other."""
+        if exact:
+            return self.exact_verifier, self._verify_exact_block
+        return self.verifier, self._verify_block
+
+    @property
+    def exact_first_note(self) -> str | None:
+        """One line where ``speculation.exact_first`` is set and changes nothing (the verifier is lossless)."""
+        return exact_first_note(self.config, self.verifier)
 
     def _drafters(self) -> tuple[list[Drafter], list[Hashable]]:
         """Each draft entry's drafter, set up, and the law key of every row they fill. Entries whose drafters can
@@ -239,15 +289,16 @@ class SpeculativeDecoder:
         autoregressive: bool = False,
         drafters: DrafterRegistry | None = None,
     ) -> DecodingConfig:
-        """The recipe's decoding config, once every draft entry suits its drafter and the verifier has taken
-        the rows they fill (no model loads)."""
+        """The recipe's decoding config, once every draft entry suits its drafter and the verifier (and the exact
+        rule of ``speculation.exact_first``) has taken the rows they fill (no model loads)."""
         config = recipe.decoding_config()
         if autoregressive:
             config = config.replace(verifier=AUTOREGRESSIVE)
         drafters = drafters or DrafterRegistry()
         if config.speculative:
             drafters.check_entries(recipe.drafts)
-        create_verifier(config, recipe_draft_rows(recipe, drafters), registry)
+        rows = recipe_draft_rows(recipe, drafters)
+        create_exact_verifier(config, rows, registry, create_verifier(config, rows, registry))
         return config
 
     # ----------------------------------------------------------------------- generation
@@ -345,9 +396,13 @@ class SpeculativeDecoder:
     def warm_up(self, prompt_ids: list[int], max_new_tokens: int = 8) -> None:
         """One short untimed generation, so the first timed sample does not pay one-time costs
         (lazy initialisation, the allocator's first blocks, kernel selection)."""
+        budget = self.config.generation.max_new_tokens
+        if 0 < self.exact_first < budget:  # past exact_first, so that both rules' steps are warmed
+            max_new_tokens = min(max_new_tokens + self.exact_first, budget)
         warm = self.with_config(max_new_tokens=max_new_tokens)
         # This decoder's own compiled steps, so that their compilation and CUDA graphs are paid here, untimed.
         warm._verify_block, warm._sampling_law = self._verify_block, self._sampling_law
+        warm._verify_exact_block = self._verify_exact_block
         with self.running:  # those steps are this decoder's: a generation in another thread waits, as for its own
             warm.generate_ids(prompt_ids, key=-1)
 
@@ -373,18 +428,18 @@ class SpeculativeDecoder:
             if not finite:
                 raise NonFiniteLogitsError(non_finite_message(f"draft {drafter.label}"))
 
-    def guarded_decision(self, verify: Callable[..., Any], *inputs: Any) -> Any:
-        """``verify(*inputs)`` (the verifier's verify_block or verify_batch): a plugin's exception is its fault, named
-        in one line with the original chained for ``--debug``; running out of memory is not, and reaches the run's
-        memory guard."""
+    def guarded_decision(self, verifier: BlockVerifier, verify: Callable[..., Any], *inputs: Any, **judged: Any) -> Any:
+        """``verify(*inputs, **judged)`` (``verifier``'s verify_block or verify_batch, and the laws it judges by where
+        it asks for them): a plugin's exception is its fault, named in one line with the original chained for
+        ``--debug``; running out of memory is not, and reaches the run's memory guard."""
         try:
-            return verify(*inputs)
+            return verify(*inputs, **judged)
         except SpecdecError:
             raise
         except Exception as error:
             if is_allocation_error(error):
                 raise
-            raise self.registry.fault(self.verifier.name, f"raised {error_line(error)}") from error
+            raise self.registry.fault(verifier.name, f"raised {error_line(error)}") from error
 
     def checked_proposal(self, drafter: Drafter, request: DraftRequest) -> Proposal:
         """``drafter``'s proposal (one of this decoder's), checked on the host (no device read): a plugin's exception
@@ -539,16 +594,24 @@ class DecodingRun:
     def _step(self) -> list[int]:
         """One block for every sequence → the indices of those that finished."""
         decoder, sequences = self.decoder, self.sequences
-        max_new = decoder.config.generation.max_new_tokens
-        limits = [min(sequence.draft_length, max_new - sequence.generated - 1) for sequence in sequences]  # [B]
+        max_new, exact_first = decoder.config.generation.max_new_tokens, decoder.exact_first
+        # A block in the exact phase ends at exact_first: no lossy decision reaches a token before it (module doc).
+        limits = [  # [B]
+            min(
+                sequence.draft_length,
+                max_new - sequence.generated - 1,
+                exact_first - sequence.generated if self._exact_phase(sequence) else max_new,
+            )
+            for sequence in sequences
+        ]
         self.draws.block_start.copy_(torch.tensor([sequence.generated for sequence in sequences]))
         contexts = [sequence.committed for sequence in sequences]
         with self.timer.region("draft"):
             drafted = self._draft(contexts, limits)
         with self.timer.region("target"):
-            target_probs, target_finite = self._score(contexts, drafted)  # [B, K, n+1, V], []
+            target, target_finite = self._score(contexts, drafted)  # [B, K, n+1, V] each, []
         with self.timer.region("verify"):
-            values = self._decide(target_probs, target_finite, drafted)
+            values = self._decide(target, target_finite, drafted)
             return self._commit(values, drafted)
 
     # ----------------------------------------------------------------------- the step's stages
@@ -571,7 +634,9 @@ class DecodingRun:
                     proposals[index] = empty_proposal(batch, drafter.rows, self.decoder.vocab_size, self.device)
                     continue
                 lanes = uniforms[:, : max(lengths), self.lanes[index] : self.lanes[index + 1]]  # [B, n, K_j]
-                request = DraftRequest(contexts, lengths, lanes, self.decoder._sampling_law, self.timer)
+                request = DraftRequest(
+                    contexts, lengths, lanes, self.decoder._sampling_law, self.timer, self.decoder.judged_view
+                )
                 proposals[index] = self.decoder.checked_proposal(drafter, request)
             if not runs_model:
                 lengths = [
@@ -580,24 +645,27 @@ class DecodingRun:
                 ]
         for b, sequence in enumerate(self.sequences):  # a model drafter ran as many forwards as it drafted for b
             sequence.stats.draft_forwards += sum(min(p.forwards, asked[j][b]) for j, p in enumerate(proposals))
-        return Drafted.of(proposals, batch, self.decoder.vocab_size, self.device)
+        return Drafted.of(proposals, batch, self.decoder.vocab_size, self.device, self.decoder.judged_view is not None)
 
-    def _score(self, contexts: list[list[int]], drafted: Drafted) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's laws after every prefix of every row of every sequence ``[B, K, n+1, V]``, and whether all
-        are finite ``[]``."""
+    def _score(self, contexts: list[list[int]], drafted: Drafted) -> tuple[TargetLaws, torch.Tensor]:
+        """The target's laws after every prefix of every row of every sequence ``[B, K, n+1, V]`` (and the laws the
+        verifier judges drafts by, where it asks for others), and whether all are finite ``[]``."""
         batch, rows, width = drafted.tokens.shape
         self.target.fan_out(rows)
         repeated = [context for context in contexts for _ in range(rows)]
         tokens = drafted.tokens.reshape(batch * rows, width)  # [B K, n]
         logits = self.target.forward(repeated, tokens, width + 1, self.timer)  # [B K, n+1, V]
-        probs, finite = self.decoder._sampling_law(logits, self.decoder.target_params)  # [B K, n+1, V], [B K, n+1]
+        params, view = self.decoder.target_params, self.decoder.judged_view
+        probs, finite = self.decoder._sampling_law(logits, params)  # [B K, n+1, V], [B K, n+1]
+        judged = None if view is None else self.decoder._sampling_law(logits, judged_params(params, view))[0]
         for sequence in self.sequences:
             sequence.stats.target_forwards += 1
-        return probs.view(batch, rows, width + 1, -1), finite.all()
+        shape = (batch, rows, width + 1, -1)
+        return TargetLaws(probs.view(shape), None if judged is None else judged.view(shape)), finite.all()
 
-    def _decide(self, target_probs: torch.Tensor, target_finite: torch.Tensor, drafted: Drafted) -> list[int]:
+    def _decide(self, target: TargetLaws, target_finite: torch.Tensor, drafted: Drafted) -> list[int]:
         """Every sequence's decision, EOS, flags and longest-agreeing rows, packed and read in the step's one read."""
-        decision, local_rows = self._decisions(target_probs, drafted)
+        decision, local_rows = self._decisions(target, drafted)
         count = count_to_eos(decision, self.decoder.eos_tensor)  # [B]
         departs = batch_departs_from_drafts(decision, drafted.tokens)  # [B]
         positions = torch.arange(drafted.tokens.shape[2], device=self.device)  # [n]
@@ -627,24 +695,29 @@ class DecodingRun:
         )
         return packed.tolist()  # the step's one device read
 
-    def _decisions(self, target_probs: torch.Tensor, drafted: Drafted) -> tuple[BatchDecision, torch.Tensor]:
-        """The verifier's decision for each group of sequences with one block shape (length, rows that proposed),
-        as one batch ``[B, L+1]``, and each sequence's row among those that proposed ``[B]``."""
-        groups = drafted.groups()
-        if len(groups) == 1:  # every sequence's block has one shape: decide them in place, as one group
-            (((length, present), members),) = groups.items()
-            decision = self._decide_group(target_probs, drafted, length, present, members)
+    def _exact_phase(self, sequence: _Sequence) -> bool:
+        """Whether the sequence's next block is the exact rule's: it starts before ``exact_first``."""
+        return sequence.generated < self.decoder.exact_first
+
+    def _decisions(self, target: TargetLaws, drafted: Drafted) -> tuple[BatchDecision, torch.Tensor]:
+        """The decision of each group of sequences with one block shape (length, rows that proposed) and one rule
+        (the exact rule's phase or the verifier's), as one batch ``[B, L+1]``, and each sequence's row among those
+        that proposed ``[B]``."""
+        groups = drafted.groups([self._exact_phase(sequence) for sequence in self.sequences])
+        if len(groups) == 1:  # every sequence's block has one shape and rule: decide them in place, as one group
+            ((shape, members),) = groups.items()
+            decision = self._decide_group(target, drafted, shape, members)
             return BatchDecision(
-                decision.tokens, decision.num_accepted, self._rows_of(present, decision.row)
+                decision.tokens, decision.num_accepted, self._rows_of(shape[1], decision.row)
             ), decision.row
         batch, _, width = drafted.tokens.shape
         tokens = torch.zeros(batch, width + 1, dtype=torch.long, device=self.device)  # [B, n+1]
         num_accepted = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]
         rows = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]: among all K rows
         local = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]: among the rows that proposed
-        for (length, present), members in groups.items():
-            index = torch.tensor(members, device=self.device)  # [G]
-            group = self._decide_group(target_probs, drafted, length, present, members)
+        for shape, members in groups.items():
+            (length, present, _), index = shape, torch.tensor(members, device=self.device)  # [G]
+            group = self._decide_group(target, drafted, shape, members)
             tokens[index, : length + 1] = group.tokens
             num_accepted[index], local[index] = group.num_accepted, group.row
             rows[index] = self._rows_of(present, group.row)
@@ -658,27 +731,36 @@ class DecodingRun:
         return torch.tensor(present, device=self.device)[local.clamp(0, len(present) - 1)]
 
     def _decide_group(
-        self, target_probs: torch.Tensor, drafted: Drafted, length: int, present: tuple[int, ...], members: list[int]
+        self, target: TargetLaws, drafted: Drafted, shape: tuple[int, tuple[int, ...], bool], members: list[int]
     ) -> BatchDecision:
-        """The decision of the sequences ``members``, whose blocks are ``length`` tokens in the rows ``present``."""
+        """The decision of the sequences ``members``, whose blocks have one ``shape``: (length in tokens, the rows that
+        proposed, whether the exact rule decides them)."""
+        length, present, exact = shape
         if length == 0:  # no draft token: the target's own token, stream TARGET
             uniforms = self._draws_of(members).batch_uniforms(Stream.TARGET, 1, 1)[:, 0, 0]  # [G]
-            token = sample_with(_group(target_probs, members)[:, 0, 0], uniforms).view(-1, 1)  # [G, 1]
+            token = sample_with(_group(target.probs, members)[:, 0, 0], uniforms).view(-1, 1)  # [G, 1]
             zeros = torch.zeros(len(members), dtype=torch.long, device=self.device)  # [G]
             return BatchDecision(token, zeros, zeros)
         rows = None if len(present) == drafted.tokens.shape[1] else torch.tensor(present, device=self.device)
-        return self._verify(
-            _group(target_probs, members, rows, length + 1),
+        judged = None  # the exact rule is another verifier, which judges by the sampling laws it is handed
+        if target.judged is not None and not exact:
+            judged = (_group(target.judged, members, rows, length + 1), _group(drafted.judged, members, rows, length))
+        inputs = (
+            _group(target.probs, members, rows, length + 1),
             _group(drafted.laws, members, rows, length),
             _group(drafted.tokens, members, rows, length),
-            members,
         )
+        return self._verify(*inputs, members, exact, judged)
 
-    def _verify(self, target_probs, draft_probs, draft_tokens, members: list[int]) -> BatchDecision:
-        """The verifier's decision for the sequences ``members``: one block through this decoder's verify step
-        (compiled or captured under ``--compile``), several through ``verify_batch``; its exceptions and its
-        decision's form checked on the host (no device read)."""
-        decoder, verifier = self.decoder, self.decoder.verifier
+    def _verify(
+        self, target_probs, draft_probs, draft_tokens, members: list[int], exact: bool, judged: JudgedLaws = None
+    ) -> BatchDecision:
+        """The decision of the sequences ``members`` by the exact rule (``exact``) or the verifier: one block through
+        that rule's verify step (compiled or captured under ``--compile``), several through ``verify_batch``; its
+        exceptions and its decision's form checked on the host (no device read). ``judged``: the laws the verifier
+        judges drafts by, where it asks for others than the sampling laws (``[G, ...]`` as the sampling laws)."""
+        decoder = self.decoder
+        verifier, verify_block = decoder.rule(exact)
         keyed = verifier.keyed_randomness
         randomness = (
             self._draws_of(members)
@@ -688,12 +770,12 @@ class DecodingRun:
         if len(members) == 1:
             alone = randomness.row(0) if keyed else randomness[0]
             inputs = (target_probs[0], draft_probs[0], draft_tokens[0], alone)
-            decision = decoder.guarded_decision(decoder._verify_block, *inputs)
+            decision = decoder.guarded_decision(verifier, verify_block, *inputs, **judged_argument(judged, 0))
             problem = decision_problem(decision, draft_tokens.shape[2] + 1, self.device)
             decision = BatchDecision.of_block(decision) if problem is None else decision
         else:
             inputs = (target_probs, draft_probs, draft_tokens, randomness)
-            decision = decoder.guarded_decision(verifier.verify_batch, *inputs)
+            decision = decoder.guarded_decision(verifier, verifier.verify_batch, *inputs, **judged_argument(judged))
             problem = batch_decision_problem(decision, len(members), draft_tokens.shape[2] + 1, self.device)
         if problem is not None:
             raise decoder.registry.fault(verifier.name, problem)
@@ -731,7 +813,8 @@ class DecodingRun:
                     decoder.vocab_size,
                 )
                 if problem is not None:
-                    raise decoder.registry.fault(decoder.verifier.name, problem)
+                    verifier, _ = decoder.rule(self._exact_phase(sequences[b]))
+                    raise decoder.registry.fault(verifier.name, problem)
         # Rows cache the committed prefix then their own drafts; the last committed token stays uncached.
         before = [len(sequence.committed) for sequence in sequences]
         self.target.keep(

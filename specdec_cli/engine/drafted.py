@@ -30,18 +30,27 @@ class Drafted:
     lengths: list[int]  # [B]: each sequence's block length
     present: list[tuple[int, ...]]  # [B]: the rows (of K) whose drafter proposed for the sequence
     proposed: list[list[bool]]  # [drafters][B]: the drafter proposed something for the sequence
+    judged: torch.Tensor | None = None  # [B, K, n, V]: the laws the verifier judges drafts by, where it asked
 
     @classmethod
-    def of(cls, proposals: list[Proposal], batch: int, vocab_size: int, device: torch.device) -> Drafted:
+    def of(
+        cls, proposals: list[Proposal], batch: int, vocab_size: int, device: torch.device, judged: bool = False
+    ) -> Drafted:
         """The rows of every drafter's proposal. A sequence's block is as long as its shortest non-empty proposal,
         and the step's tensors as long as its longest block. Token ids outside the vocabulary are told by
         ``in_vocab`` in the step's read and clamped until then: on a GPU such an id in the target's embedding is a
-        device-side assert, which no message could follow."""
+        device-side assert, which no message could follow. ``judged``: the verifier judges drafts by other laws,
+        which the sampling drafters reported (:attr:`Proposal.judged_laws`) and a deterministic one's one-hot laws
+        stand for."""
         lengths = [min((p.lengths[b] for p in proposals if p.lengths[b]), default=0) for b in range(batch)]  # [B]
         width = max(lengths, default=0)
         blocks = proposals or [empty_proposal(batch, 1, vocab_size, device)]  # the target alone: an empty row
         tokens = torch.cat([pad_to(p.tokens[:, :, :width], width, 2) for p in blocks], 1)  # [B, K, n]
         laws = torch.cat([pad_to(p.laws[:, :, :width], width, 2) for p in blocks], 1)  # [B, K, n, V]
+        judged_laws = None
+        if judged:
+            reported = [p.laws if p.judged_laws is None else p.judged_laws for p in blocks]
+            judged_laws = torch.cat([pad_to(law[:, :, :width], width, 2) for law in reported], 1)  # [B, K, n, V]
         flags = [torch.stack([p.finite, ((p.tokens >= 0) & (p.tokens < vocab_size)).all()]) for p in proposals]
         finite, in_vocab = torch.stack(flags, 1) if flags else torch.ones(2, 0, dtype=torch.bool, device=device)
         proposed = [[n > 0 for n in p.lengths] for p in proposals]  # [drafters][B]
@@ -50,13 +59,15 @@ class Drafted:
             tuple(row for j, of_j in enumerate(proposed) if of_j[b] for row in range(ends[j], ends[j + 1])) or (0,)
             for b in range(batch)
         ]
-        return cls(tokens.clamp(0, vocab_size - 1), laws, finite, in_vocab, lengths, present, proposed)
+        return cls(tokens.clamp(0, vocab_size - 1), laws, finite, in_vocab, lengths, present, proposed, judged_laws)
 
-    def groups(self) -> dict[tuple[int, tuple[int, ...]], list[int]]:
-        """Sequences by block shape (length, rows that proposed), in order."""
-        grouped: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    def groups(self, exact: list[bool]) -> dict[tuple[int, tuple[int, ...], bool], list[int]]:
+        """Sequences by block shape and rule (length, rows that proposed, whether the exact rule decides it: ``exact``
+        ``[B]``), in order: one verify call each."""
+        grouped: dict[tuple[int, tuple[int, ...], bool], list[int]] = {}
         for b, (length, present) in enumerate(zip(self.lengths, self.present)):
-            grouped.setdefault((length, present), []).append(b)
+            # A block without draft tokens is the engine's own draw from q, whichever rule it would have had.
+            grouped.setdefault((length, present, exact[b] and length > 0), []).append(b)
         return grouped
 
 

@@ -40,7 +40,8 @@ class CapturedVerifyStep:
     (a decision is copied out before any other graph replays).
 
     Blocks run ``fallback`` (the verify step compiled without graphs) where no graph can hold them: a
-    verifier that does not declare itself ``capturable``, randomness other than keyed ``Draws``, a block
+    verifier that does not declare itself ``capturable``, randomness other than keyed ``Draws``, a verifier handed the
+    laws it judges drafts by (``judged``: inputs the graphs do not hold), a block
     that reads the host (counted on the first block of each shape with
     :func:`~specdec_cli.device_path.count_block`), a decision the engine would refuse, or a capture
     that fails (an upload from the host, say).
@@ -52,9 +53,9 @@ class CapturedVerifyStep:
         self._captured: dict[tuple, _CapturedBlock | None] = {}  # by the inputs' (shape, dtype, device)
         self._pool = None
 
-    def __call__(self, target_probs, draft_probs, draft_tokens, randomness) -> BlockDecision:
-        if not self._may_capture(randomness):
-            return self.fallback(target_probs, draft_probs, draft_tokens, randomness)
+    def __call__(self, target_probs, draft_probs, draft_tokens, randomness, **judged) -> BlockDecision:
+        if judged or not self._may_capture(randomness):  # judged laws: a verifier's other inputs, not captured
+            return self.fallback(target_probs, draft_probs, draft_tokens, randomness, **judged)
         inputs = (target_probs, draft_probs, draft_tokens, randomness.key, randomness.block_start)
         signature = tuple((tensor.shape, tensor.dtype, tensor.device) for tensor in inputs)
         if signature not in self._captured:

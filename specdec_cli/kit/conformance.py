@@ -3,14 +3,14 @@
 
 :func:`check_verifier` checks a verifier class against the contract and, on small vocabularies where every
 draft block can be enumerated, its exact block law (``block_law``): the target's own law for a lossless
-verifier, a law within the bound it promises (``promised_bound``: mentored's KL or TV bound, fuzzy's divergence
-threshold) of the target's at each position for a lossy one; then that ``verify_block``, drawing as the engine
-makes it draw, samples that law (a chi-square), with decisions of the right types, shapes and values. A lossy
-token-level rule is also held to the frontier: on random law pairs, the acceptance it claims is at most the
-KL-optimal rule's (mentored's) at the KL(q ‖ π) its output law spends, and is the acceptance its ``conditional``
-gives; its ``output_law``, where given, is that law. The built-ins pass it, over the registry; a verifier that
-accepts every draft token while calling itself lossless fails it, and so does a lossy one that claims more than
-the frontier allows.
+verifier, a law within the bound it promises (``promised_bound``: mentored's KL or TV bound) of the target's at
+each position for a lossy one; then that ``verify_block``, drawing as the engine makes it draw, samples that law
+(a chi-square), with decisions of the right types, shapes and values. A lossy token-level rule is also held to the
+frontier: on random law pairs, the acceptance it claims is at most the KL-optimal rule's (mentored's) at the
+KL(q ‖ π) its output law spends, and is the acceptance its ``block_law`` gives on one-token blocks; its
+``output_law``, where given, is the law its ``conditional`` gives. The built-ins pass it, over the registry; a
+verifier that accepts every draft token while calling itself lossless fails it, and so does a lossy one that claims
+more than the frontier allows.
 
 Both check a plugin's parameters first: each has a type and a description (``Annotated[float, "..."]``, which the
 listing commands show); the given ones make an instance; an unknown parameter, a value of the wrong type, and each
@@ -317,7 +317,7 @@ def _check_frontier(cls: type, verifier: Any) -> None:
     """A lossy token-level rule with one draft, on random law pairs (V = 3 and 6) and the adversarial ones: the
     acceptance it claims (``acceptance_probability``) is no more than the KL-optimal rule's (the installed one that
     names "kl" in ``optimal_under``) at the KL(q ‖ π) its output law π spends, π enumerated from ``conditional``;
-    the claim is the enumerated acceptance, and ``output_law``, where given, is π."""
+    the claim is the acceptance enumerated from its block law, and ``output_law``, where given, is π."""
     from .testing import adversarial_distribution_pairs, enumerate_output_law, random_distributions
 
     registry = VerifierRegistry()
@@ -341,13 +341,14 @@ def _check_frontier(cls: type, verifier: Any) -> None:
 
 
 def _check_against_enumeration(cls, verifier, target, drafts, law, claimed: float) -> None:
-    """The claimed acceptance is the one enumerated from ``conditional``; ``output_law``, where given, is ``law``."""
-    from .testing import candidate_acceptance
+    """The claimed acceptance is the one enumerated from its ``block_law`` on one-token blocks (the mass that goes
+    past the position); ``output_law``, where given, is ``law``."""
+    from .testing import block_acceptance
 
-    enumerated = candidate_acceptance(verifier, target, drafts)
+    enumerated = block_acceptance(verifier, target, drafts)
     if abs(claimed - enumerated) > 1e-7:
         raise ConformanceError(
-            f"{cls.name}: acceptance_probability gives {claimed:.6g}, but its conditional law accepts {enumerated:.6g}"
+            f"{cls.name}: acceptance_probability gives {claimed:.6g}, but its block law accepts {enumerated:.6g}"
         )
     given = verifier.output_law(target, drafts)  # [V] or None
     gap = 0.0 if given is None else float((given - law).abs().max())

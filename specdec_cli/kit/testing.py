@@ -268,6 +268,24 @@ def candidate_acceptance(verifier: Any, target_probs: torch.Tensor, draft_probs:
     return total
 
 
+def block_acceptance(verifier: Any, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> float:
+    """P(a draft token is accepted) at one position, by enumeration of every candidate tuple, from the verifier's own
+    ``block_law`` of one-token blocks (float64 laws ``[V]``, ``[K, V]``; the bonus law q): the mass of the blocks
+    that go past the position. It is :func:`candidate_acceptance` for a rule whose output equals a candidate exactly
+    when it accepts one, and less for a rule whose correction may repeat the rejected token (FSD's backoff draws it
+    from q)."""
+    num_drafts, vocab = draft_probs.shape
+    target = target_probs.expand(num_drafts, 2, vocab)  # [K, 2, V]: the position and the bonus after it
+    total = 0.0
+    for candidates in itertools.product(range(vocab), repeat=num_drafts):
+        weight = float(draft_probs[torch.arange(num_drafts), torch.tensor(candidates)].prod())
+        if weight == 0:
+            continue
+        law = verifier.block_law(target, draft_probs.unsqueeze(1), torch.tensor(candidates).view(num_drafts, 1))
+        total += weight * float(law[:, 1].sum())  # [K, 2, V]: the mass that reached the bonus
+    return total
+
+
 # --------------------------------------------------------------------------- block-level laws
 
 SequenceLaw = Callable[[tuple[int, ...]], torch.Tensor]

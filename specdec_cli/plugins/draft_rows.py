@@ -26,6 +26,9 @@ class DraftRows:
     """Drafts per position: K rows of each draft config (0 for the target alone)."""
     identical_laws: bool
     """Every row is sampled from one law: one model under one set of sampling settings."""
+    unjudged: tuple[str, ...] = ()
+    """The drafters of rows that sample without reporting the laws a verifier may judge drafts by (``judged_laws``):
+    not deterministic, and no ``reports_judged_laws``."""
 
     @classmethod
     def of(cls, row_laws: Sequence[Hashable]) -> "DraftRows":
@@ -46,13 +49,19 @@ def rows_per_config(deterministic: bool, num_drafts: int) -> int:
     return 1 if deterministic else num_drafts
 
 
-def every_config(config_laws: Sequence[Hashable], num_drafts: int, deterministic: Sequence[bool] = ()) -> DraftRows:
+def every_config(
+    config_laws: Sequence[Hashable],
+    num_drafts: int,
+    deterministic: Sequence[bool] = (),
+    unjudged: Sequence[str] = (),
+) -> DraftRows:
     """A block's rows: :func:`rows_per_config` of each draft config (how the engine drafts); ``deterministic``:
-    one flag per config (none given: no config is)."""
+    one flag per config (none given: no config is); ``unjudged``: :attr:`DraftRows.unjudged`."""
     flags = list(deterministic) or [False] * len(config_laws)
-    return DraftRows.of(
+    rows = DraftRows.of(
         [law for law, single in zip(config_laws, flags) for _ in range(rows_per_config(single, num_drafts))]
     )
+    return DraftRows(rows.count, rows.identical_laws, tuple(unjudged))
 
 
 def round_robin(config_laws: Sequence[Hashable], num_drafts: int) -> DraftRows:

@@ -70,6 +70,11 @@ class DrafterRegistry(PluginRegistry):
         """Whether the entry's drafter is deterministic (fills one row)."""
         return self.plugin_class(self.entry_drafter(entry)[0]).deterministic
 
+    def entry_unjudged(self, entry: DraftConfig) -> bool:
+        """Whether the entry's drafter samples without reporting judged laws (:attr:`DraftRows.unjudged`)."""
+        cls = self.plugin_class(self.entry_drafter(entry)[0])
+        return not (cls.deterministic or cls.reports_judged_laws)
+
     def check_entries(self, entries: tuple[DraftConfig, ...]) -> None:
         """Each entry's drafter is installed, takes its parameters and its model fields: a UsageError naming the
         entry otherwise (before any model loads)."""
@@ -127,4 +132,6 @@ def recipe_draft_rows(recipe: Recipe, drafters: DrafterRegistry | None = None) -
     nothing verifies fewer)."""
     drafters = drafters or DrafterRegistry()
     laws = [draft_law(draft, recipe.generation, drafters) for draft in recipe.drafts]
-    return every_config(laws, recipe.speculation.num_drafts, [drafters.entry_deterministic(d) for d in recipe.drafts])
+    deterministic = [drafters.entry_deterministic(draft) for draft in recipe.drafts]
+    unjudged = [drafters.entry_drafter(draft)[0] for draft in recipe.drafts if drafters.entry_unjudged(draft)]
+    return every_config(laws, recipe.speculation.num_drafts, deterministic, unjudged)

@@ -101,6 +101,11 @@ class DraftRequest:
     sampling_law: SamplingLaw
     timer: RegionTimer | None = None
     """Give it to model forwards (``ModelSession.forward``), so that their time counts as forward time."""
+    judged_view: str | None = None
+    """Where the run's verifier judges drafts by other laws than the ones they are drawn from (its ``judged_laws``,
+    one of ``unprocessed`` and ``untruncated``): a drafter that samples (not a deterministic one, whose one-hot laws
+    stand for every processing) reports them too, in :attr:`Proposal.judged_laws`, from the same logits under
+    :func:`~specdec_cli.sampling.judged_params`."""
 
 
 @dataclass
@@ -118,6 +123,9 @@ class Proposal:
     """[B]: tokens proposed for each sequence, ``0 <= lengths[b] <= min(n, max_lengths[b])``."""
     forwards: int = 0
     """Model forwards it ran (each for every sequence at once): a sample's ``draft_forwards``."""
+    judged_laws: torch.Tensor | None = None
+    """float ``[B, rows, n, V]``: the laws the request's ``judged_view`` asked for, beside ``laws``; None where it
+    asked for none (or the drafter is deterministic)."""
 
 
 class Drafter(ABC):
@@ -132,6 +140,9 @@ class Drafter(ABC):
     own_vocabulary: ClassVar[bool] = False
     """Its model has a tokenizer of its own, and it proposes in the target's ids (retokenize): the laws' V is
     shared by the target and the other drafts' models, whatever this model's vocabulary."""
+    reports_judged_laws: ClassVar[bool] = False
+    """A sampling drafter that reports :attr:`Proposal.judged_laws` when asked (:attr:`DraftRequest.judged_view`): a
+    verifier that judges drafts by such laws takes its rows (a deterministic drafter needs none)."""
 
     def __new__(cls, *args: Any, **params: Any) -> "Drafter":
         # As BlockVerifier.__new__: an unknown or ill-typed parameter is one line before the constructor runs.

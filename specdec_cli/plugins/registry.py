@@ -34,6 +34,7 @@ from stevedore.extension import ExtensionManager, OnLoadFailureCallbackT
 
 from ..base.errors import SpecdecError, UsageError
 from ..base.inputs import cache_dir, write_cache_file
+from ..base.recipe import target_alone
 from .parameters import PluginParameterError, PluginParameterValueError, parameter_defaults, parameter_specs
 
 if TYPE_CHECKING:
@@ -324,6 +325,26 @@ class VerifierRegistry(PluginRegistry):
     def verifier_class(self, name: str) -> type[BlockVerifier]:
         """The class of the installed verifier ``name`` (case-insensitive)."""
         return self.plugin_class(name)
+
+    def revisions(self, names: list[str]) -> dict[str, tuple[str, ...]]:
+        """Each verifier of ``names`` (the target alone left out) → what changed in its decisions since its first
+        release (its class's ``revisions``), for a results folder to record and compare."""
+        return {self.canonical(name): self.verifier_class(name).revisions for name in names if not target_alone(name)}
+
+    def told_draft_length(self, verifier: BlockVerifier, draft_length: int) -> None:
+        """``verifier.set_draft_length(draft_length)``: its ValueError is one line naming it and the setting; any
+        other exception is its fault."""
+        try:
+            verifier.set_draft_length(draft_length)
+        except SpecdecError:
+            raise
+        except ValueError as error:
+            reason = str(error).removeprefix(f"{verifier.name}: ")
+            raise UsageError(
+                f"verifier '{verifier.name}': {reason} (speculation.draft_length is {draft_length})"
+            ) from error
+        except Exception as error:
+            raise self.fault(verifier.name, f"raised {error_line(error)} in set_draft_length") from error
 
     def refusal(self, name: str, rows: DraftRows) -> str | None:
         """Why verifier ``name`` cannot take these draft rows (None if it can): its class's

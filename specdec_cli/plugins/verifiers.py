@@ -32,6 +32,9 @@ from .divergences import kl_divergence
 from .parameters import check_parameters
 
 __all__ = [
+    "JUDGED_VIEWS",
+    "JudgedLaws",
+    "judged_argument",
     "BatchDecision",
     "BlockDecision",
     "BlockVerifier",
@@ -54,6 +57,17 @@ __all__ = [
     "walk_reading",
 ]
 
+
+JudgedLaws = tuple[torch.Tensor, torch.Tensor] | None
+"""The laws a rule with :attr:`BlockVerifier.judged_laws` judges drafts by: (target's, drafts'), shaped as the
+sampling laws they stand beside (``verify_block``: ``[K, L+1, V]`` and ``[K, L, V]``; the token-level methods:
+``[..., V]`` and ``[..., K, V]``); None where the rule judges by the sampling laws (or is handed no others: a test,
+the author's kit, which then stand for both)."""
+
+JUDGED_VIEWS = ("unprocessed", "untruncated")
+"""What :attr:`BlockVerifier.judged_laws` may name: each model's law at temperature 1 over the whole vocabulary
+(``unprocessed``: FSD's default), or at its run's temperature with no top-k or top-p (``untruncated``: Medusa's
+posterior)."""
 
 _forced_device_path = 0
 
@@ -220,18 +234,29 @@ def _mapped_decisions(
     draft_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
     draws: Draws,
+    judged: JudgedLaws = None,
 ) -> BatchDecision:
     """``verifier.verify_block`` on its device path, mapped over the batch (``[B, ...]`` inputs, draws with
-    ``[B]`` keys and block starts) by ``torch.func.vmap``: one call's operations, each on B blocks."""
+    ``[B]`` keys and block starts, judged laws ``[B, ...]``) by ``torch.func.vmap``: one call's operations, each on
+    B blocks."""
 
-    def decide(target, draft, tokens, key, block_start):  # one sequence's block: [K, L+1, V], [K, L, V], [K, L]
-        decision = verifier.verify_block(target, draft, tokens, Draws(key, block_start))
+    def decide(target, draft, tokens, key, block_start, *laws):  # one sequence's block: [K, L+1, V], [K, L, V], [K, L]
+        extra = {"judged": tuple(laws)} if laws else {}
+        decision = verifier.verify_block(target, draft, tokens, Draws(key, block_start), **extra)
         return decision.tokens, decision.num_accepted, decision.row
 
+    inputs = (target_probs, draft_probs, draft_tokens, draws.key, draws.block_start, *(judged or ()))
     with device_path():
-        fields = torch.func.vmap(decide)(target_probs, draft_probs, draft_tokens, draws.key, draws.block_start)
-        # fields: tokens [B, L+1], num_accepted [B], row [B]
+        fields = torch.func.vmap(decide)(*inputs)  # tokens [B, L+1], num_accepted [B], row [B]
     return BatchDecision(*fields).as_long()
+
+
+def judged_argument(judged: JudgedLaws, index: int | slice | None = None) -> dict[str, Any]:
+    """The keyword arguments that hand ``judged`` (rows ``index`` of its leading dimension, or all) to a verifier's
+    method: none where there are none, so a rule that judges by the sampling laws is never given the argument."""
+    if judged is None:
+        return {}
+    return {"judged": tuple(laws if index is None else laws[index] for laws in judged)}
 
 
 def _kind(value: object) -> str:
@@ -289,6 +314,23 @@ class BlockVerifier(ABC):
     law stays within D of q in that divergence at each position. ``acceptance`` reports each lossy rule's
     acceptance beside this rule's at the divergence the rule spends, and the author's kit holds lossy rules to it."""
 
+    judged_laws: str | None = None
+    """Set (per instance: a parameter may decide it) where the rule judges drafts by laws other than the sampling laws
+    the tokens were drawn from: one of :data:`JUDGED_VIEWS`. The engine then computes them beside the sampling laws,
+    from the same logits, and hands them to :meth:`verify_block` and :meth:`verify_batch` as ``judged=``; ``acceptance``
+    hands them to the token-level methods (``conditional``, ``acceptance_probability``, ``output_law``) likewise.
+    None (the default): the sampling laws, and no ``judged`` argument is ever passed."""
+
+    revisions: ClassVar[tuple[str, ...]] = ()
+    """What changed in the rule's decisions since its first release, one line per change, oldest first (its revision
+    is one more than their number). A results folder records each verifier's revision, and one written under
+    another is refused on resume with that line, instead of mixing samples of two rules under one name."""
+
+    @classmethod
+    def revision(cls) -> int:
+        """1 for a rule as first released, one more for each of its :attr:`revisions`."""
+        return len(cls.revisions) + 1
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # A block vmap can map reads nothing and updates no Python state, as a CUDA graph needs; a block that is
@@ -320,6 +362,16 @@ class BlockVerifier(ABC):
             )
         return None
 
+    def set_draft_length(self, draft_length: int) -> None:
+        """The run's configured draft length L (``speculation.draft_length``), told once before the first block.
+
+        A rule that an engine fixes from its configured number of speculative tokens (FLy's default window, which
+        vLLM derives from ``num_speculative_tokens``) fixes it here, so that a shorter block (near the end of an
+        output, under an adaptive schedule) does not change it. A ValueError says, in one line, why the rule cannot
+        run with this L. A verifier used without a run (a test, the author's kit) is never told; the default does
+        nothing."""
+        return None
+
     @abstractmethod
     def verify_block(
         self,
@@ -343,6 +395,7 @@ class BlockVerifier(ABC):
         draft_probs: torch.Tensor,
         draft_tokens: torch.Tensor,
         randomness: BatchRandomness,
+        judged: JudgedLaws = None,
     ) -> BatchDecision:
         """Decide B blocks, one per sequence of a batch, on the tensors' device, without reading values back.
 
@@ -356,15 +409,21 @@ class BlockVerifier(ABC):
         The default maps :meth:`verify_block` over the batch with ``torch.func.vmap`` when ``batches_by_vmap``
         is set (on the CPU a verifier with a reading CPU path is looped instead, where reads are free and that
         path is cheaper), and otherwise calls it once per sequence: correct for every plugin, and B times the
-        launches. A plugin may override it with a natively batched rule.
+        launches. A plugin may override it with a natively batched rule. ``judged``: the judged laws
+        (:attr:`judged_laws`) with the same leading B, passed only to a rule that asks for them.
         """
         if self.batches_by_vmap and isinstance(randomness, Draws):
             if not (self.reading_cpu_path and reads_are_free(target_probs)):
-                return _mapped_decisions(self, target_probs, draft_probs, draft_tokens, randomness)
+                return _mapped_decisions(self, target_probs, draft_probs, draft_tokens, randomness, judged)
         rows = range(draft_tokens.shape[0])
         sequences = [randomness.row(b) for b in rows] if isinstance(randomness, Draws) else randomness
         return BatchDecision.stack(
-            [self.verify_block(target_probs[b], draft_probs[b], draft_tokens[b], sequences[b]) for b in rows]
+            [
+                self.verify_block(
+                    target_probs[b], draft_probs[b], draft_tokens[b], sequences[b], **judged_argument(judged, b)
+                )
+                for b in rows
+            ]
         )
 
     def block_law(

@@ -34,6 +34,10 @@ LOCK = ".lock"
 RANDOMNESS = "randomness"
 """The config key that names the randomness scheme the samples were drawn under (absent: the stateful
 generator of specdec before keyed randomness)."""
+RULES = "rules"
+"""The config key that gives each verifier the folder's samples ran its revision
+(:meth:`~specdec_cli.plugins.verifiers.BlockVerifier.revision`); absent: written before revisions were recorded,
+when every verifier was at its first."""
 
 # The keys that tell which command wrote a config.json (see commands/bench.py and commands/acceptance.py).
 _WRITERS = {"bench": frozenset({"cells", "seeds"}), "acceptance": frozenset({"request", "prompts"})}
@@ -99,11 +103,15 @@ class ResultsStore:
         rank: int = 0,
         world_size: int = 1,
         kind: RecordKind = BENCH_SAMPLES,
+        revisions: dict[str, tuple[str, ...]] | None = None,
     ):
+        """``revisions``: each verifier of the run → what changed in its decisions (its class's ``revisions``)."""
         from ..base.randomness import SCHEME  # here: the listing and report paths must not import torch
 
         self.folder = folder
-        self.config = {**config, RANDOMNESS: SCHEME}
+        self.revisions = revisions or {}
+        rules = {name: len(changes) + 1 for name, changes in self.revisions.items()}
+        self.config = {**config, RANDOMNESS: SCHEME, RULES: rules}
         self.rank = rank
         self.world_size = world_size
         self.kind = kind
@@ -126,6 +134,9 @@ class ResultsStore:
         saved, current = _read_config(folder), json.loads(json.dumps(self.config))
         if saved is not None:
             _check_same_run(folder, saved, current, kind)
+            _check_rules(folder, saved, current, self.revisions)
+            # The rules of verifiers this run leaves out stay recorded, for the run that brings them back.
+            self.config[RULES] = current[RULES] = {**_saved_rules(saved), **current[RULES]}
         # Written with the first record (or at close): a run that fails before it pins nothing.
         self._config_pending = self.rank == 0 and saved != current
         path = folder / (SAMPLES if self.world_size == 1 else f"samples.rank{self.rank}.jsonl")
@@ -245,14 +256,39 @@ def _check_same_run(folder: Path, saved: dict, current: dict, kind: RecordKind) 
             "--output folder (this one stays as it is)"
         )
     # A grid of other cells over the same recipe, data and seeds reuses every sample it shares
-    # (the baseline's above all); anything else would mix runs that do not compare.
-    fixed = [{key: value for key, value in config.items() if key not in kind.may_change} for config in (saved, current)]
+    # (the baseline's above all); anything else would mix runs that do not compare. Rules: _check_rules.
+    ignored = {*kind.may_change, RULES}
+    fixed = [{key: value for key, value in config.items() if key not in ignored} for config in (saved, current)]
     changed = _differences(*fixed)
     if changed:
         raise UsageError(
             f"'{folder}' holds results of a different configuration (changed: {_changes_text(changed)}); "
             "use another --output folder, or delete this one to start over"
         )
+
+
+def _check_rules(folder: Path, saved: dict, current: dict, revisions: dict[str, tuple[str, ...]]) -> None:
+    """Refuse a folder whose samples of a verifier this run has ran another revision of its rule: resumed samples
+    would be decided otherwise than the saved ones under the same name."""
+    before = _saved_rules(saved)
+    for name, revision in current[RULES].items():
+        old = before.get(name, revision)
+        if old != revision:
+            changes = revisions[name][min(old, revision) - 1 : max(old, revision) - 1]
+            raise UsageError(
+                f"'{folder}' holds samples of verifier '{name}' as revision {old} of its rule decided them, and this "
+                f"specdec runs revision {revision} ({'; '.join(changes)}); give a new --output folder (this one "
+                "stays as it is)"
+            )
+
+
+def _saved_rules(saved: dict) -> dict[str, int]:
+    """Each verifier of a saved configuration → the revision its samples ran; a folder written before revisions were
+    recorded ran every verifier it names (bench's cells, acceptance's request) at its first."""
+    if RULES in saved:
+        return dict(saved[RULES])
+    names = [cell.get("verifier") for cell in saved.get("cells", [])] + saved.get("request", {}).get("verifiers", [])
+    return {name: 1 for name in names if isinstance(name, str) and name != "none"}
 
 
 _ABSENT = object()
