@@ -487,7 +487,10 @@ class _SortedTable:
         """
         grid = torch.linspace(0.0, 1.0, _GRID_POINTS, dtype=self.rho_max.dtype, device=self.rho_max.device)  # [K]
         geometric = torch.logspace(_SMALLEST_EXPONENT, 0, _GRID_POINTS, base=2.0, dtype=grid.dtype, device=grid.device)
-        alpha_rho, minus_beta_rho = self.breakpoints.split(1)  # [1, ..., V] each
+        # contiguous: searchsorted copies (and warns about) a strided boundary, which a split under vmap is
+        alpha_rho, minus_beta_rho = (
+            half.clone(memory_format=torch.contiguous_format) for half in self.breakpoints.split(1)
+        )  # [1, ..., V] each
         candidates = torch.cat([alpha_rho, -minus_beta_rho, grid * self.rho_max, geometric * self.rho_max], -1)
         candidates = candidates.clamp_min(0).minimum(self.rho_max)  # [1, ..., C]
         segments = self.segments(alpha_rho, minus_beta_rho, candidates)  # [2, ..., C]

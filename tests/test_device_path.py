@@ -34,10 +34,9 @@ GRAPH_CASES = [case for case in CASES if case.num_drafts in (1, 4)]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _params(cases=CASES, lengths=LENGTHS):
-    for case in cases:
-        for length in lengths:
-            yield pytest.param(case, length, id=f"{case.id}-L{length}")
+def _params(cases=CASES, lengths=LENGTHS) -> list:
+    # a list, not a generator: pytest 9.1 deprecates iterators as parametrize's values
+    return [pytest.param(case, length, id=f"{case.id}-L{length}") for case in cases for length in lengths]
 
 
 @functools.cache
