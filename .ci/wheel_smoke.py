@@ -1,8 +1,9 @@
 """Smoke checks of an installed wheel (run by .ci/wheel-smoke inside a fresh virtual environment).
 
 Every command's --help, `specdec verifiers` and `specdec drafters` listing their built-ins with no load
-failure, and a tiny `generate` on a model built from a config (with the model drafter and with prompt
-lookup): each must work from the wheel alone.
+failure, a tiny `generate` on a model built from a config (with the model drafter and with prompt
+lookup) and a tiny `bench --task wmt` on the newstest2014 sample the wheel ships: each must work from the
+wheel alone.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
 def tiny_generate(folder: Path) -> None:
     from transformers.utils import logging
 
+    import specdec_cli
     from specdec_cli.kit.testing import save_tiny_model
 
     logging.disable_progress_bar()
@@ -67,6 +69,15 @@ def tiny_generate(folder: Path) -> None:
         sys.exit("FAILED: the tiny generate produced no tokens")
     specdec("generate", "-r", str(recipe), "--max-new-tokens", "8", "--verifier", "speculative,block,none", "hello")
     specdec("generate", "-r", str(recipe), "--max-new-tokens", "8", "--drafter", "prompt-lookup", "hello hello")
+    shipped = Path(specdec_cli.__file__).parent / "bench" / "newstest2014"
+    if sorted(path.name for path in shipped.glob("en-*")) != ["en-de.de", "en-de.en", "en-fr.en", "en-fr.fr"]:
+        sys.exit(f"FAILED: the wheel lacks the newstest2014 sample under {shipped}")
+    bench = folder / "bench"
+    specdec(
+        "bench", "-r", str(recipe), "--task", "wmt", "--limit", "2", "--max-new-tokens", "4", "--output", str(bench)
+    )
+    if not (bench / "results.json").is_file():
+        sys.exit("FAILED: bench --task wmt wrote no results.json")
 
 
 if __name__ == "__main__":

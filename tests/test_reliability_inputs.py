@@ -191,8 +191,10 @@ def test_data_files_with_a_bom_or_an_upper_case_suffix_give_their_examples(tmp_p
     (tmp_path / "source.txt").write_text(BOM + "a b\n")
     (tmp_path / "reference.txt").write_text(BOM + "c d\n")
     (tmp_path / "DATA.JSONL").write_text(BOM + '{"text": "a b", "reference": "c d", "id": 7, "category": null}\n')
-    aligned = load_examples(DataSource(source_file=tmp_path / "source.txt", reference_file=tmp_path / "reference.txt"))
-    dataset = load_examples(DataSource(dataset=tmp_path / "DATA.JSONL", source_field="text"))
+    aligned = load_examples(
+        DataSource(source_file=tmp_path / "source.txt", reference_file=tmp_path / "reference.txt")
+    ).examples
+    dataset = load_examples(DataSource(dataset=tmp_path / "DATA.JSONL", source_field="text")).examples
     assert [(e.source, e.reference) for e in aligned] == [("a b", "c d")]
     assert [(e.id, e.source, e.reference, e.category) for e in dataset] == [("7", "a b", "c d", None)]
 

@@ -17,7 +17,9 @@ Built-in tasks and their prompt templates (``{source}`` is the example's input):
 | spec-bench | ``{source}`` |
 
 Sources, in order: local files (``--source/--reference`` aligned plain text, ``--dataset``
-jsonl), then sacrebleu's test-set registry (WMT) or Hugging Face ``datasets`` when online.
+jsonl), then sacrebleu's test-set registry (WMT) or Hugging Face ``datasets`` when online. Offline, WMT
+takes the first 300 sentences of newstest2014 en-fr or en-de shipped in ``newstest2014/`` (either
+direction), with a note saying so.
 """
 
 from __future__ import annotations
@@ -122,6 +124,13 @@ class DataSource:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class LoadedExamples:
+    examples: list[Example]
+    note: str | None = None
+    """Where the examples came from when that is not what the user asked for (the shipped WMT sample)."""
+
+
 def get_task(name: str) -> Task:
     if name not in TASKS:
         raise UsageError(f"unknown task '{name}'; built-in tasks: {', '.join(TASKS)}")
@@ -135,19 +144,20 @@ def parse_lang_pair(text: str) -> tuple[str, str]:
     return source, target
 
 
-def load_examples(spec: DataSource) -> list[Example]:
+def load_examples(spec: DataSource) -> LoadedExamples:
     """The examples of a run, limited and shuffled as asked (shuffling before the limit)."""
     task = get_task(spec.task)
+    note = None
     if spec.source_file or spec.reference_file:
         examples = _aligned_files(spec)
     elif spec.dataset:
         examples = _jsonl(spec.dataset, task, spec)
     else:
-        examples = _online(task, spec)
+        examples, note = _online(task, spec)
     if not examples:
         raise UsageError("the data has no examples")
     _check_unique_ids(examples)
-    return subset(examples, spec.limit, spec.shuffle, spec.seed)
+    return LoadedExamples(subset(examples, spec.limit, spec.shuffle, spec.seed), note)
 
 
 def _check_unique_ids(examples: list[Example]) -> None:
@@ -227,21 +237,46 @@ def _example_id(record: dict, number: int, where: str) -> str:
     return str(value)
 
 
-def _online(task: Task, spec: DataSource) -> list[Example]:
+def _online(task: Task, spec: DataSource) -> tuple[list[Example], str | None]:
+    """The task's published test set, and a note when the shipped WMT sample stands in for it."""
     local = "--source FILE --reference FILE (aligned plain text)" if task.name == "wmt" else "--dataset FILE.jsonl"
     try:
         if task.name == "wmt":
-            return _sacrebleu_wmt(spec.lang_pair)
+            return _sacrebleu_wmt(spec.lang_pair), None
         if not task.hub:
             raise SpecdecError(f"task '{task.name}' has no download source")
-        return _hub(task)
+        return _hub(task), None
     except SpecdecError as error:
-        raise SpecdecError(f"{error}; offline, give the data as {local}") from None
+        reason = str(error)
     except Exception as error:  # network and hub failures come in many types
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise SpecdecError(
-            f"could not fetch the '{task.name}' data ({first_line}); offline, give it as {local}"
-        ) from None
+        reason = f"could not fetch the '{task.name}' data ({_first_line(error)})"
+    sample = _shipped_wmt_sample(spec.lang_pair) if task.name == "wmt" else None
+    if sample is None:
+        raise SpecdecError(f"{reason}; offline, give the data as {local}")
+    return sample, (
+        f"{reason}: using the {len(sample)} sentences of newstest2014 {spec.lang_pair} shipped with specdec (the "
+        f"set's first {len(sample)}; WMT14's terms: research use, cite the shared task); the whole set: {local}"
+    )
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+_SAMPLE_FOLDER = Path(__file__).parent / "newstest2014"
+_SAMPLE_PAIRS = {("en", "fr"): "en-fr", ("en", "de"): "en-de"}
+"""The shipped sample's files (``en-fr.en`` beside ``en-fr.fr``), each read in either direction."""
+
+
+def _shipped_wmt_sample(lang_pair: str) -> list[Example] | None:
+    """newstest2014's first 300 aligned sentences for ``lang_pair`` (en-fr, fr-en, en-de, de-en), else None."""
+    source, target = parse_lang_pair(lang_pair)
+    pair = _SAMPLE_PAIRS.get((source, target)) or _SAMPLE_PAIRS.get((target, source))
+    if pair is None:
+        return None
+    sources = _read_lines(_SAMPLE_FOLDER / f"{pair}.{source}", "shipped newstest2014 sample")
+    references = _read_lines(_SAMPLE_FOLDER / f"{pair}.{target}", "shipped newstest2014 sample")
+    return [Example(str(i), s, r) for i, (s, r) in enumerate(zip(sources, references, strict=True))]
 
 
 def _sacrebleu_wmt(lang_pair: str) -> list[Example]:

@@ -19,7 +19,16 @@ from ..base.recipe import Recipe
 from ..bench import report
 from ..bench.grid import Grid
 from ..bench.results import BenchResults, summarize
-from ..bench.tasks import DataSource, Task, fingerprint, get_task, load_examples, parse_lang_pair, turns_note
+from ..bench.tasks import (
+    DataSource,
+    LoadedExamples,
+    Task,
+    fingerprint,
+    get_task,
+    load_examples,
+    parse_lang_pair,
+    turns_note,
+)
 from ..plugins.registry import VerifierRegistry
 from ..results.store import ResultsStore, load_saved
 from . import common, options
@@ -61,7 +70,7 @@ class _DataOptions:
     shuffle: options.ShuffleOption = False
     shuffle_seed: options.ShuffleSeedOption = 0
 
-    def examples(self) -> list:
+    def examples(self) -> LoadedExamples:
         source = DataSource(
             task=self.task,
             lang_pair=self.lang_pair,
@@ -256,12 +265,14 @@ def bench(
         return _report(dataclasses.replace(output, folder=output.report_folder))
     base = common.RecipeOptions.of(model, sets=common.with_compile(model.sets, compile_steps), stop=stop).resolve()
     registry = VerifierRegistry()
+    loaded = data.examples()
     plan = _Plan(
         base=base,
         task=get_task(data.task),
         lang_pair=data.lang_pair,
         template=data.template,
-        examples=data.examples(),
+        examples=loaded.examples,
+        data_note=loaded.note,
         grid=grid.grid(base, registry),
         seeds=grid.seed_values(base),
         reference_hint=data.reference_hint(),
@@ -296,6 +307,8 @@ class _Plan:
     seeds: list[int]
     reference_hint: str
     """How to give references for the data's kind (a note says so when the examples have none)."""
+    data_note: str | None = None
+    """Where the examples came from, when not from where the user asked (the shipped WMT sample)."""
     registry: VerifierRegistry = dataclasses.field(default_factory=VerifierRegistry)
 
     def __post_init__(self) -> None:
@@ -305,7 +318,7 @@ class _Plan:
 
         self.notes = check_cells(self.cells, self.skipped, self.base, self.registry)
         references = report.reference_note(self.task.metrics, [e.reference for e in self.examples], self.reference_hint)
-        self.notes += [note for note in (turns_note(self.examples), references) if note is not None]
+        self.notes += [note for note in (self.data_note, turns_note(self.examples), references) if note is not None]
 
     def verifiers(self) -> list[str]:
         """Every verifier whose decisions the cells' samples hold: each cell's, and the exact rule of a cell with
