@@ -1,83 +1,43 @@
-"""The retokenize drafter (issue 33): a draft model with a vocabulary of its own, its text proposed in the target's
-ids. Two drafts of other vocabularies than the target's (the same words under other ids, and two words more): the
-target's own weights under the draft's ids, whose greedy text is the target's, and a random GPT-2. Through the
-real recipe path: greedy equals the target alone at B = 1 and B = 4, the first tokens follow the target's law
-(chi-square, with a negative control that must fail it), and the entries and messages that choose it."""
+"""The retokenize drafter (greedy): a draft model with a vocabulary of its own, its text proposed in the target's
+ids. The drafts of tests/retokenize_models.py, of other vocabularies than the target's (the same words under other
+ids, and two words more): the target's own weights under the draft's ids, whose greedy text is the target's, and a
+random GPT-2. Through the real recipe path: greedy equals the target alone at B = 1 and B = 4, with the static
+cache, and with a draft of 16 positions whose windows move; the first tokens follow the target's law (chi-square,
+with a negative control that must fail it); and the entries and messages that choose it."""
 
 from __future__ import annotations
 
 import json
 import types
-from collections import Counter
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.base.errors import ModelLoadError
 from specdec_cli.base.recipe import build_recipe
-from specdec_cli.base.sampling import SamplingParams
-from specdec_cli.kit.testing import (
-    EOS_ID,
-    PAD_ID,
-    TINY_VOCAB,
-    chi_square_p_value,
-    exact_sequence_law,
-    keyed_samples,
-    save_tiny_model,
-    tiny_model,
-    tiny_tokenizer,
-)
+from specdec_cli.kit.testing import TINY_VOCAB, chi_square_p_value, save_tiny_model, tiny_tokenizer
 from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_plugins.retokenized_drafter import RetokenizedDrafter
 from tests.conftest import DrafterRegistryWith, one_error_line
-
-DRAFT_VOCAB = ["<pad>", "</s>", "<unk>", "e", "d", "c", "b", "a", "f", "g"]
-"""The target's words under other ids, and two words it does not have."""
-PROMPTS = ["a b c d a b c", "e e a", "d c b a e d c b a", "b"]
-
-
-def _target_weights_under_draft_ids(target, path):
-    """The target's model with its embedding and head rows moved to the draft vocabulary's ids (a word the target
-    lacks takes <pad>'s rows, which a tie gives to <pad>, the lower id): its greedy text is the target's."""
-    model = AutoModelForCausalLM.from_pretrained(target)
-    rows = torch.tensor([TINY_VOCAB.index(word) if word in TINY_VOCAB else PAD_ID for word in DRAFT_VOCAB])
-    embedding = model.get_input_embeddings().weight.detach()[rows].clone()  # [V_draft, d]
-    head = model.get_output_embeddings().weight.detach()[rows].clone()  # [V_draft, d]
-    model.resize_token_embeddings(len(DRAFT_VOCAB))
-    with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(embedding)
-        model.get_output_embeddings().weight.copy_(head)
-    model.save_pretrained(path)
-    tiny_tokenizer(DRAFT_VOCAB).save_pretrained(path)
-    return path
+from tests.retokenize_models import (
+    DRAFT_VOCAB,
+    PROMPTS,
+    first_tokens,
+    retokenize_models,
+    retokenize_recipe,
+    samples_in_order,
+    save_draft,
+)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("retokenize")
-    target = save_tiny_model(root / "target", "llama", seed=1)
-    other = root / "gpt2-draft"
-    tiny_model("gpt2", seed=4, layers=1, vocab_size=len(DRAFT_VOCAB)).save_pretrained(other)
-    tiny_tokenizer(DRAFT_VOCAB).save_pretrained(other)
-    return {
-        "target": target,
-        "same-weights": _target_weights_under_draft_ids(target, root / "same"),
-        "gpt2": other,
-        "same-tokenizer": save_tiny_model(root / "same-tokenizer", "llama", seed=2, layers=1),
-    }
+    return retokenize_models(tmp_path_factory.mktemp("retokenize"))
 
 
 def _recipe(models, draft="same-weights", entry=None, **generation):
-    return {
-        "target": {"model": str(models["target"]), "device": "cpu"},
-        "drafts": [entry or {"drafter": "retokenize", "model": str(models[draft]), "device": "cpu"}],
-        "verifier": {"name": "speculative"},
-        "speculation": {"draft_length": 3},
-        "generation": {"max_new_tokens": 3, "temperature": 1.0, **generation},
-        "seed": 0,
-    }
+    return retokenize_recipe(models, draft, entry, **generation)
 
 
 def _decoder(models, draft="same-weights", **generation):
@@ -130,18 +90,6 @@ class MisreportingRetokenizer(RetokenizedDrafter):
         return proposal
 
 
-def _first_tokens(decoder, samples: int, batch_size: int) -> tuple[Counter, dict, float]:
-    prompt = PROMPTS[0]
-    results = keyed_samples(decoder, prompt, samples, batch_size)
-    counts = Counter(tuple(result.token_ids) for result in results)
-    accepted = sum(result.stats.accepted_tokens for result in results)
-    drafted = sum(result.stats.drafted_tokens for result in results)
-    depth = decoder.config.generation.max_new_tokens
-    ids = decoder.encode_prompt(prompt)
-    law = exact_sequence_law(decoder.target.model, ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
-    return counts, law, accepted / max(drafted, 1)
-
-
 LOSSLESS = sorted(name for name in VerifierRegistry().names() if VerifierRegistry().load_class(name).lossless)
 
 
@@ -155,7 +103,7 @@ def test_the_first_tokens_follow_the_targets_law_through_every_lossless_verifier
     recipe.update(verifier={"name": verifier}, speculation={"draft_length": 3, "num_drafts": num_drafts})
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
     assert decoder.num_draft_rows == 1
-    counts, law, acceptance = _first_tokens(decoder, 1000, batch_size=4 if verifier == "speculative" else 16)
+    counts, law, acceptance = first_tokens(decoder, 1000, batch_size=4 if verifier == "speculative" else 16)
     assert 0.05 < acceptance < 0.95, "the drafts must be accepted sometimes and rejected sometimes"
     assert chi_square_p_value(counts, law) > 1e-3
 
@@ -165,15 +113,15 @@ def test_a_misreported_law_fails_the_same_chi_square(models):
     drafters = DrafterRegistryWith({MisreportingRetokenizer.name: MisreportingRetokenizer})
     recipe = _recipe(models, entry={"drafter": MisreportingRetokenizer.name, "model": str(models["same-weights"])})
     lying = SpeculativeDecoder.from_recipe(build_recipe(recipe), drafters=drafters)
-    counts, law, _ = _first_tokens(lying, 1000, batch_size=4)
+    counts, law, _ = first_tokens(lying, 1000, batch_size=4)
     assert chi_square_p_value(counts, law) < 1e-3
 
 
 def test_a_sample_is_the_same_at_b_1_and_b_4(models):
     """So the chi-square at B = 4 holds at B = 1: keyed samples do not depend on their batch."""
     decoder = _decoder(models, "gpt2", max_new_tokens=6)
-    one = [result.token_ids for result in keyed_samples(decoder, PROMPTS[2], 8, batch_size=1)]
-    four = [result.token_ids for result in keyed_samples(decoder, PROMPTS[2], 8, batch_size=4)]
+    one = samples_in_order(decoder, PROMPTS[2], 8, batch_size=1)
+    four = samples_in_order(decoder, PROMPTS[2], 8, batch_size=4)
     assert one == four
 
 
@@ -222,7 +170,8 @@ def test_generate_with_a_retokenize_entry(run, models, write_recipe):
         ),
         (
             {"drafter": "retokenize", "model": "MODEL", "temperature": 0.5},
-            "drafts.0: the retokenize drafter writes greedily; remove temperature, top_k and top_p from the entry",
+            "drafts.0: the retokenize drafter writes greedily; remove temperature, top_k and top_p from the entry, or "
+            "sample with drafter: retokenize-sample",
         ),
         (
             {"drafter": "retokenize", "model": "MODEL", "params": {"draft_tokens": 0}},
@@ -233,25 +182,36 @@ def test_generate_with_a_retokenize_entry(run, models, write_recipe):
 def test_a_bad_retokenize_entry_is_one_line_before_any_model_loads(run, models, write_recipe, entry, message):
     entry = {key: str(models["gpt2"]) if value == "MODEL" else value for key, value in entry.items()}
     recipe = _recipe(models, entry=entry)
-    recipe["target"]["model"] = "/no/such/target"  # never loaded: the entry is refused first
     code, _, err = run(["generate", "-r", str(write_recipe(recipe)), PROMPTS[0]])
     assert code == 2
     one_error_line(err, message)
 
 
-def test_a_context_past_the_draft_models_limit_stops_the_run_in_one_line(run, models, write_recipe, tmp_path):
-    short = tiny_model("llama", seed=2, layers=1, vocab_size=len(DRAFT_VOCAB))
-    short.config.max_position_embeddings = 16
-    short.save_pretrained(tmp_path / "short")
-    tiny_tokenizer(DRAFT_VOCAB).save_pretrained(tmp_path / "short")
-    recipe = _recipe(models, entry={"drafter": "retokenize", "model": str(tmp_path / "short"), "device": "cpu"})
-    code, _, err = run(["generate", "-r", str(write_recipe(recipe)), " ".join(["a b c d"] * 4)])
-    assert code == 1
-    one_error_line(
-        err,
-        f"the retokenize drafter's draft {tmp_path / 'short'} reads at most 16 tokens, and a context with its draft "
-        "takes 19 of its tokens; lower max_new_tokens or the draft length",
-    )
+def test_a_context_past_the_draft_models_limit_is_read_from_a_window(models, tmp_path):
+    """A draft that reads 16 positions, prompts of 1 to 16 words and 20 new tokens: each sequence's window moves
+    (alone, at its own time) and the run goes on; greedy still equals the target alone, at B = 1 and B = 4."""
+    entry = {"drafter": "retokenize", "model": str(save_draft(tmp_path / "short", "llama", DRAFT_VOCAB, 16))}
+    recipe = _recipe(models, entry=entry, max_new_tokens=20, temperature=0.0)
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    prompts = [" ".join(["a b c d"] * 4), *PROMPTS]
+    for batch_size in (1, 4):
+        drafted = decoder.generate(prompts, batch_size=batch_size)
+        alone = decoder.generate(prompts, batch_size=batch_size, verifier="none")
+        assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
+        assert all(r.stats.draft_forwards > 0 for r in drafted)
+
+
+def test_the_static_cache_is_the_draft_models_too(models):
+    """``speculation.static_cache``: the draft's session holds the static cache (no note says otherwise), and greedy
+    still equals the target alone."""
+    recipe = _recipe(models, "gpt2", max_new_tokens=12, temperature=0.0)
+    recipe["speculation"]["static_cache"] = True
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    assert decoder.cache_notes == []
+    assert decoder.drafters[0].session.headroom is not None
+    drafted = decoder.generate(PROMPTS, batch_size=4)
+    alone = decoder.generate(PROMPTS, batch_size=4, verifier="none")
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
 
 
 def test_an_encoder_decoder_target_is_refused_in_one_line(run, models, write_recipe, tmp_path):
@@ -268,10 +228,7 @@ def test_an_encoder_decoder_target_is_refused_in_one_line(run, models, write_rec
 
 def test_a_draft_of_a_smaller_vocabulary(models, tmp_path):
     """A draft whose vocabulary is smaller than the target's does not narrow V: it proposes in the target's ids."""
-    words = ["<pad>", "</s>", "<unk>", "c", "a", "b"]
-    path = tmp_path / "small"
-    tiny_model("gpt2", seed=4, layers=1, vocab_size=len(words)).save_pretrained(path)
-    tiny_tokenizer(words).save_pretrained(path)
+    path = save_draft(tmp_path / "small", "gpt2", ["<pad>", "</s>", "<unk>", "c", "a", "b"])
     entry = {"drafter": "retokenize", "model": str(path), "device": "cpu"}
     recipe = _recipe(models, entry=entry, max_new_tokens=20, temperature=0.0)
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))

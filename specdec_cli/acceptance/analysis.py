@@ -128,14 +128,16 @@ class AcceptanceAnalysis:
         takes any one row)."""
         drafts = load_drafts(pool, section.drafts, self.decoder.target, self.decoder.drafter_registry)
         config = self.decoder.config.replace(verifier=VerifierConfig().name, num_drafts=1)
+        classes = [self.decoder.drafter_registry.plugin_class(draft.drafter) for draft in drafts]
         proposers = {
             index: SpeculativeDecoder(
                 self.decoder.target, [draft], config, self.registry, self.decoder.drafter_registry
             )
-            for index, draft in enumerate(drafts)
-            # A deterministic drafter (prompt-lookup, retokenize) is asked what it proposes: a model it has may score
-            # another vocabulary, so its logits are not its law.
-            if draft.model is None or self.decoder.drafter_registry.plugin_class(draft.drafter).deterministic
+            for index, (draft, cls) in enumerate(zip(drafts, classes))
+            # A deterministic drafter (prompt-lookup, retokenize) or one with a vocabulary of its own
+            # (retokenize-sample) is asked what it proposes: its model's logits score another vocabulary, so they
+            # are not its law over the target's ids.
+            if draft.model is None or cls.deterministic or cls.own_vocabulary
         }
         return _LoadedSection(section.drafter, drafts, [draft.law(self.decoder.config) for draft in drafts], proposers)
 
