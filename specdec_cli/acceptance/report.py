@@ -14,7 +14,7 @@ from rich.table import Table
 from ..base.inputs import write_atomically
 from ..base.recipe import Recipe
 from ..plugins.sweeps import shown_value
-from ..results.plotting import describe_run, save, verifier_colour
+from ..results.plotting import describe_run, save, separate_labels, verifier_colour
 from .results import OPTIMUM, SPENT_MEASURES, AcceptanceReport, AcceptanceRequest, AcceptanceRow, Estimate
 
 if TYPE_CHECKING:
@@ -73,7 +73,8 @@ def table(report: AcceptanceReport) -> Table:
         title=title,
         min_width=len(title) + 4,  # a narrow table would fold its own title
         caption=(
-            f"{coverage}mean ± standard error over {report.positions} positions of {len(report.prompts)} prompts; "
+            f"{coverage}mean ± standard error over {report.positions} positions of "
+            f"{_count(len(report.prompts), 'prompt')}; "
             "optimum: best of any lossless rule (Hu et al. 2025; Khisti et al. Thm 3), exact: full vocabulary "
             "for identical drafts, K=2 different drafts sharing at most 128 tokens"
         ),
@@ -84,10 +85,12 @@ def table(report: AcceptanceReport) -> Table:
     measures = [measure for measure in SPENT_MEASURES if any(report.spent(row, measure) for row in report.rows)]
     for measure in measures:
         result.add_column(SPENT_HEADERS[measure], justify="right", overflow="fold")
-    for row in report.rows:
-        cells = [_format(report.cell(row, k)) for k in report.num_drafts]
-        cells += [f"{value.mean:.4g}" if (value := report.spent(row, measure)) else "" for measure in measures]
+    columns = [[report.cell(row, k) for row in report.rows] for k in report.num_drafts]
+    columns += [[report.spent(row, measure) for row in report.rows] for measure in measures]
+    texts = [_column_texts(column, with_error=number < len(report.num_drafts)) for number, column in enumerate(columns)]
+    for number, row in enumerate(report.rows):
         optimum = row.verifier == OPTIMUM
+        cells = [column[number] for column in texts]
         result.add_row(row.label, *cells, style="bold" if optimum else None, end_section=optimum)
     if len(measures) > 1:
         result.caption += (
@@ -96,7 +99,7 @@ def table(report: AcceptanceReport) -> Table:
         )
     if report.exact_first:
         result.caption += "\n" + report.exact_note()
-    reasons = sorted(set(report.unavailable.values()))
+    reasons = unavailable_reasons(report)
     if reasons:
         result.caption += "\n—: " + "; ".join(reasons)
     return result
@@ -110,13 +113,69 @@ SPENT_HEADERS = {
 }
 """The table's column for each of :data:`~.results.SPENT_MEASURES`."""
 
+ROUNDING = 1e-9
+"""A value this close to 0 is 0: the float64 sums over a vocabulary leave a few 1e-17 where a row's output law is
+the target's own (a KL of -2.4e-18), and no measure here means anything at 1e-9."""
+SHOWN_DECIMALS = 3
+"""Decimals of a column, unless its smallest value that is not 0 needs more to keep two significant figures."""
+MOST_DECIMALS = 9
+"""Decimals no column goes past (:data:`ROUNDING` is 0 anyway)."""
 
-def _format(cell: Estimate | None) -> str:
-    if cell is None:
-        return "—"
-    if math.isnan(cell.stderr):
-        return f"{cell.mean:.3f}"
-    return f"{cell.mean:.3f} ± {cell.stderr:.3f}"
+
+def _column_texts(column: list[Estimate | None], with_error: bool) -> list[str]:
+    """A column's cells in one format: each mean and standard error with the decimals its means need
+    (:func:`_decimals`), 0 as "0", an infinite value as "∞"; with ``with_error`` the standard error after the mean;
+    "—" (acceptance: no value) or "" (a spent measure: the row spends none) where there is none."""
+    decimals = _decimals([cell.mean for cell in column if cell is not None])
+    empty = "—" if with_error else ""
+    texts = []
+    for cell in column:
+        if cell is None:
+            texts.append(empty)
+        elif with_error and not math.isnan(cell.stderr):
+            texts.append(f"{_number(cell.mean, decimals)} ± {_number(cell.stderr, decimals)}")
+        else:
+            texts.append(_number(cell.mean, decimals))
+    return texts
+
+
+def _decimals(values: list[float]) -> int:
+    """:data:`SHOWN_DECIMALS`, or as many as the smallest finite value that is not 0 needs for two significant
+    figures (at most :data:`MOST_DECIMALS`)."""
+    small = [abs(value) for value in values if math.isfinite(value) and abs(value) >= ROUNDING]
+    if not small:
+        return SHOWN_DECIMALS
+    needed = 1 - math.floor(math.log10(min(small)))
+    return min(max(SHOWN_DECIMALS, needed), MOST_DECIMALS)
+
+
+def _number(value: float, decimals: int) -> str:
+    """``value`` with ``decimals`` decimals; "0" within :data:`ROUNDING` of 0 (never "-0.000"), "<0.001" for one
+    that is not 0 but rounds to it (a standard error below the column's resolution), "∞" for an infinite one."""
+    if math.isinf(value):
+        return "∞" if value > 0 else "-∞"
+    if abs(value) < ROUNDING:
+        return "0"
+    if round(abs(value), decimals) == 0:
+        return f"<{10**-decimals:.{decimals}f}"
+    return f"{value:.{decimals}f}"
+
+
+def unavailable_reasons(report: AcceptanceReport) -> list[str]:
+    """Why cells show "—", each reason once: the registry's reason for a verifier ("verifier 'cactus' takes at most 1
+    draft(s) per position") once for every verifier it applies to, naming them."""
+    verifiers = {row.label: row.verifier for row in report.rows}
+    named: dict[str, list[str]] = {}
+    for (label, _), reason in sorted(report.unavailable.items()):
+        verifier = verifiers.get(label)
+        subject = f"verifier '{verifier}' "
+        if verifier is not None and reason.startswith(subject):
+            names = named.setdefault("the verifier " + reason.removeprefix(subject), [])
+            if verifier not in names:  # a row per KL bound or swept value: the verifier once
+                names.append(verifier)
+        else:
+            named.setdefault(reason, [])
+    return [reason + (f" ({', '.join(names)})" if names else "") for reason, names in named.items()]
 
 
 def write(folder: Path, content: dict, reports: list[AcceptanceReport]) -> None:
@@ -145,54 +204,54 @@ def plot(path: Path, report: AcceptanceReport, content: dict | None = None) -> N
 
 
 def figure(report: AcceptanceReport, content: dict | None = None):
-    """Acceptance against K for every row (± standard error); beside it, for the lossy rows, acceptance at K = 1
-    against the KL(q ‖ π) and the TV(q, π) each spends (the frontier: the KL-optimal rule's rows drawn on top);
-    above, what was run (from ``content``, acceptance.json's: recipe and environment).
-    Each verifier keeps its colour in every plot (:func:`~specdec_cli.results.plotting.verifier_colour`)."""
+    """The lossless rows' acceptance against K (at one K, row by row), ± standard error; beside it, for the lossy
+    rows, acceptance at K = 1 against the KL(q ‖ π) each spends, and against the TV(q, π) where they have one (the
+    frontier: the rule optimal under that divergence drawn on top); no panel without something to draw. Above, what
+    was run (from ``content``, acceptance.json's: recipe and environment). Each verifier keeps its colour in every
+    plot (:func:`~specdec_cli.results.plotting.verifier_colour`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lossy = [row for row in report.rows if report.kl(row) is not None and report.cell(row, 1) is not None]
-    panels = 1 + (2 if lossy else 0)
-    drawn, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 5.4), squeeze=False)
+    measures = [measure for measure in ("kl", "tv") if any(report.spent(row, measure) for row in lossy)]
+    drawn, axes = plt.subplots(1, 1 + len(measures), figsize=(6.5 * (1 + len(measures)), 5.4), squeeze=False)
     if content is not None:
-        count = len(report.prompts)
-        what = f"{count} prompt{'s' if count != 1 else ''}, {report.positions} positions"
+        what = f"{_count(len(report.prompts), 'prompt')}, {report.positions} positions"
         what += "" if report.drafter is None else f", drafter {report.drafter}"
         what += "" if report.coverage is None else f" (coverage {report.coverage:.1%})"
         drawn.suptitle(describe_run(content["recipe"], what, [content["environment"]]), fontsize=9)
-    _plot_by_k(axes[0][0], report)
-    if lossy:
-        _plot_frontier(axes[0][1], report, lossy, "kl")
-        if any(report.spent(row, "tv") for row in lossy):
-            _plot_frontier(axes[0][2], report, lossy, "tv")
-        else:
-            axes[0][2].set_axis_off()
+    _plot_lossless(axes[0][0], report)
+    for axis, measure in zip(axes[0][1:], measures):
+        _plot_frontier(axis, report, lossy, measure)
     drawn.tight_layout()
+    for axis in axes[0][1:]:
+        separate_labels(axis)  # after the layout, which moves the points under them
     return drawn
 
 
-def _plot_by_k(axis, report: AcceptanceReport) -> None:
-    """One series per row, each nudged sideways a little so rows that agree (as every lossless
-    single-draft rule does at K = 1) stay visible side by side instead of hiding one another."""
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _plot_lossless(axis, report: AcceptanceReport) -> None:
+    """One series per lossless row (the lossy ones have the frontier panels): against K, each nudged sideways a
+    little so rows that agree (as every lossless single-draft rule does at K = 1) stay visible side by side; with a
+    single K, a point per row, named under it (a K axis with one value would say nothing)."""
     series = [
         (row, [(k, c) for k in report.num_drafts if (c := report.cell(row, k)) is not None])
         for row in report.rows
-        if row.kl_bound is None and not row.params and report.kl(row) is None  # lossy rows: the frontier panels
+        if row.kl_bound is None and not row.params and report.kl(row) is None
     ]
     series = [(row, points) for row, points in series if points]
-    width = 0.3 if len(report.num_drafts) > 1 else 0.6
+    by_k = len(report.num_drafts) > 1
     for number, (row, points) in enumerate(series):
-        shift = width * (number / max(len(series) - 1, 1) - 0.5) if len(series) > 1 else 0.0
-        xs = [report.num_drafts.index(k) + shift for k, _ in points]
-        means = [c.mean for _, c in points]
-        errors = [0.0 if math.isnan(c.stderr) else c.stderr for _, c in points]
+        shift = 0.3 * (number / max(len(series) - 1, 1) - 0.5) if by_k and len(series) > 1 else 0.0
         axis.errorbar(
-            xs,
-            means,
-            yerr=errors,
+            [report.num_drafts.index(k) + shift for k, _ in points] if by_k else [number],
+            [c.mean for _, c in points],
+            yerr=[0.0 if math.isnan(c.stderr) else c.stderr for _, c in points],
             marker="o",
             markersize=5,
             capsize=2,
@@ -200,9 +259,18 @@ def _plot_by_k(axis, report: AcceptanceReport) -> None:
             color=verifier_colour(row.verifier),
             linestyle="--" if row.verifier == OPTIMUM else "-",
         )
-    axis.set_xticks(range(len(report.num_drafts)), [str(k) for k in report.num_drafts])
-    axis.set(xlabel="number of drafts K", ylabel="acceptance probability (± s.e.)", title="acceptance vs K")
-    axis.legend(fontsize=8, loc="lower right")
+    ylabel = "acceptance probability (± s.e.)"
+    if by_k:
+        axis.set_xticks(range(len(report.num_drafts)), [str(k) for k in report.num_drafts])
+        axis.set(xlabel="number of drafts K", ylabel=ylabel, title="lossless rules: acceptance against K")
+        axis.legend(fontsize=8, loc="lower right")
+    else:
+        axis.set_xticks(range(len(series)), [row.label for row, _ in series], rotation=30, ha="right", fontsize=8)
+        axis.set_xlim(-0.6, len(series) - 0.4)
+        axis.set(ylabel=ylabel, title=f"lossless rules: acceptance at K={report.num_drafts[0]}")
+
+
+_DIVERGENCE_NAMES = {"kl": "KL(q ‖ π)", "tv": "TV(q, π)"}
 
 
 def _plot_frontier(axis, report: AcceptanceReport, lossy: list[AcceptanceRow], measure: str) -> None:
@@ -232,22 +300,29 @@ def _plot_frontier(axis, report: AcceptanceReport, lossy: list[AcceptanceRow], m
             zorder=4 if frontier else 2,
             label=label,
         )
-        for number, (x, cell, row) in enumerate(finite):
+        for x, cell, row in finite:
             axis.annotate(
                 _swept_text(row),
                 (x, cell.mean),
                 fontsize=6,
                 color=verifier_colour(verifier),
                 textcoords="offset points",
-                xytext=(4, -9 if number % 2 else 4),
+                xytext=(4, 4),
                 annotation_clip=True,
+                zorder=6,  # over the thick frontier line, on a pale ground that keeps it legible there
+                bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.7},
             )
     if (optimum := report.cell(OPTIMUM, 1)) is not None:
         axis.scatter([0.0], [optimum.mean], color=verifier_colour(OPTIMUM), zorder=5, label="lossless optimum")
     axis.margins(x=0.15, y=0.1)  # room for the labels inside the axes
     axis.locator_params(axis="x", nbins=5)  # small divergences have long tick labels
-    name = {"kl": "KL(q ‖ π), nats", "tv": "TV(q, π)"}[measure]
-    axis.set(xlabel=f"spent {name}, mean over positions", ylabel="acceptance at K=1 (± s.e.)", title="lossy rules")
+    name = _DIVERGENCE_NAMES[measure]
+    unit = ", nats" if measure == "kl" else ""
+    axis.set(
+        xlabel=f"spent {name}{unit}, mean over positions",
+        ylabel="acceptance at K=1 (± s.e.)",
+        title=f"lossy rules: acceptance against {name}",
+    )
     axis.legend(fontsize=7, loc="lower right")
 
 

@@ -9,6 +9,7 @@ import secrets
 import tempfile
 from collections.abc import Iterator
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -48,6 +49,39 @@ def _plain_text(text: str, where: str) -> str:
     if "\x00" in text:
         raise UsageError(f"{where} holds NUL bytes (UTF-16 text or a binary file?); save it as UTF-8 text")
     return text.removeprefix(BYTE_ORDER_MARK)
+
+
+@dataclass(frozen=True)
+class PromptLines:
+    """A plain-text prompt file read as a prompt per non-blank line. A blank line cannot be a prompt (a model given
+    nothing to continue), so it is skipped; one between prompts is counted, since it often means paragraphs meant as
+    one prompt, and the reader is told (trailing blank lines, an editor's habit, are not counted)."""
+
+    prompts: list[str]
+    skipped: tuple[int, ...] = ()
+    """The numbers (from 1) of the blank lines before the last prompt."""
+
+    @classmethod
+    def of(cls, text: str) -> PromptLines:
+        lines = text.splitlines()
+        last = max((number for number, line in enumerate(lines, 1) if line.strip()), default=0)
+        blank = tuple(number for number, line in enumerate(lines[:last], 1) if not line.strip())
+        return cls([line for line in lines if line.strip()], blank)
+
+    def note(self, where: str) -> str | None:
+        """One line saying which blank lines of ``where`` ("--prompt-file 'p.txt'") were skipped; None: none was."""
+        if not self.skipped:
+            return None
+        shown = ", ".join(map(str, self.skipped[:SHOWN_LINES])) + (", …" if len(self.skipped) > SHOWN_LINES else "")
+        plural = "s" if len(self.skipped) > 1 else ""
+        return (
+            f"{where}: skipped {len(self.skipped)} blank line{plural} (line{plural} {shown}); each non-blank line is "
+            "one prompt, so a prompt of several lines needs a .jsonl file (one JSON object per line)"
+        )
+
+
+SHOWN_LINES = 5
+"""Line numbers a note names before it says "…"."""
 
 
 def has_suffix(path: Path | str, suffix: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -282,16 +283,22 @@ def csv_text(results: BenchResults) -> str:
     return buffer.getvalue()
 
 
-def plot(results: BenchResults, path: Path) -> None:
+def plot(results: BenchResults, path: Path, busy_cpu: str | None = None) -> None:
     """Draw :func:`figure` to ``path`` (the suffix picks the format)."""
-    save(figure(results), path)
+    save(figure(results, busy_cpu), path)
 
 
-def figure(results: BenchResults):
+BUSY_COLOUR = "#b22222"
+NOTE_POINTS = 8
+
+
+def figure(results: BenchResults, busy_cpu: str | None = None):
     """Speedup of every configuration over the target alone (± std over seeds when there are several),
     the baseline at 1 and a line there, so a slower configuration reads as slower; beside it, speedup
-    against quality when the task has a quality metric; above, what was run. Each verifier keeps its
-    colour (:func:`~specdec_cli.results.plotting.verifier_colour`). A ValueError when nothing has samples."""
+    against quality when the task has a quality metric; above, what was run; below, ``busy_cpu`` (the run's note
+    that other jobs kept the CPU busy: its speeds are the moment's), so the picture never travels without it. Each
+    verifier keeps its colour (:func:`~specdec_cli.results.plotting.verifier_colour`). A ValueError when nothing
+    has samples."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -310,7 +317,14 @@ def figure(results: BenchResults):
     _plot_speed(axes[0][0], cells, speed, seeds)
     if quality:
         _plot_speed_against_quality(axes[0][1], cells, speed, quality, seeds)
-    drawn.tight_layout()
+    if busy_cpu is None:
+        drawn.tight_layout()
+    else:
+        characters = int(drawn.get_figwidth() * 72 / (0.6 * NOTE_POINTS))  # a character: about 0.6 of the size wide
+        note = textwrap.fill(f"note: {busy_cpu}", int(0.9 * characters))
+        drawn.text(0.5, 0.01, note, ha="center", va="bottom", fontsize=NOTE_POINTS, color=BUSY_COLOUR)
+        height = (note.count("\n") + 1) * NOTE_POINTS * 1.3 / 72 + 0.1  # inches: its lines and a margin
+        drawn.tight_layout(rect=(0, height / drawn.get_figheight(), 1, 1))
     return drawn
 
 

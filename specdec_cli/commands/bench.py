@@ -310,6 +310,9 @@ class _Plan:
     data_note: str | None = None
     """Where the examples came from, when not from where the user asked (the shipped WMT sample)."""
     registry: VerifierRegistry = dataclasses.field(default_factory=VerifierRegistry)
+    busy_cpu: str | None = dataclasses.field(default=None, init=False)
+    """The note that other jobs kept the CPU busy as the run started (None: a quiet CPU, or not a CPU run): said
+    then, kept with the results' notes, and written on the plot."""
 
     def __post_init__(self) -> None:
         self.languages = parse_lang_pair(self.lang_pair)
@@ -380,7 +383,7 @@ def _run(plan: _Plan, output: _Output) -> None:
             pool=pool,
             conditions=conditions,
         )
-    interrupted = _generate(runner, plan.base.generation.max_new_tokens, rank == 0, err)
+    interrupted = _generate(runner, plan.base.generation.max_new_tokens, rank == 0)
     store.close()
     failures = {key: failure.summary() for key, failure in runner.failures.items()}
     if world_size > 1:
@@ -396,7 +399,7 @@ def _run(plan: _Plan, output: _Output) -> None:
         interrupted=interrupted,
         notes=[*plan.skipped, *plan.notes, *runner.notes],
     )
-    _finish(results, output, len(store.records))
+    _finish(results, output, len(store.records), plan.busy_cpu)
 
 
 def _conditions(plan: _Plan, output: _Output, store: ResultsStore, err: Console) -> dict:
@@ -415,6 +418,7 @@ def _conditions(plan: _Plan, output: _Output, store: ResultsStore, err: Console)
     if busy is not None:
         err.print(f"note: {busy}", highlight=False, soft_wrap=True)
         plan.notes.append(busy)
+        plan.busy_cpu = busy
     if not output.allow_mixed_conditions and pending_samples(
         store, plan.cells, plan.seeds, shard(plan.examples, rank, world_size)
     ):
@@ -422,8 +426,9 @@ def _conditions(plan: _Plan, output: _Output, store: ResultsStore, err: Console)
     return conditions
 
 
-def _generate(runner: "BenchRunner", budget: int, enabled: bool, err: Console) -> bool:
-    """Every pending sample under a progress bar, a failing cell's line printed as it fails; True if stopped."""
+def _generate(runner: "BenchRunner", budget: int, enabled: bool) -> bool:
+    """Every pending sample under a progress bar, a failing cell's line and each note printed above it as they come;
+    True if stopped."""
     with common.token_progress(runner.pending() * budget, enabled=enabled, label="samples") as progress:
 
         def on_tokens(cell: str, tokens: int) -> None:
@@ -433,16 +438,24 @@ def _generate(runner: "BenchRunner", budget: int, enabled: bool, err: Console) -
         try:
             runner.run(
                 on_tokens,
-                on_failure=lambda failure: err.print(f"error: {failure.line()}", highlight=False, soft_wrap=True),
-                on_note=lambda note: err.print(f"note: {note}", highlight=False, soft_wrap=True),
+                on_failure=lambda failure: _above_the_bar(f"error: {failure.line()}"),
+                on_note=lambda note: _above_the_bar(f"note: {note}"),
             )
         except KeyboardInterrupt:
             return True
     return False
 
 
-def _finish(results: BenchResults, output: _Output, kept: int) -> None:
-    """Show the results and write them to the folder; stopped: exit 130, a failed cell: exit 1."""
+def _above_the_bar(line: str) -> None:
+    """``line`` on stderr while the progress bar shows: written to ``sys.stderr``, which a bar on a terminal replaces
+    with a proxy that prints each line above the bar; a Console of our own writes past that proxy, so its line
+    landed on the bar's (a resumed run's "note: resuming …" right after "ETA -:--:--")."""
+    sys.stderr.write(line + "\n")
+
+
+def _finish(results: BenchResults, output: _Output, kept: int, busy_cpu: str | None) -> None:
+    """Show the results and write them to the folder, the plot noting ``busy_cpu``; stopped: exit 130, a failed cell:
+    exit 1."""
     if results.interrupted:
         where = (
             f"kept in '{output.folder}'; run the same command to resume"
@@ -455,7 +468,7 @@ def _finish(results: BenchResults, output: _Output, kept: int) -> None:
     _show(results, output, note)
     if output.folder is not None:
         _write_summaries(output.folder, results)
-    _plot(results, output)  # last: a failing plot never costs the table or the summaries
+    _plot(results, output, busy_cpu)  # last: a failing plot never costs the table or the summaries
     if results.interrupted:
         raise typer.Exit(130)
     if any(cell.failure for cell in results.cells):
@@ -493,12 +506,13 @@ def _show(results: BenchResults, output: _Output, note: str) -> None:
         Console(stderr=True).print(note, highlight=False, soft_wrap=True)
 
 
-def _plot(results: BenchResults, output: _Output) -> None:
-    """The plot, if asked for; a stopped run's plot that fails is a note, so the stop keeps its exit code 130."""
+def _plot(results: BenchResults, output: _Output, busy_cpu: str | None = None) -> None:
+    """The plot, if asked for, with the run's ``busy_cpu`` note on it (None: a quiet CPU, or a folder shown again
+    with --report); a stopped run's plot that fails is a note, so the stop keeps its exit code 130."""
     if output.plot is None:
         return
     try:
-        common.write_plot(lambda: report.plot(results, output.plot), output.plot)
+        common.write_plot(lambda: report.plot(results, output.plot, busy_cpu), output.plot)
     except SpecdecError as error:
         if not results.interrupted:
             raise

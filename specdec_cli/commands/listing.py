@@ -9,6 +9,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..plugins.registry import REQUIRED
 
@@ -53,18 +54,20 @@ def show(
 
 
 def _parameters_table(kind: str, rows: list[dict], hint: str, marked: Callable[[dict], str | None]) -> Table:
+    """A row per parameter: the plugin and the parameter whole (never folded: they are what a user types), then its
+    type and default above its description, the one column that wraps, so the table reads at 80 columns."""
     table = Table(title=f"{kind} parameters", caption=hint)
-    for column in (kind, "parameter", "type", "default", "description"):
-        table.add_column(column)
+    table.add_column(kind, no_wrap=True)
+    table.add_column("parameter", no_wrap=True)
+    table.add_column("type, default: description", ratio=1)
     for row in rows:
         for name, default in row["parameters"].items():
             docs = row["parameter_docs"].get(name, {})
+            shown_default = "required" if default == REQUIRED else f"default {default!r}"
             flag = " (--kl sets it)" if name == marked(row) else ""
-            table.add_row(
-                row["name"],
-                name,
-                docs.get("type") or "—",
-                "required" if default == REQUIRED else repr(default),
-                (docs.get("description") or "—") + flag,
+            # Text, not markup: a default or a description may hold brackets ([1, 2]).
+            about = Text.assemble(
+                (f"{docs.get('type') or '—'}, {shown_default}", "dim"), "\n", (docs.get("description") or "—") + flag
             )
+            table.add_row(Text(row["name"]), Text(name), about)
     return table

@@ -31,6 +31,10 @@ folder, loads them through the real recipe path with the drafter registered unde
 
 A failure raises :class:`ConformanceError` saying what is wrong. The built-in drafters pass it
 (``tests/test_drafters.py``); a drafter that misreports its laws fails it.
+
+Both return a :class:`ConformanceReport`: what they checked, a line per check with its figures (the chi-square's p,
+the number of law pairs). They print nothing, as library code here does not: in a test the report is not wanted,
+and at a prompt (Python's, IPython's, Jupyter's) its representation, the checks line by line, is what shows.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import math
 import tempfile
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +59,34 @@ from ..plugins.drafting import Drafter, Proposal
 from ..plugins.parameters import PluginParameterError, parameter_specs
 from ..plugins.registry import PluginRegistry, VerifierRegistry
 
-__all__ = ["ConformanceError", "check_drafter", "check_verifier"]
+__all__ = ["ConformanceError", "ConformanceReport", "check_drafter", "check_verifier"]
 
 PROMPTS = ("a b c d a b c", "e e a", "d c b a e d c b a")
 """Prompts over the tiny vocabulary, with repeats (for drafters that look back at the context)."""
 
 
 class ConformanceError(AssertionError):
-    """A drafter that breaks the contract, with what is wrong."""
+    """A plugin that breaks the contract, with what is wrong."""
+
+
+@dataclass(frozen=True, repr=False)
+class ConformanceReport:
+    """What :func:`check_verifier` or :func:`check_drafter` checked of a plugin class, every check of which passed."""
+
+    kind: str
+    """"verifier" or "drafter"."""
+    name: str
+    """The class's ``name``."""
+    params: dict[str, Any]
+    """The parameters it was checked with."""
+    checks: tuple[str, ...] = field(default=())
+    """A line per check, in the order run, with its figures."""
+
+    def __repr__(self) -> str:
+        """The checks line by line: what a prompt shows of a call's result."""
+        settings = ", ".join(f"{key}={value!r}" for key, value in self.params.items()) or "its defaults"
+        heading = f"{self.kind} '{self.name}' ({settings}) passed {len(self.checks)} conformance checks:"
+        return "\n".join([heading, *(f"  ✓ {check}" for check in self.checks)])
 
 
 def _registered(registry_type: type[PluginRegistry], cls: type) -> PluginRegistry:
@@ -79,10 +104,11 @@ def _registered(registry_type: type[PluginRegistry], cls: type) -> PluginRegistr
 
 def _check_parameters(
     cls: type, registry: PluginRegistry, params: dict[str, Any], bad_params: Sequence[dict[str, Any]]
-) -> Any:
-    """Every parameter has a type and a description; ``params`` make an instance (returned); an unknown parameter,
-    a value of the wrong type and each of ``bad_params`` are refused in one line (a ValueError or TypeError from the
-    constructor, as the registry reports it), the author's own refusals naming a parameter they were given."""
+) -> tuple[Any, str]:
+    """Every parameter has a type and a description; ``params`` make an instance (returned, with the check's line);
+    an unknown parameter, a value of the wrong type and each of ``bad_params`` are refused in one line (a ValueError
+    or TypeError from the constructor, as the registry reports it), the author's own refusals naming a parameter
+    they were given."""
     for name, spec in parameter_specs(cls).items():
         if spec.type_name is None or not spec.description:
             raise ConformanceError(
@@ -103,7 +129,10 @@ def _check_parameters(
         message = _refusal(cls, registry, bad)
         if bad in bad_params and not any(name in message for name in bad):
             raise ConformanceError(f"{cls.name}: refused {bad} without naming the parameter: {message!r}")
-    return instance
+    refused = ["an unknown parameter", f"{len(wrong)} of the wrong type", f"the {len(bad_params)} of bad_params"]
+    count = len(parameter_specs(cls))
+    described = f"all {count} typed and described" if count else "none to describe"
+    return instance, f"parameters: {described}; an instance made; refused in one line: {', '.join(refused)}"
 
 
 def _refusal(cls: type, registry: PluginRegistry, params: dict[str, Any]) -> str:
@@ -127,14 +156,15 @@ def check_drafter(
     params: dict[str, Any] | None = None,
     samples: int = 1000,
     bad_params: Sequence[dict[str, Any]] = (),
-) -> None:
+) -> ConformanceReport:
     """Check drafter class ``cls`` with parameters ``params`` (see the module docstring); ``samples``: generations
-    in the chi-square test; ``bad_params``: parameters its constructor must refuse. Raises
+    in the chi-square test; ``bad_params``: parameters its constructor must refuse. Returns what it checked; raises
     :class:`ConformanceError`; takes about a minute on a CPU."""
     problem = DrafterRegistry().contract_problem(cls)
     if problem is not None or not cls.name:
         raise ConformanceError(f"{cls.__name__}: {problem or 'its class does not set name'}")
-    drafter = _check_parameters(cls, _registered(DrafterRegistry, cls), dict(params or {}), bad_params)
+    contract = f"contract: a Drafter (deterministic={cls.deterministic}, uses_model={cls.uses_model})"
+    drafter, parameters = _check_parameters(cls, _registered(DrafterRegistry, cls), dict(params or {}), bad_params)
     from .testing import save_tiny_model  # transformers: only when a check runs
 
     with tempfile.TemporaryDirectory() as folder:
@@ -151,8 +181,8 @@ def check_drafter(
             "speculation": {"draft_length": 3},
             "generation": {"max_new_tokens": 3, "temperature": 1.0},
         }
-        _check_exactness(cls, recipe, samples)
-        _check_greedy(cls, recipe)
+        checks = (contract, parameters, _check_exactness(cls, recipe, samples), _check_greedy(cls, recipe))
+    return ConformanceReport(kind="drafter", name=cls.name, params=dict(params or {}), checks=checks)
 
 
 def _decoder(cls: type[Drafter], recipe: dict[str, Any], **generation: Any):
@@ -200,7 +230,7 @@ def _run(cls: type[Drafter], decoder: Any, prompt: str, key: int) -> list[int]:
     return tokens
 
 
-def _check_exactness(cls: type[Drafter], recipe: dict[str, Any], samples: int) -> None:
+def _check_exactness(cls: type[Drafter], recipe: dict[str, Any], samples: int) -> str:
     from .testing import EOS_ID, chi_square_p_value, exact_sequence_law, keyed_samples
 
     decoder = _decoder(cls, recipe)
@@ -219,9 +249,13 @@ def _check_exactness(cls: type[Drafter], recipe: dict[str, Any], samples: int) -
             f"target's law (chi-square p = {p_value:.2g} over {samples} samples): its reported "
             "laws are not the laws its tokens were drawn from"
         )
+    return (
+        f"exactness: with speculative sampling the first {depth} tokens follow the target's law (chi-square "
+        f"p = {p_value:.2g} over {samples} samples), every proposal's laws summing to 1 over its tokens"
+    )
 
 
-def _check_greedy(cls: type[Drafter], recipe: dict[str, Any]) -> None:
+def _check_greedy(cls: type[Drafter], recipe: dict[str, Any]) -> str:
     decoder = _decoder(cls, recipe, temperature=0.0, max_new_tokens=24)
     _watch_proposals(decoder, cls)
     alone = decoder.with_config(verifier="none")
@@ -230,6 +264,7 @@ def _check_greedy(cls: type[Drafter], recipe: dict[str, Any]) -> None:
             raise ConformanceError(
                 f"{cls.name}: greedy decoding with it differs from the target's greedy output on {prompt!r}"
             )
+    return f"greedy: decoding with it gives the target's own greedy output on {len(PROMPTS)} prompts"
 
 
 VOCAB, DRAFT_LENGTH = 3, 2  # every draft block of K ≤ 2 rows is enumerable: 3^(2K) of them
@@ -237,21 +272,34 @@ VOCAB, DRAFT_LENGTH = 3, 2  # every draft block of K ≤ 2 rows is enumerable: 3
 
 def check_verifier(
     cls: type, params: dict[str, Any] | None = None, samples: int = 3000, bad_params: Sequence[dict[str, Any]] = ()
-) -> None:
+) -> ConformanceReport:
     """Check verifier class ``cls`` with parameters ``params`` (see the module docstring) with 1 and 2 drafts
     where it takes them; ``samples``: draws of ``verify_block`` in the sampled check; ``bad_params``: parameters
-    its constructor must refuse. Raises :class:`ConformanceError`."""
+    its constructor must refuse. Returns what it checked; raises :class:`ConformanceError`."""
     problem = VerifierRegistry().contract_problem(cls)
     if problem is not None:
         raise ConformanceError(f"{cls.__name__}: {problem}")
-    verifier = _check_parameters(cls, _registered(VerifierRegistry, cls), dict(params or {}), bad_params)
+    checks = [
+        f"contract: a BlockVerifier (lossless={cls.lossless}, max_drafts={cls.max_drafts}, "
+        f"identical_drafts={cls.identical_drafts}, token_level={cls.token_level})"
+    ]
+    verifier, parameters = _check_parameters(cls, _registered(VerifierRegistry, cls), dict(params or {}), bad_params)
+    checks.append(parameters)
     for num_drafts in [k for k in (1, 2) if cls.max_drafts is None or k <= cls.max_drafts]:
         cases = _verifier_cases(num_drafts, cls.identical_drafts)
-        for target_law, draft_laws in cases:
-            _check_block_law(cls, verifier, target_law, draft_laws, num_drafts)
-        _check_sampling(cls, verifier, *cases[0], samples)
+        held = [_check_block_law(cls, verifier, target_law, draft_laws, num_drafts) for target_law, draft_laws in cases]
+        checks.append(
+            f"K={num_drafts}: its block law, enumerated on {len(cases)} sets of laws (V={VOCAB}, L={DRAFT_LENGTH}), "
+            f"sums to 1{held[-1]}"
+        )
+        p_value = _check_sampling(cls, verifier, *cases[0], samples)
+        checks.append(
+            f"K={num_drafts}: verify_block samples its block law (chi-square p = {p_value:.2g} over {samples} "
+            "blocks), each decision of the right types, shapes and values"
+        )
     if not cls.lossless and cls.token_level and not cls.identical_drafts:
-        _check_frontier(cls, verifier)
+        checks.append(_check_frontier(cls, verifier))
+    return ConformanceReport(kind="verifier", name=cls.name, params=dict(params or {}), checks=tuple(checks))
 
 
 def _verifier_cases(num_drafts: int, identical: bool) -> list:
@@ -268,7 +316,9 @@ def _verifier_cases(num_drafts: int, identical: bool) -> list:
     return cases
 
 
-def _check_block_law(cls: type, verifier: Any, target_law, draft_laws, num_drafts: int) -> None:
+def _check_block_law(cls: type, verifier: Any, target_law, draft_laws, num_drafts: int) -> str:
+    """The block law sums to 1, is the target's for a lossless verifier and within the promised bound at the first
+    position for a lossy one that promises one; returns what held beyond the sum ("" where nothing more is claimed)."""
     from .testing import committed_block_law, enumerate_block_law, target_sequence_law
 
     try:
@@ -288,13 +338,14 @@ def _check_block_law(cls: type, verifier: Any, target_law, draft_laws, num_draft
                 f"{cls.name}: declares lossless, but its block's output law differs from the "
                 f"target's by {gap:.3g} (K = {num_drafts}, V = {VOCAB}, L = {DRAFT_LENGTH})"
             )
-    elif verifier.promised_bound() is not None and cls.token_level:
-        _check_promised_bound(
-            cls, verifier, committed_block_law(verifier, target_law, draft_laws, VOCAB, 1), target_law
-        )
+        return ", and its output law is the target's"
+    if verifier.promised_bound() is None or not cls.token_level:
+        return ""
+    first_token_law = committed_block_law(verifier, target_law, draft_laws, VOCAB, 1)
+    return _check_promised_bound(cls, verifier, first_token_law, target_law)
 
 
-def _check_promised_bound(cls: type, verifier: Any, first_token_law: dict, target_law) -> None:
+def _check_promised_bound(cls: type, verifier: Any, first_token_law: dict, target_law) -> str:
     """At the block's first position the output law is within the bound the verifier promises (its
     ``promised_bound``: a divergence and a bound) of the target's."""
     divergence, bound = verifier.promised_bound()
@@ -311,9 +362,10 @@ def _check_promised_bound(cls: type, verifier: Any, first_token_law: dict, targe
             f"{cls.name}: its output law is {divergence.upper()} {spent:.6g} from the target's, over the bound "
             f"{bound:g} it promises"
         )
+    return f", and its output law at the first position is within the {divergence.upper()} {bound:g} it promises"
 
 
-def _check_frontier(cls: type, verifier: Any) -> None:
+def _check_frontier(cls: type, verifier: Any) -> str:
     """A lossy token-level rule with one draft, on random law pairs (V = 3 and 6) and the adversarial ones: the
     acceptance it claims (``acceptance_probability``) is no more than the KL-optimal rule's (the installed one that
     names "kl" in ``optimal_under``) at the KL(q ‖ π) its output law π spends, π enumerated from ``conditional``;
@@ -324,7 +376,8 @@ def _check_frontier(cls: type, verifier: Any) -> None:
     optimal_name = registry.optimal_name("kl")
     generator = torch.Generator().manual_seed(34)
     pairs = [tuple(random_distributions(generator, (2, vocab))) for vocab in (3, 6) for _ in range(10)]
-    for target, draft in pairs + adversarial_distribution_pairs(4):
+    pairs += adversarial_distribution_pairs(4)
+    for target, draft in pairs:
         drafts = draft.unsqueeze(0)  # [1, V]
         law = enumerate_output_law(verifier, target, drafts)  # [V]
         spent = max(float(kl_divergence(target, law)), 0.0)  # rounding leaves -1e-16 where π is q
@@ -338,6 +391,13 @@ def _check_frontier(cls: type, verifier: Any) -> None:
                 f"KL-optimal rule's {best:.6g} there (no rule accepts more): its acceptance_probability is wrong"
             )
         _check_against_enumeration(cls, verifier, target, drafts, law, claimed)
+    bounded = (
+        "" if optimal_name is None else f"is at most the KL-optimal rule's ({optimal_name}) at the KL it spends and "
+    )
+    return (
+        f"frontier: on {len(pairs)} law pairs its claimed acceptance {bounded}is its block law's; output_law, where "
+        "given, is its conditional's"
+    )
 
 
 def _check_against_enumeration(cls, verifier, target, drafts, law, claimed: float) -> None:
@@ -356,8 +416,9 @@ def _check_against_enumeration(cls, verifier, target, drafts, law, claimed: floa
         raise ConformanceError(f"{cls.name}: output_law differs from the law its conditional gives by {gap:.3g}")
 
 
-def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: int) -> None:
-    """verify_block, given keyed draws (or a seeded generator) as the engine gives them, samples its block_law."""
+def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: int) -> float:
+    """verify_block, given keyed draws (or a seeded generator) as the engine gives them, samples its block_law: the
+    chi-square's p-value."""
     from ..plugins.verifiers import decision_problem, decision_value_problem
     from .testing import chi_square_p_value, decision_outcomes
 
@@ -387,6 +448,7 @@ def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: i
             f"{cls.name}: verify_block's decisions do not follow its block_law "
             f"(chi-square p = {p_value:.2g} over {samples} blocks)"
         )
+    return p_value
 
 
 def _likeliest_row(law) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ hands what its import raised to :meth:`PluginRegistry.load_failed`, its ``on_loa
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import importlib.metadata
@@ -245,6 +246,10 @@ class PluginRegistry:
         return key
 
     def _unknown(self, name: str) -> str:
+        """The line for a name no installed plugin has: the closest name when one is close (a typo), else them all."""
+        close = difflib.get_close_matches(name.strip().lower(), self.names(), n=1)
+        if close:
+            return f"unknown {self.kind} '{name}'; did you mean '{close[0]}'? (`specdec {self.kind}s` lists them all)"
         installed = ", ".join(self.names()) or "none"
         return f"unknown {self.kind} '{name}'; installed {self.kind}s: {installed} (see `specdec {self.kind}s`)"
 

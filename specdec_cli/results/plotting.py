@@ -73,6 +73,42 @@ def _model_name(model: dict, target: dict) -> str:
     return name if model.get("dtype", "auto") == "auto" else f"{name} ({model['dtype']})"
 
 
+LABEL_GAP_PX = 2.0
+"""Pixels kept between two point labels that :func:`separate_labels` moved apart (their pale ground reaches past
+the text by about one)."""
+LABEL_TRIES = 12
+"""Rows above and below its point that :func:`separate_labels` tries for a label before leaving it where it is."""
+
+
+def separate_labels(axis) -> None:
+    """Move the point labels (annotations in offset points) of ``axis`` apart where their boxes overlap: each in the
+    order drawn takes the nearest free row of its own height above or below where it was put (points at one
+    divergence, or a sweep that saturates, would otherwise print their labels over one another). Call it after the
+    figure's layout: the boxes are the renderer's."""
+    from matplotlib.text import Annotation
+
+    renderer = axis.figure.canvas.get_renderer()
+    placed = []
+    for label in [text for text in axis.texts if isinstance(text, Annotation)]:
+        x, y = label.xyann
+        box = label.get_window_extent(renderer)
+        step = (box.height + LABEL_GAP_PX) * 72 / axis.figure.dpi  # a row, in points
+        for row in _nearest_rows(LABEL_TRIES):
+            label.xyann = (x, y + row * step)
+            box = label.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                break
+        else:
+            label.xyann = (x, y)  # no free row near it: where it was drawn
+            box = label.get_window_extent(renderer)
+        placed.append(box)
+
+
+def _nearest_rows(count: int) -> list[int]:
+    """0, 1, -1, 2, -2, … up to ``count`` either way: the label's own place first, then the nearest."""
+    return [0] + [sign * distance for distance in range(1, count + 1) for sign in (1, -1)]
+
+
 def save(figure, path: Path) -> None:
     """Write ``figure`` to ``path`` (the suffix picks the format) and free it."""
     import matplotlib.pyplot as plt
