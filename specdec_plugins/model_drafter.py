@@ -4,17 +4,30 @@ Leviathan et al., "Fast Inference from Transformers via Speculative Decoding" (I
 draft samples L tokens autoregressively from its own law p, which it reports beside them. Several draft
 entries with one model share one drafter (:meth:`ModelDrafter.joined`): their rows go through one
 forward per position, each entry's rows sampled under its own settings.
+
+A row that drafts an EOS (one of the target's ids that end a sample) drafts nothing after it, as transformers'
+assistant, whose ``generate`` stops at the target's EOS (transformers 5.24.0,
+``src/transformers/generation/candidate_generator.py``: ``AssistedCandidateGenerator.__init__`` gives the assistant
+the target's ``eos_token_id``, ``_generate_candidates`` calls its ``generate``). Its later positions repeat that EOS
+under a one-hot law, which is the row's law once it has ended: a sample ends at its first EOS, so no token after it
+on that row is ever committed, and every verifier keeps its guarantee (each holds for any draft law it is told, and
+the rows of one entry still share one law). The block keeps its length: a shorter block would need the EOS positions
+read on the host before the target's forward. Where reads are free (the CPU, outside
+:func:`~specdec_cli.plugins.verifiers.device_path`) the forwards stop once every row has ended; on a GPU they run
+on, since stopping would read the device at every position, and their logits go unused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from specdec_cli.base.sampling import SamplingParams, judged_params, sample_with
 from specdec_cli.engine.session import ModelSession
-from specdec_cli.plugins.drafting import Drafter, DraftRequest, DraftSetup, Proposal
+from specdec_cli.plugins.drafting import Drafter, DraftRequest, DraftSetup, Proposal, one_hot_laws
+from specdec_cli.plugins.verifiers import reads_are_free
 
 
 class ModelDrafter(Drafter):
@@ -38,6 +51,8 @@ class ModelDrafter(Drafter):
             setup.model, setup.vocab_size, setup.kv_cache, setup.cache_headroom, setup.compile_steps
         )
         self.row_params: list[SamplingParams] = [setup.sampling] * setup.rows  # [rows]: each row's settings
+        eos = sorted(setup.target.eos_ids)
+        self.eos_ids = torch.tensor(eos, dtype=torch.long, device=setup.device)  # [eos ids]: the ids that end a row
 
     @property
     def rows(self) -> int:
@@ -70,35 +85,31 @@ class ModelDrafter(Drafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         """Every sequence's rows in one forward per position (``[B K, 1]`` after the first), each sequence's tokens
-        drawn with its own uniforms."""
+        drawn with its own uniforms; a row that has drafted an EOS repeats it (module docstring)."""
         rows, batch, length = self.rows, len(request.contexts), max(request.max_lengths)
         vocab, device, session = self.draft_setup.vocab_size, self.draft_setup.device, self.session
         session.fan_out(rows)
-        tokens = torch.empty(batch * rows, length, dtype=torch.long, device=device)  # [B K, n]
-        laws = torch.empty(batch * rows, length, vocab, device=device)  # [B K, n, V]
-        judged = torch.empty_like(laws) if request.judged_view else None  # [B K, n, V]
+        table = _DraftTable.empty(batch * rows, length, vocab, device, request.judged_view is not None)
         finite = torch.ones((), dtype=torch.bool, device=device)  # []
         contexts = [context for context in request.contexts for _ in range(rows)]
         by_params = [
             (params, [b * rows + row for b in range(batch) for row in same]) for params, same in self._rows_by_params()
         ]
+        forwards = 0
         for t in range(length):
-            step = tokens[:, t - 1 : t] if t else None  # [B K, 1]: each row's last draft token
-            logits = session.forward(contexts if t == 0 else None, step, 1, request.timer)[:, -1].to(device)  # [B K, V]
-            for params, same in by_params:
-                law, row_finite = request.sampling_law(logits[same], params)  # [rows', V], [rows']
-                laws[same, t] = law
-                finite &= row_finite.all()
-                if judged is not None:
-                    judged[same, t] = request.sampling_law(logits[same], judged_params(params, request.judged_view))[0]
-            tokens[:, t] = sample_with(laws[:, t], request.uniforms[:, t].reshape(-1))
+            if not (t and reads_are_free(table.ended) and bool(table.ended.all())):  # a row drafts on, or no read
+                step = table.tokens[:, t - 1 : t] if t else None  # [B K, 1]: each row's last draft token
+                logits = session.forward(contexts if t == 0 else None, step, 1, request.timer)[:, -1]  # [B K, V]
+                finite &= table.draw(t, logits.to(device), request, by_params)
+                forwards += 1
+            table.end_rows(t, self.eos_ids)
         return Proposal(
-            tokens.view(batch, rows, length),
-            laws.view(batch, rows, length, vocab),
+            table.tokens.view(batch, rows, length),
+            table.laws.view(batch, rows, length, vocab),
             finite,
             list(request.max_lengths),
-            forwards=length,
-            judged_laws=None if judged is None else judged.view(batch, rows, length, vocab),
+            forwards=forwards,
+            judged_laws=None if table.judged is None else table.judged.view(batch, rows, length, vocab),
         )
 
     def _rows_by_params(self) -> list[tuple[SamplingParams, list[int]]]:
@@ -107,3 +118,50 @@ class ModelDrafter(Drafter):
         for row, params in enumerate(self.row_params):
             grouped.setdefault(params, []).append(row)
         return list(grouped.items())
+
+
+@dataclass
+class _DraftTable:
+    """A block's draft rows as they are drawn, position after position: every sequence's K rows, ``B K`` in all."""
+
+    tokens: torch.Tensor  # [B K, n]
+    laws: torch.Tensor  # [B K, n, V]: the law each token was drawn from
+    judged: torch.Tensor | None  # [B K, n, V]: the laws a verifier judges drafts by, where the request asks for them
+    ended: torch.Tensor  # [B K] bool: the row has drafted an EOS
+
+    @classmethod
+    def empty(cls, rows: int, length: int, vocab: int, device: torch.device, judged: bool) -> _DraftTable:
+        laws = torch.empty(rows, length, vocab, device=device)  # [B K, n, V]
+        return cls(
+            torch.empty(rows, length, dtype=torch.long, device=device),  # [B K, n]
+            laws,
+            torch.empty_like(laws) if judged else None,  # [B K, n, V]
+            torch.zeros(rows, dtype=torch.bool, device=device),  # [B K]
+        )
+
+    def draw(
+        self, t: int, logits: torch.Tensor, request: DraftRequest, by_params: list[tuple[SamplingParams, list[int]]]
+    ) -> torch.Tensor:
+        """Position ``t`` of every row from its ``logits`` ``[B K, V]``: the law under its entry's settings (rows
+        ``by_params``), the judged law where asked, and the token drawn with its uniform → whether the rows that
+        have not ended drew from finite logits ``[]`` (an ended row's logits go unused)."""
+        finite = torch.ones((), dtype=torch.bool, device=logits.device)  # []
+        for params, same in by_params:
+            law, row_finite = request.sampling_law(logits[same], params)  # [rows', V], [rows']
+            self.laws[same, t] = law
+            finite &= (row_finite | self.ended[same]).all()
+            if self.judged is not None:
+                self.judged[same, t] = request.sampling_law(logits[same], judged_params(params, request.judged_view))[0]
+        self.tokens[:, t] = sample_with(self.laws[:, t], request.uniforms[:, t].reshape(-1))
+        return finite
+
+    def end_rows(self, t: int, eos_ids: torch.Tensor) -> None:
+        """Rows that ended before ``t`` repeat their EOS there, under a one-hot law (whatever their forward drew, or
+        none ran); rows whose token at ``t`` is one of ``eos_ids`` ``[ids]`` end. On the device: no read."""
+        if t:
+            previous = self.tokens[:, t - 1]  # [B K]
+            self.tokens[:, t] = torch.where(self.ended, previous, self.tokens[:, t])
+            repeated = one_hot_laws(previous, self.laws.shape[-1]).to(self.laws.dtype)  # [B K, V]
+            for laws in (self.laws,) if self.judged is None else (self.laws, self.judged):
+                laws[:, t] = torch.where(self.ended.view(-1, 1), repeated, laws[:, t])
+        self.ended |= torch.isin(self.tokens[:, t], eos_ids)

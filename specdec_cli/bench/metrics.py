@@ -73,7 +73,8 @@ def speed_summary(stats: list[dict]) -> dict:
     total["share_time_s"] = sum(share_time(s) for s in stats)
     drafted = position_totals([s["drafted_per_position"] for s in stats])
     accepted = position_totals([s["accepted_per_position"] for s in stats])
-    per_position = [_ratio(a, d) for d, a in itertools.zip_longest(drafted, accepted, fillvalue=0)]
+    # Over the positions some draft proposed; the accepted counts may run on to L (vLLM's shape) with zeros.
+    per_position = [_ratio(a, d) for d, a in zip(drafted, itertools.chain(accepted, itertools.repeat(0)))]
     forward = [s.get("forward_time_s") for s in stats]  # absent from results written before it was measured
     overhead = {} if None in forward else {"engine_overhead": 1 - _ratio(sum(forward), total["wall_time_s"])}
     drafts = drafted[0] if drafted else 0  # every draft proposes its first position

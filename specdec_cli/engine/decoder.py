@@ -581,7 +581,8 @@ class DecodingRun:
         regions = {name: self.timer.seconds(name) for name in _REGIONS}
         for job, context in zip(jobs, contexts):
             key = sample_key(decoder.config.seed, job.prompt_index, job.sample_index) if job.key is None else job.key
-            stats = SampleStats(prompt_tokens=len(job.prompt_ids))
+            # One count per draft position, L of them, as vLLM's SpecDecodingStats.new(num_spec_tokens).
+            stats = SampleStats(prompt_tokens=len(job.prompt_ids), accepted_per_position=[0] * decoder.draft_length)
             self.sequences.append(
                 _Sequence(job, key, list(context), len(context), stats, began, regions, decoder.draft_length)
             )

@@ -84,7 +84,8 @@ class ConfigurationResult:
         return describe_speedup(self.speedup, self.speedup_interval, len(self.results), "×")
 
     def _engine_counters(self) -> dict:
-        """vLLM's counters pooled over the samples (:func:`~specdec_cli.results.stats.engine_counters`)."""
+        """vLLM's counters pooled over the samples (:func:`~specdec_cli.results.stats.engine_counters`): ``num_drafts``
+        counts drafts (blocks that proposed), and ``num_accepted_tokens_per_pos`` has L entries, as every sample's."""
         accepted = position_totals([r.stats.accepted_per_position for r in self.results])
         return engine_counters(
             int(self._total("num_drafts")),
@@ -94,6 +95,9 @@ class ConfigurationResult:
         )
 
     def summary(self) -> dict:
+        """The configuration's settings and pooled figures. Its speculation settings keep the recipe's names under
+        ``speculation`` (K is ``speculation.num_drafts``; None for the target alone, which drafts nothing), so that
+        the engines' counters beside them keep theirs."""
         config = self.decoder.config
         low, high = self.speedup_interval or (None, None)
         return {
@@ -101,7 +105,7 @@ class ConfigurationResult:
             "verifier": config.verifier.name,
             "verifier_params": dict(config.verifier.params),
             "draft_length": self.decoder.draft_length,
-            "num_drafts": config.speculation.num_drafts,
+            "speculation": dataclasses.asdict(config.speculation) if self.speculative else None,
             "samples": len(self.results),
             "new_tokens": int(self._total("new_tokens")),
             "wall_time_s": self._total("wall_time_s"),

@@ -18,7 +18,9 @@ independent samples of one law, which only the entry decides (its drafter, param
 settings: two entries equal in these draw from one law, which SpecTr relies on). A deterministic drafter
 (prompt lookup) reports a one-hot law; it then fills one row, since K copies of a function of the context
 would be one row K times. A drafter may propose fewer than L tokens, or none; the block then verifies what
-was proposed (:func:`block_length`).
+was proposed (:func:`block_length`). A row need not be drafted past an EOS (an id of the target's ``eos_ids``):
+a sample ends at its first EOS, so no token after it on that row is committed, and the row may repeat it under
+a one-hot law there, its law once it has ended, as the model drafter does instead of running its model on.
 """
 
 from __future__ import annotations
