@@ -176,6 +176,10 @@ def test_the_draft_cost_is_measured_once_and_cached(tiny_models, tmp_path, monke
     monkeypatch.setattr(
         "specdec_cli.generation.calibration._plausible", lambda cost, decoder: True
     )  # a busy CI machine measures slow
+    from specdec_cli.generation.calibration import CpuLoad
+
+    # a quiet CPU, whatever the machine's load now: a figure measured on a busy one is never cached
+    monkeypatch.setattr("specdec_cli.generation.calibration.cpu_load", lambda: CpuLoad(0.5, 2))
     decoder = SpeculativeDecoder.from_recipe(build_recipe(tiny_recipe(tiny_models, "llama")))
     calls = []
     original = SpeculativeDecoder.generate_ids

@@ -1,7 +1,7 @@
-"""Threads that fit the machine: with no thread count given, the calibration times the draft and the target at
-torch's default and at one thread and keeps the faster; a figure measured on a busy CPU is said to be one and
-never cached; a cached figure is measured again when the load has moved; and a forward slower than any CPU
-can be is not believed.
+"""Threads that fit the machine: with no thread count given, a busy CPU runs at one thread at once (measured there
+only, as --threads 1 would), and a quiet one times the draft and the target at torch's default and at one thread
+and keeps the faster; a figure measured on a busy CPU is said to be one and never cached; a cached figure is
+measured again when the load has moved; and a forward slower than any CPU can be is not believed.
 
 The load reading and the timer's clock are given by the tests (the decoder is real, its region timer reads a
 clock that advances by a fixed step per reading, set per thread count), so no outcome depends on the machine.
@@ -20,6 +20,7 @@ import torch
 
 from specdec_cli.base import timing
 from specdec_cli.base.recipe import build_recipe
+from specdec_cli.commands import common
 from specdec_cli.engine.decoder import SpeculativeDecoder
 from specdec_cli.generation import calibration
 from specdec_cli.generation.calibration import CpuLoad, DraftCost
@@ -28,6 +29,7 @@ from tests.conftest import bench_on_files, tiny_recipe
 PROMPT = [3, 4, 5]
 RUNS_PER_MEASUREMENT = 2 * (1 + calibration._REPEATS)  # with the draft and without, each after a warm-up
 QUIETER = "a quieter moment gives this machine's own speed"
+CHOOSE = "--threads N sets the count and skips this choice"
 READ_CPU_LOAD = calibration.cpu_load  # the real reading, kept before any test or fixture replaces it
 
 
@@ -55,8 +57,10 @@ def load(monkeypatch):
 
 @pytest.fixture
 def default_threads(monkeypatch):
-    """torch at 2 threads by default, as a 2-core machine starts, with no OMP_NUM_THREADS (the session sets 1)."""
+    """torch at 2 threads by default, as a 2-core machine starts, with no OMP_NUM_THREADS (the session sets 1), and
+    no count set aside before loading."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(calibration, "_SET_ASIDE", [])
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -81,12 +85,14 @@ def clock(monkeypatch):
 
 
 @pytest.fixture
-def generations(monkeypatch) -> list:
-    """The short generations the calibration runs, counted."""
+def generations(monkeypatch) -> list[int]:
+    """The short generations the calibration runs: torch's thread count during each."""
     calls = []
     original = SpeculativeDecoder.generate_ids
     monkeypatch.setattr(
-        SpeculativeDecoder, "generate_ids", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+        SpeculativeDecoder,
+        "generate_ids",
+        lambda self, *a, **k: calls.append(torch.get_num_threads()) or original(self, *a, **k),
     )
     return calls
 
@@ -96,16 +102,59 @@ def _cached(cache: Path) -> list[dict]:
 
 
 @pytest.mark.usefixtures("default_threads")
-def test_on_a_busy_cpu_the_run_keeps_one_thread_and_caches_nothing(decoder, cache, load, clock, generations):
+def test_on_a_busy_cpu_the_run_takes_one_thread_at_once_and_caches_nothing(decoder, cache, load, clock, generations):
+    """Timing two threads too cost a busy 2-core machine 90 s a run (issue 41): the run measures what --threads 1
+    measures, and no more."""
     load(3.0)
-    clock({2: 0.003, 1: 0.001})  # the second thread only waits for a core
+    clock({2: 0.003, 1: 0.001})
     note = calibration.note_for(decoder, PROMPT, choose_threads=True)
-    assert torch.get_num_threads() == 1 and len(generations) == 2 * RUNS_PER_MEASUREMENT
+    assert torch.get_num_threads() == 1 and generations == [1] * RUNS_PER_MEASUREMENT
     assert note.startswith("note: the CPU is busy (load 3.0 on 2 cores): a draft step takes ")
     assert note.endswith(
-        "slower than this machine can do (measured now, not cached); this run uses 1 thread, 3.0× as fast here "
-        f"now as 2 threads; {QUIETER}"
+        "slower than this machine can do (measured now, not cached); this run uses 1 thread, not 2 threads, the "
+        f"steady count on a busy CPU ({CHOOSE}); {QUIETER}"
     )
+    assert _cached(cache) == []
+    torch.set_num_threads(2)
+    calibration.note_for(decoder, PROMPT)  # --threads 2: the user's count, measured once
+    assert generations == [1] * RUNS_PER_MEASUREMENT + [2] * RUNS_PER_MEASUREMENT  # negative control
+
+
+@pytest.mark.parametrize(("average", "threads"), [(3.0, 1), (1.0, 2)])
+@pytest.mark.usefixtures("default_threads")
+def test_generate_takes_one_thread_before_its_models_load_on_a_busy_cpu(
+    decoder, cache, load, clock, generations, average, threads
+):
+    """The warm-up after loading took 28 s at two threads on a busy 2-core machine, 3 s at one: the count is taken
+    before the models load (``apply_threads(None, chooses=True)``), and the note still says which it set aside. A
+    quiet CPU keeps the default for the calibration to time (negative control)."""
+    load(average)
+    clock({2: 0.001, 1: 0.002})
+    common.apply_threads(None, chooses=True)
+    assert torch.get_num_threads() == threads
+    note = calibration.note_for(decoder, PROMPT, choose_threads=True)
+    if average > 2:
+        assert generations == [1] * RUNS_PER_MEASUREMENT and torch.get_num_threads() == 1
+        assert note.endswith(
+            f"this run uses 1 thread, not 2 threads, the steady count on a busy CPU ({CHOOSE}); {QUIETER}"
+        )
+    else:
+        assert sorted(set(generations)) == [1, 2] and torch.get_num_threads() == 2
+    common.apply_threads(None)  # bench and acceptance keep the count they are given, busy or not
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.usefixtures("default_threads")
+def test_a_cpu_found_busy_only_while_measuring_keeps_the_faster_count_and_names_the_choice(
+    decoder, cache, load, clock, generations, monkeypatch
+):
+    """Under a low load the choice times both counts; repeats far apart then make it a busy CPU's figure."""
+    load(0.5)
+    clock({2: 0.003, 1: 0.001})
+    monkeypatch.setattr(calibration, "_MAX_SPREAD", 0.5)  # every figure's repeats count as far apart
+    note = calibration.note_for(decoder, PROMPT, choose_threads=True)
+    assert torch.get_num_threads() == 1 and sorted(set(generations)) == [1, 2]
+    assert note.endswith(f"; this run uses 1 thread, 3.0× as fast here now as 2 threads ({CHOOSE}); {QUIETER}")
     assert _cached(cache) == []
 
 
@@ -116,6 +165,7 @@ def test_on_a_quiet_cpu_the_faster_count_is_cached_with_its_load_and_measured_ag
     load(0.5)
     clock({2: 0.001, 1: 0.002})
     cost = calibration.draft_cost(decoder, PROMPT, choose_threads=True)
+    assert generations == [2] * RUNS_PER_MEASUREMENT + [1] * RUNS_PER_MEASUREMENT  # a quiet CPU times both counts
     assert (cost.threads, cost.slower_threads, cost.load, cost.cores) == (2, 1, 0.5, 2)
     assert cost.slower_block_s == pytest.approx(2 * cost.block_s(decoder.draft_length))
     assert torch.get_num_threads() == 2 and _cached(cache) == [dataclasses.asdict(cost)]
@@ -261,7 +311,7 @@ def test_generate_without_threads_runs_at_the_faster_count_and_with_them_at_the_
     code, out, err = run([*args, "a b"])
     assert code == 0, err
     assert json.loads(out)["environment"]["threads"] == 1
-    assert "; this run uses 1 thread, 3.0× as fast here now as 2 threads; " in err
+    assert f"; this run uses 1 thread, not 2 threads, the steady count on a busy CPU ({CHOOSE}); " in err
     code, out, err = run([*args, "--threads", "2", "a b"])
     assert code == 0, err
     assert json.loads(out)["environment"]["threads"] == 2
@@ -282,7 +332,7 @@ def test_bench_on_a_busy_cpu_says_its_figures_are_the_moment_s_and_keeps_the_not
     note = (
         "the CPU is busy (load 4.2 on 2 cores): speed figures are slower and noisier than this machine's; "
         + ("--threads 1 often gives steadier ones (compare runs only at the same setting), and " if threads > 1 else "")
-        + "a quieter moment gives this machine's own"
+        + "a quieter moment gives this machine's own figures"
     )
     assert f"note: {note}\n" in err
     assert note in json.loads((out / "results.json").read_text())["notes"]

@@ -55,8 +55,12 @@ NOT_TAKEN = {
 
 @pytest.fixture
 def missing_models(tmp_path, write_recipe, inputs):
-    """``inputs`` with a recipe whose models do not exist: a refusal that came after a model load would be
-    "could not be loaded" and exit 1, so exit 2 with the expected line shows it came first."""
+    """``inputs`` with a recipe whose models cannot load (folders whose config.json names no model, so the recipe's
+    check of its paths lets them by): a refusal that came after a model load would be "cannot load model" and
+    exit 1, so exit 2 with the expected line shows it came first."""
+    for name in ("no-target", "no-draft"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
     recipe = {
         "target": {"model": str(tmp_path / "no-target"), "device": "cpu"},
         "draft": {"model": str(tmp_path / "no-draft"), "device": "cpu"},
@@ -64,6 +68,13 @@ def missing_models(tmp_path, write_recipe, inputs):
         "generation": {"max_new_tokens": 4},
     }
     return {**inputs, "recipe": str(write_recipe(recipe))}
+
+
+def test_the_missing_models_pass_the_recipes_check_and_fail_to_load(run, missing_models):
+    """Negative control of ``missing_models``: without a bad flag the run gets as far as loading, and fails there."""
+    code, _, err = run(COMMANDS["generate"].format(flag="", **missing_models).split())
+    assert code == 1
+    one_error_line(err, "from its local directory: Unrecognized model in ")
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,21 @@
 """What the commands share: their options resolved into a recipe, prompts read, comma lists parsed, progress
-shown and plots drawn."""
+and long waits shown, and plots drawn."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.file_proxy import FileProxy
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -22,8 +25,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from ..base import waits
 from ..base.errors import SpecdecError, UsageError
-from ..base.inputs import has_suffix, json_object_lines, read_stdin, read_text, text_value
+from ..base.inputs import PromptLines, has_suffix, json_object_lines, read_stdin, read_text, text_value
 from ..base.recipe import (
     DecodingConfig,
     ModelConfig,
@@ -45,12 +49,18 @@ def with_compile(sets: list[str] | None, compile_steps: bool) -> list[str]:
     return [*(sets or []), *(["speculation.compile=true"] if compile_steps else [])]
 
 
-def apply_threads(threads: int | None) -> None:
-    """Set torch's CPU thread count before any model loads (checked first: a usage error is one line).
+def apply_threads(threads: int | None, chooses: bool = False) -> None:
+    """Set torch's CPU thread count before any model loads (checked first: a usage error is one line). With none
+    given, a command that ``chooses`` its own count (generate) takes one thread at once on a busy CPU
+    (:func:`~specdec_cli.generation.calibration.take_one_thread_when_busy`); the others keep torch's default.
 
-    torch is imported only here and only when --threads is given, so commands that load no model
+    torch is imported only here and only when a count is given or chosen, so commands that load no model
     still start at once."""
     if threads is None:
+        if chooses:
+            from ..generation.calibration import take_one_thread_when_busy
+
+            take_one_thread_when_busy()
         return
     check_at_least_one(threads, "--threads")
     import torch
@@ -165,7 +175,15 @@ class RecipeOptions(ModelOptions):
         return cls(**{field.name: getattr(model, field.name) for field in dataclasses.fields(model)} | more)
 
     def resolve(self) -> Recipe:
-        """Check the flags, read the recipe, apply the named flags, then ``--set`` (most specific last), validate."""
+        """Check the flags, read the recipe, apply the named flags, then ``--set`` (most specific last), validate,
+        and check that every model that names a file or folder names one a model loads from."""
+        recipe = self._resolved()
+        from ..models.loading import check_model_paths  # no torch: a bad path is refused at once
+
+        check_model_paths(recipe)
+        return recipe
+
+    def _resolved(self) -> Recipe:
         for setting in [*FLAG_PATHS, *MODEL_FLAGS]:
             value = getattr(self, setting)
             if value is not None:
@@ -259,7 +277,10 @@ def _file_prompts(prompt_file: Path, stdin: Any, field: str | None) -> list[str]
     if has_suffix(prompt_file, ".jsonl"):
         prompts = _jsonl_prompts(text, prompt_file, field)
     else:
-        prompts = [line for line in text.splitlines() if line.strip()]
+        lines = PromptLines.of(text)
+        prompts = lines.prompts
+        if (note := lines.note(f"--prompt-file '{prompt_file}'")) is not None:
+            Console(stderr=True).print(f"note: {note}", highlight=False, soft_wrap=True)
     if not prompts:
         raise UsageError(f"--prompt-file '{prompt_file}' has no prompts (one prompt per non-empty line)")
     return prompts
@@ -333,13 +354,51 @@ class TokenProgress:
             self._progress.update(self._task, description=text)
 
 
+class PlainProgress(TokenProgress):
+    """Off a terminal (a log, a pipe) a bar cannot redraw, and a long run said nothing for its whole length: one line
+    at most every :data:`PLAIN_PROGRESS_EVERY_S` seconds instead, with the tokens done, the time and an ETA."""
+
+    def __init__(self, label: str, total: int, completed: int, clock: Callable[[], float] = time.monotonic):
+        super().__init__(None, None)
+        self.label, self.total, self.done, self.clock = label, total, completed, clock
+        self.start_done, self.start = completed, clock()
+        self.last = self.start
+
+    def advance(self, tokens: int) -> None:
+        self.done += tokens
+        now = self.clock()
+        if now - self.last < PLAIN_PROGRESS_EVERY_S:
+            return
+        self.last = now
+        rate = (self.done - self.start_done) / (now - self.start)
+        eta = f"ETA {_minutes(max(self.total - self.done, 0) / rate)}" if rate > 0 else "ETA unknown"
+        sys.stderr.write(
+            f"{self.label}: {self.done}/{self.total} tokens, {_minutes(now - self.start)} elapsed, {eta}\n"
+        )
+        sys.stderr.flush()
+
+    def describe(self, text: str) -> None:
+        self.label = text
+
+
+PLAIN_PROGRESS_EVERY_S = 30.0
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
 @contextmanager
 def token_progress(
     total: int, enabled: bool = True, completed: int = 0, label: str = "generating"
 ) -> Iterator[TokenProgress]:
-    """A :class:`TokenProgress` on stderr (transient); disabled, one that does nothing."""
+    """A :class:`TokenProgress` on stderr (transient on a terminal; off it, a :class:`PlainProgress`); disabled, one
+    that does nothing."""
     if not enabled:
         yield TokenProgress(None, None)
+        return
+    if not sys.stderr.isatty():
+        yield PlainProgress(label, total, completed)
         return
     columns = (
         TextColumn("{task.description}"),
@@ -360,3 +419,77 @@ def write_plot(draw: Callable[[], None], path: Path) -> None:
         draw()
     except (OSError, ValueError) as error:
         raise SpecdecError(f"could not write the plot '{path}': {error}; the results above are complete") from None
+
+
+WAIT_SAID_AFTER_S = 2.0
+"""A wait is said once it has lasted this long; a shorter one passes in silence (a cached model loads in a second,
+and a line for each would bury the waits that matter)."""
+
+
+@dataclass(eq=False)
+class _Wait:
+    """One wait said by :class:`LongWaitsOnStderr` (each its own, though two may say the same)."""
+
+    what: str
+    ended: bool = False
+
+
+@dataclass
+class LongWaitsOnStderr:
+    """The CLI's listener (:mod:`specdec_cli.base.waits`): a wait that lasts past ``after_s`` is said on stderr. On a
+    terminal, a transient spinner with the innermost wait's text (none while a status or progress bar of the command
+    holds the terminal's last line: it says what is going on); off it, one line, once per text in a run (a compile
+    said at each new shape would repeat it)."""
+
+    console: Console = field(default_factory=lambda: Console(stderr=True))
+    after_s: float = WAIT_SAID_AFTER_S
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _due: list[_Wait] = field(default_factory=list, init=False)
+    """The waits being said, innermost last."""
+    _said: set[str] = field(default_factory=set, init=False)
+    _status: Any = field(default=None, init=False)
+    """The spinner while one shows (a rich Status)."""
+
+    @contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        wait = _Wait(what)
+        timer = threading.Timer(self.after_s, self._say, [wait])
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            with self._lock:
+                wait.ended = True
+                if wait in self._due:
+                    self._due.remove(wait)
+                    self._show()
+
+    def _say(self, wait: _Wait) -> None:
+        with self._lock:
+            if wait.ended:  # the timer fired as the wait ended
+                return
+            self._due.append(wait)
+            if self.console.is_terminal:
+                self._show()
+            elif wait.what not in self._said:
+                self._said.add(wait.what)
+                self.console.print(f"{wait.what}…", highlight=False, soft_wrap=True)
+
+    def _show(self) -> None:
+        """The spinner says the innermost wait due (under the lock); gone when none is."""
+        if not self.console.is_terminal:
+            return
+        if not self._due:
+            if self._status is not None:
+                self._status.stop()
+                self._status = None
+        elif self._status is not None:
+            self._status.update(f"{self._due[-1].what}…")
+        elif not isinstance(sys.stderr, FileProxy):  # else the command's own live display holds the last line
+            self._status = self.console.status(f"{self._due[-1].what}…")
+            self._status.start()
+
+
+waits.listen(LongWaitsOnStderr())  # the commands say the library's long waits: this module is the CLI's own

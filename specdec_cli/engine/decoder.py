@@ -52,6 +52,7 @@ from ..base.randomness import Draws, Stream, block_generator, sample_key
 from ..base.recipe import AUTOREGRESSIVE, DecodingConfig, Recipe
 from ..base.sampling import judged_params, non_finite_message, sample_with, sampling_law
 from ..base.timing import RegionTimer
+from ..base.waits import waiting
 from ..models.loading import LoadedModel, shared_vocab_size
 from ..models.pool import ModelPool
 from ..plugins.draft_rows import DraftRows, rows_per_config
@@ -403,7 +404,8 @@ class SpeculativeDecoder:
         # This decoder's own compiled steps, so that their compilation and CUDA graphs are paid here, untimed.
         warm._verify_block, warm._sampling_law = self._verify_block, self._sampling_law
         warm._verify_exact_block = self._verify_exact_block
-        with self.running:  # those steps are this decoder's: a generation in another thread waits, as for its own
+        # Those steps are this decoder's: a generation in another thread waits, as for its own.
+        with self.running, waiting("warming up: one short untimed generation, so no sample pays one-time costs"):
             warm.generate_ids(prompt_ids, key=-1)
 
     def generate_ids(

@@ -28,13 +28,15 @@ between blocks, so a long answer does not hold the others.
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
+import weakref
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from ..base.timing import RegionTimer
+from ..base.waits import waiting
 from ..models.loading import LoadedModel
 from .slots import SlotCache
 from .steps import CAPACITY_BUCKET, StepCompiler, step_compiler
@@ -267,8 +269,9 @@ class ModelSession:
         # A compiled step computes the logits of all its inputs (0: keep all): a step's few positions cost little
         # beside its weights, and a number of logits kept per call would be one more value its graphs specialise on.
         arguments = self._forward_arguments(inputs, 0 if extends else keep, padding)
-        with timer.region("forward") if timer is not None else nullcontext():
-            output = forward(**arguments)
+        with self._compiling(inputs) if extends else nullcontext():
+            with timer.region("forward") if timer is not None else nullcontext():
+                output = forward(**arguments)
         self.cache = getattr(output, self.cache_argument) if self.use_cache else None
         if self.headroom is None:
             self.columns += inputs.shape[1]
@@ -276,6 +279,17 @@ class ModelSession:
         else:
             self.lengths = [length + inputs.shape[1] - pad for length, pad in zip(self.lengths, padding)]
         return output.logits[:, -keep:, : self.vocab_size]  # [rows, keep, vocab]
+
+    def _compiling(self, inputs: torch.Tensor) -> AbstractContextManager[None]:
+        """A compiled step of a shape (``inputs`` ``[rows, m]`` over the cache's capacity) that the model's steps have
+        not run yet compiles its graph, which takes seconds to minutes on a CPU: a wait, said while it lasts. A shape
+        run before passes in silence."""
+        shape = (*inputs.shape, self.cache.capacity)
+        seen = _STEP_SHAPES.setdefault(self.steps, set())
+        if shape in seen:
+            return nullcontext()
+        seen.add(shape)
+        return waiting(compiling_steps())
 
     def _forward_arguments(self, inputs: torch.Tensor, keep: int, padding: list[int]) -> dict[str, Any]:
         """The model's keyword arguments for ``inputs`` ``[rows, m]`` after the held columns: where rows may be
@@ -379,6 +393,20 @@ class ModelSession:
             index = source.view(rows, 1, width, 1).expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = layer.keys.gather(2, index)  # [rows, heads, W', d]
             layer.values = layer.values.gather(2, index)
+
+
+_STEP_SHAPES: weakref.WeakKeyDictionary[StepCompiler, set[tuple[int, ...]]] = weakref.WeakKeyDictionary()
+"""The shapes (rows, inputs, capacity) each model's compiled steps have run: a new one may compile a graph."""
+
+
+def compiling_steps() -> str:
+    """What a compiled step of a new shape is doing, and what of it a later run keeps."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return (
+        "compiling the model steps with torch.compile, as each new step shape comes in the first blocks (the "
+        f"compiled kernels are cached in {cache_dir()} for later runs)"
+    )
 
 
 @torch.inference_mode()

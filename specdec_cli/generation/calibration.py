@@ -9,13 +9,17 @@ since a busy machine only ever adds time) and caches the result beside the conve
 its date, the thread count and the CPU's load.
 
 A busy CPU (other jobs on a shared machine) slows every figure, and a second intra-op thread can then cost
-more than it gives: when the user fixed no thread count (no ``--threads``, no OMP_NUM_THREADS), the figure
-is measured at torch's default and at one thread, and the run keeps the faster. A figure measured while the
-CPU was busy (a load average above the core count, or repeats :data:`_MAX_SPREAD` times apart) serves this
-run's note, which says so, but is never cached as the machine's. A cached figure is measured again when
-asked, when it is a month old, when the load has moved by a core's worth since (:meth:`CpuLoad.changed_since`),
-and when it cannot be right (a damaged entry, a forward slower than :func:`slowest_plausible_s`, or a
-smaller draft of the same dtype slower than the target scoring a whole block).
+more than it gives. When the user fixed no thread count (no ``--threads``, no OMP_NUM_THREADS), the count is
+chosen: on a busy CPU (a load average above the core count), one thread at once, measured there only (timing the
+default count too cost a busy 2-core machine 90 s a run, and one thread is the steady choice there:
+benchmarks/results/busy_cpu_threads.md), taken before the models load where the command asks
+(:func:`take_one_thread_when_busy`: the warm-up alone took 28 s at two threads there, 3 s at one); on a quiet
+one, the faster of torch's default and one thread, measured both ways and cached. A figure measured while the CPU
+was busy (that load, or repeats :data:`_MAX_SPREAD` times apart) serves this run's note, which says so, but is
+never cached as the machine's. A cached figure is measured again when asked, when it is a month old, when the load
+has moved by a core's worth since (:meth:`CpuLoad.changed_since`), and when it cannot be right (a damaged entry, a
+forward slower than :func:`slowest_plausible_s`, or a smaller draft of the same dtype slower than the target
+scoring a whole block).
 :func:`draft_cost_note` turns it into one honest line when the draft does not pay or the CPU is busy.
 """
 
@@ -34,6 +38,7 @@ import torch
 
 from ..base.inputs import cache_dir, write_cache_file
 from ..base.recipe import AUTOREGRESSIVE
+from ..base.waits import waiting
 from ..engine.decoder import SpeculativeDecoder
 from ..results.provenance import cpu_model
 from ..results.stats import SampleStats
@@ -77,6 +82,22 @@ class CpuLoad:
         return abs(self.average - average) >= max(1.0, self.cores / 4)
 
 
+_SET_ASIDE: list[int] = []
+"""torch's thread count before :func:`take_one_thread_when_busy` took one thread (empty: it took none). Process-wide,
+as the thread count itself is."""
+
+
+def take_one_thread_when_busy() -> None:
+    """For a run that chooses its own thread count (no ``--threads``, no OMP_NUM_THREADS), before its models load: one
+    thread on a CPU busy now, so that loading and the warm-up do not run at the slower count; the count set aside is
+    what :func:`draft_cost` then reports as not taken. On a quiet CPU nothing: the calibration times both counts."""
+    load = cpu_load()
+    if "OMP_NUM_THREADS" in os.environ or load is None or not load.busy or torch.get_num_threads() == 1:
+        return
+    _SET_ASIDE.append(torch.get_num_threads())
+    torch.set_num_threads(1)
+
+
 def cpu_load() -> CpuLoad | None:
     """The CPU's load now; None where the platform keeps no load average (Windows)."""
     try:
@@ -101,9 +122,10 @@ class DraftCost:
     threads: int = 0
     """torch's intra-op threads while measuring (0: not recorded)."""
     slower_threads: int = 0
-    """The other thread count measured, and found slower (0: none; the user fixed the count, or it is one)."""
+    """The other thread count the choice set aside (0: none; the user fixed the count, or it is one)."""
     slower_block_s: float = 0.0
-    """A block's time (:meth:`block_s`) at ``slower_threads``."""
+    """A block's time (:meth:`block_s`) at ``slower_threads``; 0: not measured (a busy CPU took one thread at
+    once)."""
     load: float | None = None
     """The 1-minute load average when measured (None: not known)."""
     cores: int = 0
@@ -141,9 +163,10 @@ def draft_cost(
     fresh measurement cannot be right and no busy CPU explains it: no figure says less than a wrong one.
 
     ``choose_threads`` (the user gave no ``--threads``): unless OMP_NUM_THREADS fixes the count, the figure is of
-    the faster of torch's current thread count and one thread on a CPU, and torch is left at that count."""
+    the thread count chosen on a CPU (:func:`_chosen`), and torch is left at that count."""
     on_cpu = decoder.device.type == "cpu"
-    choosing = choose_threads and on_cpu and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1
+    default = _SET_ASIDE[-1] if _SET_ASIDE else torch.get_num_threads()
+    choosing = choose_threads and on_cpu and "OMP_NUM_THREADS" not in os.environ and default > 1
     machine = _machine(decoder)
     path = cache_dir() / "calibration" / f"{_key(decoder, machine, choosing)}.json"
     cached = None if recalibrate else _read_cached(path)
@@ -151,7 +174,9 @@ def draft_cost(
         if choosing:
             torch.set_num_threads(cached.threads)
         return cached
-    cost = _fastest(decoder, prompt_ids) if choosing else _measure(decoder, prompt_ids, machine)
+    load = cpu_load()
+    with waiting(_measuring(decoder, choosing, load)):
+        cost = _chosen(decoder, prompt_ids, load, default) if choosing else _measure(decoder, prompt_ids, machine)
     if cost.busy:
         return cost  # this run's figure, which its note calls a busy CPU's; never the machine's
     if not _plausible(cost, decoder):
@@ -166,6 +191,31 @@ def _trusted(cached: DraftCost, decoder: SpeculativeDecoder, choosing: bool) -> 
     now = cpu_load()
     load_moved = cached.load is not None and now is not None and now.changed_since(cached.load)
     return _plausible(cached, decoder) and (cached.threads >= 1 or not choosing) and not load_moved
+
+
+def _measuring(decoder: SpeculativeDecoder, choosing: bool, load: CpuLoad | None) -> str:
+    """What the measurement is doing, said while it lasts (a few seconds quiet, a minute or more busy)."""
+    if load is not None and load.busy:
+        return f"measuring what the draft and the target cost here for this run only (the CPU is busy: {load})"
+    counts = f" at {_threads(torch.get_num_threads())} and at 1 thread, to take the faster" if choosing else ""
+    return f"measuring what the draft and the target cost on this machine{counts} (once: cached for later runs)"
+
+
+def _chosen(decoder: SpeculativeDecoder, prompt_ids: list[int], load: CpuLoad | None, default: int) -> DraftCost:
+    """The figure at the thread count chosen for ``load``: on a busy CPU one thread, taken at once (or before the
+    models loaded) and measured there only (``default``, torch's count, is the slower one recorded, with no time:
+    not measured; the figure keeps the load that chose, so it is never cached as a quiet CPU's choice); else the
+    faster of the default and one thread (:func:`_fastest`)."""
+    if load is None or not load.busy:
+        torch.set_num_threads(default)  # a CPU that has gone quiet since one thread was taken: both are timed
+        return _fastest(decoder, prompt_ids)
+    torch.set_num_threads(1)
+    try:
+        cost = _measure(decoder, prompt_ids, _machine(decoder))
+    except BaseException:  # a measurement stopped half-way (Ctrl-C, out of memory) leaves the run at its own count
+        torch.set_num_threads(default)
+        raise
+    return replace(cost, slower_threads=default, load=load.average, cores=load.cores)
 
 
 def _fastest(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> DraftCost:
@@ -346,15 +396,21 @@ def _busy_note(cost: DraftCost, draft_length: int) -> str:
     else:
         busy = f"the CPU was busy while measuring (repeats {cost.spread:.1f}× apart)"
     quieter = "a quieter moment gives this machine's own speed"
-    if cost.slower_threads:
+    chosen, other = _threads(cost.threads), _threads(cost.slower_threads)
+    if cost.slower_threads and cost.slower_block_s:
         faster = cost.slower_block_s / cost.block_s(draft_length)
-        chosen, other = _threads(cost.threads), _threads(cost.slower_threads)
-        remedy = f"this run uses {chosen}, {faster:.1f}× as fast here now as {other}; {quieter}"
+        remedy = f"this run uses {chosen}, {faster:.1f}× as fast here now as {other} ({_CHOOSE}); {quieter}"
+    elif cost.slower_threads:
+        remedy = f"this run uses {chosen}, not {other}, the steady count on a busy CPU ({_CHOOSE}); {quieter}"
     elif cost.threads > 1:
         remedy = f"--threads 1 may run faster while it lasts, and {quieter}"
     else:
         remedy = quieter
     return f"note: {busy}: {_figures(cost)}, slower than this machine can do (measured now, not cached); {remedy}"
+
+
+_CHOOSE = "--threads N sets the count and skips this choice"
+"""How a user takes the thread count into their own hands: the run then times no other count."""
 
 
 def busy_cpu_note(threads: int) -> str | None:
@@ -363,7 +419,7 @@ def busy_cpu_note(threads: int) -> str | None:
     load = cpu_load()
     if load is None or not load.busy:
         return None
-    advice = "a quieter moment gives this machine's own"
+    advice = "a quieter moment gives this machine's own figures"
     if threads > 1:
         advice = f"--threads 1 often gives steadier ones (compare runs only at the same setting), and {advice}"
     return f"the CPU is busy ({load}): speed figures are slower and noisier than this machine's; {advice}"

