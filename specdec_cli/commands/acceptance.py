@@ -19,7 +19,6 @@ from ..acceptance.results import PROMPT_RECORDS, AcceptanceReport, AcceptanceReq
 from ..base.errors import SpecdecError, UsageError
 from ..base.inputs import check_plot_path, subset
 from ..base.recipe import Recipe
-from ..models.loading import check_hub_models
 from ..plugins.draft_rows import round_robin
 from ..plugins.drafter_registry import draft_law
 from ..plugins.registry import VerifierRegistry
@@ -113,7 +112,7 @@ def acceptance(
     resolved = common.RecipeOptions.of(
         model, temperature=temperature, draft_temperatures=temperatures or None, exact_first=exact_first
     ).resolve()
-    check_hub_models(resolved)
+    common.check_hub_models(resolved)
     from ..engine.decoding import exact_verifier_name  # torch, which the verifiers below import anyway
 
     exact_verifier_name(resolved.speculation.exact_verifier, VerifierRegistry())

@@ -29,7 +29,6 @@ from ..bench.tasks import (
     parse_lang_pair,
     turns_note,
 )
-from ..models.loading import check_hub_models
 from ..plugins.registry import VerifierRegistry
 from ..results.store import ResultsStore, load_saved
 from . import common, options
@@ -265,7 +264,7 @@ def bench(
     if output.report_folder is not None:
         return _report(dataclasses.replace(output, folder=output.report_folder))
     base = common.RecipeOptions.of(model, sets=common.with_compile(model.sets, compile_steps), stop=stop).resolve()
-    check_hub_models(base)
+    common.check_hub_models(base)
     registry = VerifierRegistry()
     loaded = data.examples()
     plan = _Plan(

@@ -338,6 +338,22 @@ def stdout_to_nowhere() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def check_hub_models(recipe: Recipe) -> None:
+    """The recipe's hub ids can load, for the draft entries whose drafter loads a model: an entry that names a
+    model its drafter does not take gets the drafter's own line later, not the Hub's."""
+    from ..models.loading import check_hub_models as check  # no torch
+
+    registry = DrafterRegistry()
+    drafts = [
+        entry
+        for entry in recipe.drafts
+        if entry.drafter is None
+        or entry.drafter not in registry.names()
+        or registry.plugin_class(entry.drafter).uses_model
+    ]
+    check(recipe, drafts)
+
+
 class TokenProgress:
     """A progress bar counted in tokens, so its ETA moves within a long sample (a prompt's worth of
     tokens at a time would leave it blank for minutes)."""

@@ -21,7 +21,6 @@ from ..base.errors import UsageError
 from ..base.inputs import require_text
 from ..base.recipe import AUTOREGRESSIVE, Recipe, target_alone
 from ..engine.stopping import cut_at_stop
-from ..models.loading import check_hub_models
 from ..plugins.registry import VerifierRegistry
 from ..results.stats import INTERVAL_LEVEL, GenerationResult
 from . import common, options
@@ -189,7 +188,7 @@ def generate(
     drafting = {common.flag_name(setting): getattr(flags, setting) for setting in _DRAFTING_SETTINGS}
     _check_drafting_flags(resolved, names if comparing else None, kl, drafting)
     prompts = _prompts(prompt, prompt_file, field)
-    check_hub_models(resolved)
+    common.check_hub_models(resolved)
     common.apply_threads(model.threads, chooses=True)
     choose_threads = model.threads is None  # the calibration then keeps the faster of the default and one thread
     with _quiet_when_the_reader_leaves():

@@ -169,10 +169,11 @@ def check_model_path(spec: ModelConfig, role: str) -> None:
 _LOCAL_MODELS = "give a folder saved with save_pretrained (it holds config.json), a .gguf file or a hub id (org/name)"
 
 
-def check_hub_models(recipe: Recipe) -> None:
+def check_hub_models(recipe: Recipe, drafts: list | None = None) -> None:
     """Every hub id of ``recipe`` can load: the Hub answers (within :data:`HUB_PROBE_TIMEOUT_S`) or holds its file
-    in the local cache; else one line at once (:func:`_hub_access`), before anything loads."""
-    for spec in [recipe.target, *recipe.drafts]:
+    in the local cache; else one line at once (:func:`_hub_access`), before anything loads. ``drafts``: the draft
+    entries that load a model (default: all of them)."""
+    for spec in [recipe.target, *(recipe.drafts if drafts is None else drafts)]:
         if spec.model is not None and _is_hub_id(spec.model):
             _hub_access(spec.model, spec.gguf_file or "config.json", spec.revision)
 
