@@ -54,7 +54,14 @@ import torch
 from specdec_cli.base.randomness import Draws, Randomness, Stream, uniforms_from
 from specdec_cli.base.sampling import sample_with
 from specdec_cli.plugins.laws import TINY, normalized_or
-from specdec_cli.plugins.verifiers import BatchDecision, BlockDecision, Verifier, device_path, reads_are_free
+from specdec_cli.plugins.verifiers import (
+    BlockDecision,
+    Decision,
+    Verifier,
+    decide_blocks,
+    device_path,
+    reads_are_free,
+)
 
 from ._pair_selection import FreeSet, Tail, solve_free_problems
 from .speculative import SpeculativeSampling
@@ -420,13 +427,13 @@ class ImportanceSampling(Verifier):
         solution = _solve_on_host(self, pair.packed)
         return self._decide_solved(problems, pair, solution, target_probs, draft_tokens, randomness)
 
-    def verify_batch(self, target_probs, draft_probs, draft_tokens, randomness):
+    def verify(self, target_probs, draft_probs, draft_tokens, randomness=None, judged=None):
         """B blocks with one host read in all: every block's free LPs are packed on the device (mapped over the batch
         by ``torch.func.vmap``), solved in one host call, and the blocks decided with them (mapped again). On the
         CPU, where reads are free, and with one draft or a generator, the blocks are decided one by one."""
         batch, num_drafts, _ = draft_tokens.shape
         if num_drafts == 1 or not isinstance(randomness, Draws) or reads_are_free(target_probs):
-            return super().verify_batch(target_probs, draft_probs, draft_tokens, randomness)
+            return decide_blocks(self, target_probs, draft_probs, draft_tokens, randomness)
 
         def packed(target, draft, tokens):  # one block's free LPs [P, 4 M + 2]
             return self._first_pair(Problems.block(target, draft, tokens)).packed
@@ -445,7 +452,7 @@ class ImportanceSampling(Verifier):
             fields = torch.func.vmap(decide)(
                 target_probs, draft_probs, draft_tokens, solutions, randomness.key, randomness.block_start
             )
-        return BatchDecision(*fields).as_long()  # tokens [B, L+1], num_accepted [B], row [B]
+        return Decision(*fields).as_long()  # tokens [B, L+1], num_accepted [B], row [B]
 
     def _decide_solved(
         self,

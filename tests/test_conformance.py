@@ -123,7 +123,7 @@ class RejectsFirst(SpeculativeSampling):
         (Overclaiming, {"weight": 0.7}, "acceptance_probability gives"),
         (Misreported, {"weight": 0.7}, "output_law differs from the law its conditional gives"),
         (BrokenPromise, {"kl": 0.3, "divergence": "tv"}, "over the bound 0.03 it promises"),
-        (RejectsFirst, {}, "verify_block's decisions do not follow its block_law"),
+        (RejectsFirst, {}, "verify's decisions do not follow its block_law"),
     ],
 )
 def test_the_kit_fails_a_verifier_that_breaks_the_contract(cls, params, message):

@@ -294,9 +294,10 @@ def check_verifier(
         )
         p_value = _check_sampling(cls, verifier, *cases[0], samples)
         checks.append(
-            f"K={num_drafts}: verify_block samples its block law (chi-square p = {p_value:.2g} over {samples} "
-            "blocks), each decision of the right types, shapes and values"
+            f"K={num_drafts}: verify samples its block law (chi-square p = {p_value:.2g} over {samples} blocks "
+            "decided in one call), each decision of the right types, shapes and values"
         )
+        checks.append(f"K={num_drafts}: {_check_capabilities(cls, verifier, cases)}")
     if not cls.lossless and cls.token_level and not cls.identical_drafts:
         checks.append(_check_frontier(cls, verifier))
     return ConformanceReport(kind="verifier", name=cls.name, params=dict(params or {}), checks=tuple(checks))
@@ -416,39 +417,62 @@ def _check_against_enumeration(cls, verifier, target, drafts, law, claimed: floa
         raise ConformanceError(f"{cls.name}: output_law differs from the law its conditional gives by {gap:.3g}")
 
 
-def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: int) -> float:
-    """verify_block, given keyed draws (or a seeded generator) as the engine gives them, samples its block_law: the
-    chi-square's p-value."""
-    from ..plugins.verifiers import decision_problem, decision_value_problem
-    from .testing import chi_square_p_value, decision_outcomes
-
+def _block_of(target_law, draft_laws) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block whose rows follow each draft law's likeliest tokens: target ``[K, L+1, V]``, draft ``[K, L, V]``
+    (float64) and tokens ``[K, L]``."""
     rows = [_likeliest_row(law) for law in draft_laws]
     target_probs = torch.stack([torch.stack([target_law(r[:t]) for t in range(DRAFT_LENGTH + 1)]) for r in rows])
     draft_probs = torch.stack(
         [torch.stack([law(r[:t]) for t in range(DRAFT_LENGTH)]) for law, r in zip(draft_laws, rows)]
     )
-    tokens = torch.tensor(rows)  # [K, L]
+    return target_probs, draft_probs, torch.tensor(rows)
+
+
+def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: int) -> float:
+    """``verify``, deciding one block for each of ``samples`` sequences in one call with keyed draws as the engine
+    gives them, samples its block_law: the chi-square's p-value."""
+    from ..plugins.verifiers import batch_decision_problem, decision_value_problem
+    from .testing import chi_square_p_value, decision_outcomes
+
+    target_probs, draft_probs, tokens = _block_of(target_law, draft_laws)
     law = decision_outcomes(verifier.block_law(target_probs, draft_probs, tokens), tokens)
+    batch = [tensor.expand(samples, *tensor.shape) for tensor in (target_probs.float(), draft_probs.float(), tokens)]
+    decision = verifier.verify(*batch, Draws.batch(list(range(samples))))
+    problem = batch_decision_problem(decision, samples, DRAFT_LENGTH + 1, tokens.device)
+    if problem is not None:
+        raise ConformanceError(f"{cls.name}: verify {problem}")
+    rows = tokens.tolist()
     counts: Counter = Counter()
-    for key in range(samples):
-        randomness = Draws.create(key, 0, "cpu") if cls.keyed_randomness else torch.Generator().manual_seed(key)
-        decision = verifier.verify_block(target_probs.float(), draft_probs.float(), tokens, randomness)
-        problem = decision_problem(decision, DRAFT_LENGTH + 1, tokens.device)
-        values = None if problem else (decision.tokens.tolist(), int(decision.num_accepted), int(decision.row))
-        problem = problem or decision_value_problem(*values, False, len(rows), VOCAB)
+    for committed, accepted, row in zip(
+        decision.tokens.tolist(), decision.num_accepted.tolist(), decision.row.tolist()
+    ):
+        problem = decision_value_problem(committed, accepted, row, False, len(rows), VOCAB)
         if problem is not None:
-            raise ConformanceError(f"{cls.name}: verify_block {problem}")
-        committed, accepted, row = values
-        if tuple(committed[:accepted]) != rows[row][:accepted]:
-            raise ConformanceError(f"{cls.name}: verify_block accepted tokens that are not row {row}'s draft tokens")
+            raise ConformanceError(f"{cls.name}: verify {problem}")
+        if tuple(committed[:accepted]) != tuple(rows[row][:accepted]):
+            raise ConformanceError(f"{cls.name}: verify accepted tokens that are not row {row}'s draft tokens")
         counts[tuple(committed[: accepted + 1])] += 1
     p_value = chi_square_p_value(counts, law)
     if p_value < 1e-4:
         raise ConformanceError(
-            f"{cls.name}: verify_block's decisions do not follow its block_law "
+            f"{cls.name}: verify's decisions do not follow its block_law "
             f"(chi-square p = {p_value:.2g} over {samples} blocks)"
         )
     return p_value
+
+
+def _check_capabilities(cls: type, verifier: Any, cases: list) -> str:
+    """The capabilities measured on two of ``cases``' blocks (:mod:`.capabilities`), as the report's line."""
+    from .capabilities import CapabilityError, measure_capabilities
+
+    blocks = [
+        tuple(tensor.float() if tensor.is_floating_point() else tensor for tensor in _block_of(*case))
+        for case in cases[:2]
+    ]
+    try:
+        return measure_capabilities(cls, verifier, blocks).line(cls)
+    except CapabilityError as error:
+        raise ConformanceError(str(error)) from None
 
 
 def _likeliest_row(law) -> tuple[int, ...]:
