@@ -49,6 +49,6 @@ def test_greedy_speculative_equals_the_target_alone_on_the_real_model():
 
 
 def test_gguf_conversion_is_cached(tmp_path):
-    from specdec_cli.models.loading import cache_dir
+    from specdec_cli.base.inputs import cache_dir
 
     assert any(Path(cache_dir(), "gguf").glob("SmolLM2-135M-Instruct.Q4_1-*/model.safetensors"))
