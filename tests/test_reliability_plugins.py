@@ -1,9 +1,10 @@
 """Third-party plugins that misbehave, the registry that finds them and its description cache, and the
 engine's guards on what it is given (issue 19, section 3).
 
-A plugin is registered the way tests/test_structure.py does it (a registry whose ``load_class`` hands out
-a class defined here), or, where the entry point itself is the subject (a module that exits on import,
-two packages claiming one name), through fake entry points returned by the registry's ``entry_points``.
+A plugin defined here is added to a registry through its seam (``VerifierRegistry(extra={name: cls})``), or, where
+the entry point itself is the subject (a module that exits on import, two packages claiming one name, a command
+that builds its own registry), named by an entry point that the registry's ``entry_points`` lists beside the
+installed ones.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from specdec_cli.base.errors import SpecdecError, UsageError
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.plugins.registry import PluginEntry, VerifierRegistry
 from specdec_cli.plugins.verifiers import BlockDecision, BlockVerifier
-from tests.conftest import VerifierRegistryWith, one_error_line, tiny_recipe
+from tests.conftest import one_error_line, tiny_recipe
 
 # --------------------------------------------------------------------------- a verify_block that misbehaves
 
@@ -138,7 +139,7 @@ def _decoder(tiny_models, registry: VerifierRegistry, verifier: str = "rogue", *
     ("decide", "returned"), [row[1:] for row in MISBEHAVIOURS], ids=[row[0] for row in MISBEHAVIOURS]
 )
 def test_a_misbehaving_verify_block_stops_with_one_line_naming_the_plugin(tiny_models, decide, returned):
-    decoder = _decoder(tiny_models, VerifierRegistryWith({"rogue": rogue_deciding(decide)}))
+    decoder = _decoder(tiny_models, VerifierRegistry(extra={"rogue": rogue_deciding(decide)}))
     with pytest.raises(SpecdecError) as caught:
         decoder.generate(["a b c"])
     message = str(caught.value)
@@ -149,7 +150,7 @@ def test_a_misbehaving_verify_block_stops_with_one_line_naming_the_plugin(tiny_m
 
 def test_a_plugins_exception_stays_chained_for_debug(tiny_models):
     error = ZeroDivisionError("division by zero")
-    decoder = _decoder(tiny_models, VerifierRegistryWith({"rogue": rogue_deciding(_raising(error))}))
+    decoder = _decoder(tiny_models, VerifierRegistry(extra={"rogue": rogue_deciding(_raising(error))}))
     with pytest.raises(SpecdecError) as caught:
         decoder.generate(["a b c"])
     assert caught.value.__cause__ is error
@@ -158,24 +159,25 @@ def test_a_plugins_exception_stays_chained_for_debug(tiny_models):
 def test_a_plugin_that_decides_right_passes_the_checks(tiny_models):
     """Negative control: the checks refuse nothing a correct decision returns (accept none, or all)."""
     for num_accepted in (0, None):
-        decoder = _decoder(tiny_models, VerifierRegistryWith({"rogue": rogue_deciding(_accepting(num_accepted))}))
+        decoder = _decoder(tiny_models, VerifierRegistry(extra={"rogue": rogue_deciding(_accepting(num_accepted))}))
         stats = decoder.generate(["a b c"], max_new_tokens=13)[0].stats
         # Accepting all keeps every token but each block's bonus (an EOS may cut the last block short).
         accepted_all = stats.new_tokens - stats.blocks <= stats.accepted_tokens <= stats.drafted_tokens
         assert (stats.accepted_tokens == 0 if num_accepted == 0 else accepted_all) and stats.blocks > 1
 
 
+ClaimsTooMany = rogue_deciding(_accepting(DRAFT_LENGTH + 2))
+
+
 def test_a_misbehaving_plugin_in_generate_is_one_line_and_exit_1(run, tiny_models, write_recipe, monkeypatch):
-    broken = rogue_deciding(_accepting(DRAFT_LENGTH + 2))
-    monkeypatch.setattr(VerifierRegistry, "names", lambda self: ["rogue", "speculative"])
-    original = VerifierRegistry.load_class
-    monkeypatch.setattr(
-        VerifierRegistry, "load_class", lambda self, name: broken if name == "rogue" else original(self, name)
-    )
+    entry = PluginEntry("rogue", f"{__name__}:ClaimsTooMany", "rogue-plugin", "0.1")
+    original = VerifierRegistry.entry_points
+    monkeypatch.setattr(VerifierRegistry, "entry_points", lambda self: [*original(self), entry])
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", speculation={"draft_length": DRAFT_LENGTH})))
     code, _, err = run(["generate", "-r", recipe, "--verifier", "rogue", "a b c"])
     assert code == 1
     one_error_line(err, "verifier 'rogue' returned num_accepted 5 for a block of 3 draft tokens")
+    assert "(rogue-plugin 0.1)" in err
 
 
 class FailsToStart(Rogue):
@@ -187,8 +189,8 @@ class FailsToStart(Rogue):
 
 @pytest.mark.parametrize("error", [RuntimeError("no GPU found"), KeyError("weights"), AttributeError("x")])
 def test_a_constructor_raising_other_than_a_parameter_error_is_one_line(tiny_models, error):
-    registry = VerifierRegistryWith(
-        {"rogue": type("FailsToStart", (FailsToStart,), {"error": error, "__module__": __name__})}
+    registry = VerifierRegistry(
+        extra={"rogue": type("FailsToStart", (FailsToStart,), {"error": error, "__module__": __name__})}
     )
     with pytest.raises(SpecdecError) as caught:
         registry.create("rogue", {"strength": 2.0})
@@ -226,12 +228,12 @@ def plugin_modules(tmp_path, monkeypatch):
 class RegistryWithEntries(VerifierRegistry):
     """The installed entry points plus fake ones (as importlib.metadata would list them)."""
 
-    def __init__(self, extra: list[PluginEntry]):
+    def __init__(self, listed: list[PluginEntry]):
         super().__init__()
-        self.extra = extra
+        self.listed = listed
 
     def entry_points(self):
-        return [*super().entry_points(), *self.extra]
+        return [*super().entry_points(), *self.listed]
 
 
 PLUGIN_CLASS = """
@@ -558,7 +560,7 @@ class AcceptsBadly(Rogue):
 def test_a_draft_check_that_raises_is_one_line_in_the_engine_and_the_grid(tiny_models):
     from specdec_cli.bench.grid import Grid
 
-    registry = VerifierRegistryWith({"rogue": RefusesBadly})
+    registry = VerifierRegistry(extra={"rogue": RefusesBadly})
     with pytest.raises(
         SpecdecError, match=r"verifier 'rogue' raised AttributeError: no attribute 'limit' in reason_to_refuse"
     ):
@@ -573,7 +575,7 @@ def test_an_acceptance_probability_that_raises_is_one_line_naming_the_plugin(tin
     from specdec_cli.acceptance.analysis import AcceptanceAnalysis
     from specdec_cli.acceptance.results import AcceptanceRequest
 
-    registry = VerifierRegistryWith({"accepts-badly": AcceptsBadly})
+    registry = VerifierRegistry(extra={"accepts-badly": AcceptsBadly})
     recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 3}))
     analysis = AcceptanceAnalysis(
         recipe, AcceptanceRequest(verifiers=("accepts-badly",), num_drafts=(1,)), registry=registry

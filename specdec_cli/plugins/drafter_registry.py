@@ -8,8 +8,9 @@ from typing import Any
 
 from ..base.errors import SpecdecError, UsageError
 from ..base.recipe import DraftConfig, GenerationConfig, ModelConfig, Recipe
+from .descriptions import class_summary
 from .draft_rows import DraftRows, drafter_key, every_config
-from .registry import PluginRegistry, class_problem, class_summary, error_line
+from .plugin_registry import PluginRegistry, class_problem, error_line
 
 DRAFTER_GROUP = "specdec.drafters"
 DEFAULT_DRAFTER = "model"
@@ -34,7 +35,6 @@ class DrafterRegistry(PluginRegistry):
 
     group = DRAFTER_GROUP
     kind = "drafter"
-    contract_module = "drafting.py"
     parameters_hint = "fix the draft entry's params in the recipe, or --set drafts.N.params.NAME=VALUE"
     description_types = DRAFTER_DESCRIPTION_TYPES
 
