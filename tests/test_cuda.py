@@ -133,16 +133,6 @@ class _Raises(SpeculativeSampling):
         raise ValueError("this plugin's own complaint")
 
 
-class _Registry(VerifierRegistry):
-    PLUGINS = {plugin.name: plugin for plugin in (_Uploads, _NotCapturable, _Raises)}
-
-    def names(self):
-        return sorted([*super().names(), *self.PLUGINS])
-
-    def load_class(self, name):
-        return self.PLUGINS.get(name) or super().load_class(name)
-
-
 def _cuda_decoder(tiny_models, verifier: str, num_drafts: int = 1, **params) -> SpeculativeDecoder:
     recipe = tiny_recipe(
         tiny_models,
@@ -153,7 +143,9 @@ def _cuda_decoder(tiny_models, verifier: str, num_drafts: int = 1, **params) -> 
         speculation={"draft_length": 4, "num_drafts": num_drafts, "compile": True},
         generation={"max_new_tokens": 24},
     )
-    return SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=_Registry())
+    return SpeculativeDecoder.from_recipe(
+        build_recipe(recipe), registry=VerifierRegistry(extra={p.name: p for p in (_Uploads, _NotCapturable, _Raises)})
+    )
 
 
 @pytest.mark.parametrize(

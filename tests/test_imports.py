@@ -29,7 +29,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("specdec_cli.engine",)),
     (
         "plugin registry",
-        ("specdec_cli.plugins.registry", "specdec_cli.plugins.drafter_registry", "specdec_cli.plugins.sweeps"),
+        (
+            "specdec_cli.plugins.registry",
+            "specdec_cli.plugins.plugin_registry",
+            "specdec_cli.plugins.verifier_registry",
+            "specdec_cli.plugins.drafter_registry",
+            "specdec_cli.plugins.discovery",
+            "specdec_cli.plugins.descriptions",
+            "specdec_cli.plugins.sweeps",
+        ),
     ),
     ("plugin contracts", ("specdec_cli.plugins",)),
     ("models", ("specdec_cli.models",)),

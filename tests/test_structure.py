@@ -113,18 +113,8 @@ class BudgetedLenient(Verifier):
         return torch.full(target_probs.shape[:-1], self.scale - 1, dtype=torch.float64)  # [...]: a marker
 
 
-class RegistryWithPlugin(VerifierRegistry):
-    """The installed verifiers plus one more, through the registry's overridable loading."""
-
-    def names(self):
-        return sorted([*super().names(), BudgetedLenient.name])
-
-    def load_class(self, name):
-        return BudgetedLenient if name == BudgetedLenient.name else super().load_class(name)
-
-
 def test_a_third_party_kl_bound_gets_the_sweep_and_the_kl_column(tiny_models):
-    registry = RegistryWithPlugin()
+    registry = VerifierRegistry(extra={BudgetedLenient.name: BudgetedLenient})
     recipe = build_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 4}))
     request = AcceptanceRequest(verifiers=("budgeted", "speculative"), num_drafts=(1, 2), kl_values=(0.0, 0.5))
     report = AcceptanceAnalysis(recipe, request, registry=registry).run(["a b", "c"])

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VerifierRegistryWith, block_inputs, tiny_recipe
+from conftest import block_inputs, tiny_recipe
 
 from specdec_cli.base.randomness import Draws
 from specdec_cli.engine.decoder import SpeculativeDecoder
-from specdec_cli.plugins.registry import class_problem
+from specdec_cli.plugins.registry import VerifierRegistry, class_problem
 from specdec_cli.plugins.verifiers import BlockDecision, BlockVerifier, Decision, decide_blocks
 from specdec_cli.recipe import build_recipe
 from specdec_plugins.speculative import SpeculativeSampling
@@ -60,7 +60,7 @@ class WritesNeither(BlockVerifier):
 
 def _decoder(tiny_models, name: str, cls: type) -> SpeculativeDecoder:
     recipe = tiny_recipe(tiny_models, "llama", verifier={"name": name}, generation={"max_new_tokens": 12})
-    return SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=VerifierRegistryWith({name: cls}))
+    return SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=VerifierRegistry(extra={name: cls}))
 
 
 def test_a_plugin_written_for_one_block_runs_at_every_batch_size(tiny_models):

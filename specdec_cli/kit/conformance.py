@@ -91,15 +91,7 @@ class ConformanceReport:
 
 def _registered(registry_type: type[PluginRegistry], cls: type) -> PluginRegistry:
     """A registry of ``registry_type``: the installed plugins plus ``cls``, under its own name."""
-
-    class Registered(registry_type):  # type: ignore[valid-type,misc]
-        def names(self) -> list[str]:
-            return sorted({*super().names(), cls.name})
-
-        def load_class(self, name: str) -> type:
-            return cls if name == cls.name else super().load_class(name)
-
-    return Registered()
+    return registry_type(extra={cls.name: cls})
 
 
 def _check_parameters(
