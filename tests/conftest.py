@@ -179,12 +179,28 @@ def wait_for_samples(folder: Path, count: int, process: subprocess.Popen, timeou
         time.sleep(0.005)
 
 
+_LEFT_BY_WORKERS: list[str] = []
+"""What each pytest-xdist worker's run left (under its own session folder's home, or in the checkout)."""
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """A run that wrote under the user's home or in the checkout fails, whatever its tests did."""
+    """A run that wrote under the user's home or in the checkout fails, whatever its tests did. Under pytest-xdist
+    each worker has its own session folder: it hands what it left to the controller, which fails the run."""
     left = isolation.finish()
-    if left:
-        print(f"\n{left}")
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output["isolation"] = left
+        return
+    problems = [problem for problem in (left, *_LEFT_BY_WORKERS) if problem]
+    if problems:
+        print("\n" + "\n".join(problems))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller, as a worker ends: keep what the worker's run left."""
+    _LEFT_BY_WORKERS.append(getattr(node, "workeroutput", {}).get("isolation"))
 
 
 # The CLI run in this process, and what the CLI tests check and prepare; the count of device reads.
@@ -196,15 +212,32 @@ def run(capsys, monkeypatch):
 
     def invoke(args: list[str], stdin: str | None = None):
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin or ""))
-        try:
-            main(args)
-            code = 0
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        code = specdec_in_process(args)
         out, err = capsys.readouterr()
         return code, out, err
 
     return invoke
+
+
+def specdec_in_process(args: list[str]) -> int:
+    """The exit code of `specdec ARGS` run in this process, its output left to pytest's capture: what a fixture wider
+    than one test runs (a reference run that several tests compare against), where ``run`` (capsys) cannot serve."""
+    try:
+        main(args)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def module_folder(tmp_path_factory, request) -> Path:
+    """A folder shared by one module's tests: the inputs and outputs of the runs they share. The CPU reads quiet
+    while its fixtures run, as :func:`quiet_cpu` makes it for each test."""
+    from specdec_cli.generation import calibration
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration, "cpu_load", lambda: calibration.CpuLoad(0.0, 2))
+        yield tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
 
 
 @pytest.fixture
@@ -435,7 +468,12 @@ REFERENCES = ["a b c d", "d e", "c b", "e d c", "b a a", "d e", "a e e", "c b a"
 
 @pytest.fixture
 def data(tmp_path) -> dict[str, Path]:
-    source, reference, dataset = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "data.jsonl"
+    return write_bench_data(tmp_path)
+
+
+def write_bench_data(folder: Path) -> dict[str, Path]:
+    """The source, reference and dataset files of :data:`SOURCES` and :data:`REFERENCES` in ``folder``."""
+    source, reference, dataset = folder / "src.txt", folder / "ref.txt", folder / "data.jsonl"
     source.write_text("\n".join(SOURCES) + "\n")
     reference.write_text("\n".join(REFERENCES) + "\n")
     dataset.write_text(

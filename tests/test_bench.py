@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import (
     BASELINE_CELL,
@@ -22,6 +23,9 @@ from tests.conftest import (
     read_cells,
     read_samples,
     specdec_args,
+    specdec_in_process,
+    tiny_recipe,
+    write_bench_data,
 )
 
 
@@ -194,16 +198,28 @@ def _final_numbers(out: Path) -> dict:
     return {"samples": samples, "cells": cells}
 
 
-def test_interrupted_run_resumes_to_the_same_results(bench_recipe, data, tmp_path):
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    subprocess.run(_command(bench_recipe, data, reference), check=True, capture_output=True)
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_models, module_folder) -> tuple[str, dict, Path]:
+    """The recipe and data the process-level tests below share, and the results folder of their bench run never
+    interrupted (run once, in this process), which each compares its own run against."""
+    recipe = module_folder / "bench.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12})))
+    data = write_bench_data(module_folder)
+    reference = module_folder / "reference"
+    assert specdec_in_process(_command(str(recipe), data, reference)[3:]) == 0
+    return str(recipe), data, reference
+
+
+def test_interrupted_run_resumes_to_the_same_results(run, uninterrupted, tmp_path):
+    recipe, data, reference = uninterrupted
+    resumed = tmp_path / "resumed"
     total = len((reference / "samples.jsonl").read_text().splitlines())
     samples = resumed / "samples.jsonl"
     for attempt in range(3):  # on a busy machine the run can finish its last samples before the signal lands
         threshold = max(1, total // 3 // 4**attempt)  # early, and earlier at each try: the tiny models are fast
         shutil.rmtree(resumed, ignore_errors=True)
         process = subprocess.Popen(
-            _command(bench_recipe, data, resumed),
+            _command(recipe, data, resumed),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             preexec_fn=interruptible,
@@ -219,18 +235,17 @@ def test_interrupted_run_resumes_to_the_same_results(bench_recipe, data, tmp_pat
     kept = len(samples.read_text().splitlines())
     assert threshold <= kept < total
     assert json.loads((resumed / "results.json").read_text())["interrupted"] is True
-    subprocess.run(_command(bench_recipe, data, resumed), check=True, capture_output=True)
+    code, _, err = run(_command(recipe, data, resumed)[3:])  # the resumed run, in this process
+    assert code == 0, err
     assert _final_numbers(resumed) == _final_numbers(reference)
 
 
-def test_two_processes_give_the_samples_of_one(bench_recipe, data, tmp_path):
-    single, double = tmp_path / "single", tmp_path / "double"
-    subprocess.run(_command(bench_recipe, data, single), check=True, capture_output=True)
+def test_two_processes_give_the_samples_of_one(uninterrupted, tmp_path):
+    recipe, data, single = uninterrupted
+    double = tmp_path / "double"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run(
-        launcher + _command(bench_recipe, data, double)[1:], capture_output=True, text=True, env=env
-    )
+    result = subprocess.run(launcher + _command(recipe, data, double)[1:], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not list(double.glob("samples.rank*.jsonl"))
     assert _final_numbers(double)["samples"] == _final_numbers(single)["samples"]

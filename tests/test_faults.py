@@ -14,18 +14,27 @@ import signal
 from pathlib import Path
 
 import pytest
+import yaml
 
 from specdec_cli.results.store import LOCK, SAMPLES, ResultsStore
-from tests.conftest import one_error_line, specdec_args, start_specdec, tiny_recipe, wait_for_samples
+from tests.conftest import (
+    one_error_line,
+    specdec_args,
+    specdec_in_process,
+    start_specdec,
+    tiny_recipe,
+    wait_for_samples,
+)
 
 EXAMPLES = 16
 
 
-@pytest.fixture
-def bench_args(tiny_models, write_recipe, tmp_path):
+@pytest.fixture(scope="module")
+def bench_args(tiny_models, module_folder):
     """bench_args(output) -> the arguments of one small bench run (3 cells × EXAMPLES samples)."""
-    recipe = write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 16}))
-    data = {"source": tmp_path / "source.txt", "reference": tmp_path / "reference.txt"}
+    recipe = module_folder / "bench.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 16})))
+    data = {"source": module_folder / "source.txt", "reference": module_folder / "reference.txt"}
     data["source"].write_text("".join(f"the cat {i} sat on a mat\n" for i in range(EXAMPLES)))
     data["reference"].write_text("".join(f"le chat {i}\n" for i in range(EXAMPLES)))
 
@@ -46,33 +55,44 @@ def _records(folder: Path) -> dict:
     return records
 
 
-@pytest.fixture
-def reference(run, bench_args, tmp_path) -> dict:
-    code, _, err = run(bench_args(tmp_path / "reference"))
-    assert code == 0, err
-    records = _records(tmp_path / "reference")
+@pytest.fixture(scope="module")
+def reference(bench_args, module_folder) -> dict:
+    """The records of the bench run never interrupted, which every faulted run must end with."""
+    assert specdec_in_process(bench_args(module_folder / "reference")) == 0
+    records = _records(module_folder / "reference")
     assert len(records) == 3 * EXAMPLES
     return records
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_a_killed_bench_resumes_to_the_uninterrupted_records(run, bench_args, reference, tmp_path, signum):
-    generator = random.Random(int(signum))
+def _kill_point(generator: random.Random, done: int, last: int) -> int:
+    """A random count of samples past the ``done`` a resumed run starts from, in the first half of what is left
+    (so that each of three signals in turn lands while the run is running, never while it is still starting)."""
+    return generator.randint(done + 1, max(done + 1, done + (last - done) // 2))
+
+
+def _stop(process, output: Path, signum: int, count: int) -> str:
+    """Send ``signum`` to ``process`` once ``output`` holds ``count`` samples (or it ended); its stderr. One stopped
+    by SIGINT or SIGTERM while running ends as Ctrl-C does, exit 130 with the results so far written (unless its
+    last records were written before the signal landed)."""
+    wait_for_samples(output, count, process)
+    running = process.poll() is None
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=120)
+    if running and signum != signal.SIGKILL and process.returncode != 0:
+        assert process.returncode == 130, err
+        assert "interrupted" in err and json.loads((output / "results.json").read_text())["interrupted"]
+    return err
+
+
+def test_a_bench_killed_by_each_signal_resumes_to_the_uninterrupted_records(run, bench_args, reference, tmp_path):
+    """One run stopped by SIGINT, resumed and stopped by SIGTERM, resumed and killed (SIGKILL), each at a random
+    point, each a real process; then resumed to the end, it holds the uninterrupted run's records."""
+    generator = random.Random(0)
     output = tmp_path / "killed"
-    for _ in range(2):  # killed twice at random points, then run to the end
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
         done = (output / SAMPLES).read_bytes().count(b"\n") if (output / SAMPLES).exists() else 0
         process = start_specdec(bench_args(output))
-        last = 3 * EXAMPLES - 1
-        wait_for_samples(output, generator.randint(min(done + 1, last), last), process)
-        running = process.poll() is None
-        process.send_signal(signum)
-        _, err = process.communicate(timeout=120)
-        finished_first = process.returncode == 0  # its last records were written before the signal landed
-        if (
-            running and signum != signal.SIGKILL and not finished_first
-        ):  # handled like Ctrl-C: the results so far are written
-            assert process.returncode == 130, err
-            assert "interrupted" in err and json.loads((output / "results.json").read_text())["interrupted"]
+        _stop(process, output, signum, _kill_point(generator, done, 3 * EXAMPLES - 1))
     if process.returncode == -signal.SIGKILL:  # no clean end: the lock file stays, its lock freed with the process
         assert (output / LOCK).is_file()
     code, _, err = run(bench_args(output))
@@ -138,16 +158,17 @@ def test_a_second_writer_is_refused_and_named(run, bench_args, tmp_path):
         first.communicate()
 
 
-@pytest.fixture
-def acceptance_args(tiny_models, write_recipe, tmp_path):
+@pytest.fixture(scope="module")
+def acceptance_args(tiny_models, module_folder):
     """acceptance_args(output) -> one small acceptance run over EXAMPLES prompts."""
-    recipe = write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12}))
-    (tmp_path / "prompts.txt").write_text("".join(f"the cat {i} sat\n" for i in range(EXAMPLES)))
+    recipe = module_folder / "acceptance.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 12})))
+    (module_folder / "prompts.txt").write_text("".join(f"the cat {i} sat\n" for i in range(EXAMPLES)))
 
     compared = {"num_drafts": "1,2", "verifier": "speculative,specinfer,mentored", "kl": 0.1}
 
     def args(output: Path) -> list[str]:
-        return specdec_args("acceptance", recipe, prompt_file=tmp_path / "prompts.txt", output=output, **compared)
+        return specdec_args("acceptance", recipe, prompt_file=module_folder / "prompts.txt", output=output, **compared)
 
     return args
 
@@ -157,20 +178,22 @@ def _acceptance(folder: Path) -> tuple:
     return payload["prompts"], payload["table"], payload["interrupted"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_a_killed_acceptance_resumes_to_the_uninterrupted_table(run, acceptance_args, tmp_path, signum):
+def test_an_acceptance_killed_by_each_signal_resumes_to_the_uninterrupted_table(run, acceptance_args, tmp_path):
+    """As the bench above: one run stopped by SIGINT, SIGTERM and SIGKILL in turn, each a real process, then
+    resumed to the end; its table is the uninterrupted run's."""
     code, _, err = run(acceptance_args(tmp_path / "reference"))
     assert code == 0, err
     reference = _acceptance(tmp_path / "reference")
-    output = tmp_path / "killed"
-    process = start_specdec(acceptance_args(output))
-    wait_for_samples(output, random.Random(int(signum)).randint(1, EXAMPLES - 2), process)
-    running = process.poll() is None
-    process.send_signal(signum)
-    process.communicate(timeout=120)
-    finished_first = process.returncode == 0  # its last prompt ended before the signal landed
-    if running and signum != signal.SIGKILL and not finished_first:  # the prompts done so far are summarised at once
-        assert process.returncode == 130 and _acceptance(output)[2] is True
+    generator, output = random.Random(0), tmp_path / "killed"
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        done = (output / SAMPLES).read_bytes().count(b"\n") if (output / SAMPLES).exists() else 0
+        process = start_specdec(acceptance_args(output))
+        wait_for_samples(output, _kill_point(generator, done, EXAMPLES - 2), process)
+        running = process.poll() is None
+        process.send_signal(signum)
+        process.communicate(timeout=120)
+        if running and signum != signal.SIGKILL and process.returncode != 0:  # the prompts so far summarised at once
+            assert process.returncode == 130 and _acceptance(output)[2] is True
     code, _, err = run(acceptance_args(output))
     assert code == 0, err
     assert _acceptance(output) == reference

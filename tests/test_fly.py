@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections import Counter
-from contextlib import nullcontext
 
 import pytest
 import torch
 
 from specdec_cli.base.randomness import Draws
 from specdec_cli.base.sampling import sample_with
-from specdec_cli.engine.device_path import OperationCount, count_block
 from specdec_cli.kit import conformance
 from specdec_cli.kit.conformance import ConformanceError, check_verifier
 from specdec_cli.kit.testing import (
@@ -31,12 +28,9 @@ from specdec_cli.kit.testing import (
     target_sequence_law,
 )
 from specdec_cli.plugins.laws import excess_weights, normalized_excess, single_draft_draws
-from specdec_cli.plugins.registry import VerifierRegistry, load_verifier
-from specdec_cli.plugins.verifiers import device_path
+from specdec_cli.plugins.registry import load_verifier
 from specdec_plugins.fly import FLyVerification
 from tests.conftest import one_error_line, random_block
-from tests.test_device_path import graph_breaks
-from tests.test_verify_batch import assert_same, batch_draws, decided_alone, random_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -345,31 +339,13 @@ def test_the_kit_blocks_are_two_tokens_long():
     assert gaps[1] > 1e-3 and gaps[2] < 1e-12  # W = 1 is lossy on the kit's blocks; W = 2 keeps q there
 
 
-BAD_PARAMS = [{"window_size": 0}, {"entropy_top_k": 0}, {"entropy_threshold": -0.1}, {"entropy_threshold": math.inf}]
-
-
-@pytest.mark.parametrize(
-    "params",
-    [
-        {"window_size": 1, "entropy_threshold": 0.0},
-        {"window_size": 1, "entropy_threshold": 0.5, "entropy_top_k": 2},
-        {"window_size": 2, "entropy_threshold": 0.0},
-    ],
-    ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()),
-)
-def test_it_passes_the_kit(params):
-    check_verifier(FLyVerification, params, samples=1000, bad_params=BAD_PARAMS)
-
-
 def test_the_kit_catches_a_window_blind_variant():
     with pytest.raises(ConformanceError, match="do not follow its block_law"):
         check_verifier(WindowBlind, {"window_size": 1, "entropy_threshold": 0.0}, samples=1000)
 
 
-def test_the_flags_say_what_it_is():
-    cls = VerifierRegistry().load_class("fly")
-    assert (cls.lossless, cls.max_drafts, cls.token_level, cls.kl_bound_parameter) == (False, 1, False, None)
-    assert cls.batches_by_vmap and cls.capturable and cls.keyed_randomness and not cls.reading_cpu_path
+def test_the_defaults_say_what_it_is():
+    """Its flags are in tests/test_contracts.py, with every verifier's."""
     fly = _fly()
     assert (fly.window_size, fly.entropy_threshold, fly.entropy_top_k) == (None, 0.3, 3)
     assert [fly.window(length) for length in (1, 2, 4, 7, 12)] == [0, 1, 3, 6, 6]  # vLLM's min(6, L − 1)
@@ -380,68 +356,7 @@ def test_the_flags_say_what_it_is():
 # ------------------------------------------------------------------ batches, the device path, reads
 
 
-@pytest.mark.parametrize("forced_device_path", [False, True], ids=["cpu-path", "device-path"])
-def test_a_batch_decides_each_block_as_it_is_decided_alone(forced_device_path):
-    fly = _fly(window_size=2, entropy_threshold=0.0)
-    target, draft, tokens = random_batch(6, 1, 5, True)
-    draws = batch_draws(6)
-    with torch.inference_mode(), warnings.catch_warnings(), device_path() if forced_device_path else nullcontext():
-        # vmap's "performance drop" warning: an operation it has no batching rule for, and so loops.
-        warnings.filterwarnings("error", message="There is a performance drop")
-        batch = fly.verify_batch(target, draft, tokens, draws)
-        alone = decided_alone(fly, target, draft, tokens, draws)
-    assert_same(batch, alone)
-    assert batch.num_accepted.tolist() != [0] * 6
-
-
-def test_the_mapped_batch_dispatches_the_same_operations_at_any_batch_size_and_reads_nothing():
-    fly = _fly(window_size=2, entropy_threshold=0.0)
-
-    def count(batch: int) -> OperationCount:
-        target, draft, tokens = random_batch(batch, 1, 5, True)
-        with torch.inference_mode(), device_path(), OperationCount() as counted:
-            fly.verify_batch(target, draft, tokens, batch_draws(batch))
-        return counted
-
-    two, eight = count(2), count(8)
-    assert two.ops == eight.ops and eight.reads == 0, eight.read_names
-
-
-def test_the_device_path_has_a_fixed_count_of_operations_and_no_read():
-    fly = _fly(window_size=2, entropy_threshold=0.1)
-    for length in (1, 2, 4, 8):  # W ≥ L and W < L take the two shapes of the window test
-        counts = [
-            count_block(fly, *random_block(kind, 1, length, vocab, seed, True), Draws.create(seed, 0))
-            for vocab in (64, 4096)
-            for seed, kind in enumerate(("peaked", "equal", "disjoint", "flat_draft"))
-        ]
-        assert len({count.ops for count in counts}) == 1 and counts[0].ops <= 200
-        assert all(count.reads == 0 for count in counts), [count.read_names for count in counts]
-
-
-def test_verify_block_traces_into_one_graph():
-    """No graph break under dynamo with keyed draws (capturable: a CUDA graph may replay it)."""
-    block = random_block("peaked", 1, 4, 32, 0, True)
-    assert graph_breaks(_fly(window_size=2, entropy_threshold=0.0), block, Draws.create(1, 0)) == []
-
-
 # ------------------------------------------------------------------ parameters
-
-
-@pytest.mark.parametrize(
-    ("setting", "message"),
-    [
-        ("window_size=0", "window_size must be a whole number >= 1, got 0"),
-        ("entropy_top_k=-2", "entropy_top_k must be a whole number >= 1, got -2"),
-        ("entropy_threshold=-0.5", "entropy_threshold must be a finite number >= 0, got -0.5"),
-        ("entropy_threshold=.inf", "entropy_threshold must be a finite number >= 0, got inf"),
-        ("entropy_threshold=.nan", "entropy_threshold must be a finite number >= 0, got nan"),
-    ],
-)
-def test_a_bad_parameter_is_one_line(run, recipe_path, setting, message):
-    code, _, err = run(["generate", "-r", recipe_path, "--verifier", "fly", "--set", f"verifier.params.{setting}", "a"])
-    assert code == 2
-    one_error_line(err, f"verifier 'fly': {message}")
 
 
 def test_acceptance_says_it_has_no_per_token_acceptance(run, recipe_path):

@@ -10,15 +10,11 @@ batching, the device path and one graph. Its decisions against FSD's own code: t
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from specdec_cli.base.randomness import Draws
-from specdec_cli.engine.device_path import OperationCount, count_block
-from specdec_cli.kit.conformance import check_verifier
 from specdec_cli.kit.testing import (
     adversarial_distribution_pairs,
     block_acceptance,
@@ -26,9 +22,8 @@ from specdec_cli.kit.testing import (
     random_distributions,
 )
 from specdec_cli.plugins.registry import VerifierRegistry
-from specdec_cli.plugins.verifiers import BatchDecision, device_path
 from specdec_plugins.fuzzy import FSD_DIVERGENCES, FuzzySpeculative
-from tests.conftest import BLOCK_KINDS, one_error_line, random_block
+from tests.conftest import BLOCK_KINDS, random_block
 
 VOCAB = 6
 THRESHOLDS = {"js": (0.01, 0.05, 0.2), "kl": (0.02, 0.1, 0.5), "kl_reversed": (0.02, 0.1, 0.5), "tv": (0.05, 0.15, 0.4)}
@@ -278,130 +273,8 @@ def test_at_threshold_zero_the_output_law_is_the_target_law(fallback):
 
 # ------------------------------------------------------------------ the contract: kit, batches, device path, reads
 
-CONFIGURATIONS = [
-    {},
-    {"threshold": 0.05},
-    {"threshold": 0.1, "divergence": "kl"},
-    {"threshold": 0.1, "divergence": "kl_reversed", "laws": "sampling"},
-    {"threshold": 0.2, "divergence": "tv", "fallback": "speculative"},
-    {"threshold": 0.05, "laws": "sampling", "fallback": "speculative"},
-]
-REFUSED = [
-    {"threshold": -0.1},
-    {"threshold": math.inf},
-    {"threshold": math.nan},
-    {"divergence": "hellinger"},
-    {"divergence": "js_div"},
-    {"laws": "raw"},
-    {"fallback": "draft"},
-]
 
-
-@pytest.mark.parametrize("params", CONFIGURATIONS, ids=str)
-def test_it_passes_the_authors_kit(params):
-    check_verifier(FuzzySpeculative, params, samples=1000, bad_params=REFUSED)
-
-
-def test_its_capability_flags():
+def test_it_is_registered_at_its_second_revision():
+    """Its flags are in tests/test_contracts.py, with every verifier's."""
     cls = VerifierRegistry().load_class("fuzzy")
-    assert cls is FuzzySpeculative
-    assert (cls.lossless, cls.max_drafts, cls.token_level, cls.kl_bound_parameter) == (False, 1, True, None)
-    assert cls.batches_by_vmap and cls.capturable and cls.keyed_randomness and not cls.reading_cpu_path
-    assert cls.revision() == 2
-
-
-@pytest.mark.parametrize(
-    ("param", "value", "message"),
-    [
-        ("threshold", "-1", "verifier 'fuzzy': threshold must be a finite number >= 0, got -1"),
-        ("threshold", ".inf", "verifier 'fuzzy': threshold must be a finite number >= 0, got inf"),
-        ("threshold", ".nan", "verifier 'fuzzy': threshold must be a finite number >= 0, got nan"),
-        ("divergence", "hellinger", "divergence must be 'js' or 'kl' or 'kl_reversed' or 'tv', got 'hellinger'"),
-        ("fallback", "draft", "fallback must be 'target' or 'speculative', got 'draft'"),
-    ],
-)
-def test_a_bad_parameter_is_one_line(run, recipe_path, param, value, message):
-    code, _, err = run(
-        ["generate", "-r", str(recipe_path), "--verifier", "fuzzy", "--set", f"verifier.params.{param}={value}", "a"]
-    )
-    assert code == 2
-    one_error_line(err, message)
-
-
-def _batch(batch: int, vocab: int = 16, judged: bool = False):
-    blocks = [
-        random_block(BLOCK_KINDS[b % len(BLOCK_KINDS)], 1, 4, vocab, seed=b, identical_drafts=False)
-        for b in range(batch)
-    ]
-    draws = Draws.batch([100 + b for b in range(batch)])
-    draws.block_start.copy_(torch.arange(batch) * 3)
-    target, draft, tokens = (torch.stack(parts) for parts in zip(*blocks))
-    laws = (target.flip(-1), draft.flip(-1)) if judged else None  # other laws than the handed ones
-    return target, draft, tokens, draws, laws
-
-
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("judged", [False, True], ids=["handed", "judged"])
-@pytest.mark.parametrize("params", CONFIGURATIONS, ids=str)
-def test_a_mapped_batch_decides_each_block_as_alone_in_the_same_operations_and_reads_nothing(params, judged):
-    verifier = _fuzzy(**params)
-    target, draft, tokens, draws, laws = _batch(7, judged=judged)
-    extra = {} if laws is None else {"judged": laws}
-    with torch.inference_mode(), warnings.catch_warnings(), device_path():
-        warnings.filterwarnings("error", message="There is a performance drop")  # vmap looping an operation
-        batch = verifier.verify_batch(target, draft, tokens, draws, **extra)
-        alone = BatchDecision.stack(
-            [
-                verifier.verify_block(
-                    target[b],
-                    draft[b],
-                    tokens[b],
-                    draws.row(b),
-                    **({} if laws is None else {"judged": (laws[0][b], laws[1][b])}),
-                )
-                for b in range(7)
-            ]
-        )
-    for field in ("tokens", "num_accepted", "row"):
-        assert torch.equal(getattr(batch, field), getattr(alone, field)), field
-
-    def count(size: int) -> OperationCount:
-        *block, batch_draws, batch_laws = _batch(size, judged=judged)
-        with torch.inference_mode(), device_path(), OperationCount() as counted:
-            verifier.verify_batch(*block, batch_draws, **({} if batch_laws is None else {"judged": batch_laws}))
-        return counted
-
-    two, eight = count(2), count(8)
-    assert two.ops == eight.ops
-    assert eight.reads == 0, eight.read_names
-
-
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("params", CONFIGURATIONS, ids=str)
-def test_the_device_path_reads_nothing_in_a_fixed_number_of_operations(params):
-    """On every kind of block at two vocabularies: no read, the same operations whatever the data (at one length),
-    and within the single-draft budget of 200 a block."""
-    verifier = _fuzzy(**params)
-    for length in (4, 8):
-        counts = [
-            count_block(verifier, *random_block(kind, 1, length, vocab, seed, False), Draws.create(1000 + seed, seed))
-            for vocab in (64, 4096)
-            for seed, kind in enumerate(BLOCK_KINDS)
-        ]
-        assert all(count.reads == 0 for count in counts), [count.read_names for count in counts]
-        assert len({count.ops for count in counts}) == 1, [count.ops for count in counts]
-        assert counts[0].ops <= 200
-
-
-@pytest.mark.parametrize("divergence", sorted(THRESHOLDS))
-def test_verify_block_traces_into_one_graph(divergence):
-    """Dynamo traces a block with keyed draws, and with judged laws, without a graph break (what --compile and a
-    CUDA graph need)."""
-    target, draft, tokens = random_block("peaked", 1, 4, 32, seed=0, identical_drafts=False)
-    torch._dynamo.reset()
-    counters.clear()
-    with device_path():
-        verify = torch.compile(_fuzzy(0.1, divergence).verify_block, backend="eager")
-        verify(target, draft, tokens, Draws.create(0, 0))
-        verify(target, draft, tokens, Draws.create(0, 0), judged=(target.flip(-1), draft.flip(-1)))
-    assert not counters["graph_break"], list(counters["graph_break"])
+    assert cls is FuzzySpeculative and cls.revision() == 2

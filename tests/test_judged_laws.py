@@ -13,10 +13,12 @@ import torch
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.base.sampling import SamplingParams, judged_params, sampling_law
 from specdec_cli.engine.decoder import SpeculativeDecoder
+from specdec_cli.plugins.drafter_registry import DrafterRegistry
 from specdec_cli.plugins.drafting import SequenceDrafter, SequenceProposal
+from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_plugins.fuzzy import FuzzySpeculative
 from specdec_plugins.speculative import SpeculativeSampling
-from tests.conftest import DrafterRegistryWith, VerifierRegistryWith, tiny_recipe
+from tests.conftest import tiny_recipe
 
 SAMPLING = {"temperature": 0.5, "top_k": 0, "top_p": 0.8}
 
@@ -61,7 +63,7 @@ def _decoder(tiny_models, verifier: str, drafters=None, **generation):
         verifier={"name": verifier, "params": {"threshold": 0.02}} if verifier == "recorder" else {"name": verifier},
         generation={"max_new_tokens": 10, **SAMPLING, **generation},
     )
-    registry = VerifierRegistryWith({"recorder": Recorder, "plain": Plain})
+    registry = VerifierRegistry(extra={"recorder": Recorder, "plain": Plain})
     return SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=registry, drafters=drafters)
 
 
@@ -118,12 +120,12 @@ def test_a_sampling_drafter_that_reports_no_judged_laws_is_refused_before_the_mo
         **tiny_recipe(tiny_models, "llama", verifier={"name": "fuzzy", "params": {"threshold": 0.1}}),
         "draft": {"drafter": "uniform"},
     }
-    drafters = DrafterRegistryWith({"uniform": SamplingWithoutJudged})
+    drafters = DrafterRegistry(extra={"uniform": SamplingWithoutJudged})
     with pytest.raises(Exception) as refused:
-        SpeculativeDecoder.check_recipe(build_recipe(recipe), VerifierRegistryWith({}), drafters=drafters)
+        SpeculativeDecoder.check_recipe(build_recipe(recipe), VerifierRegistry(extra={}), drafters=drafters)
     assert "judges drafts by their unprocessed laws, which drafter 'uniform' does not report" in str(refused.value)
     sampling = {**recipe, "verifier": {"name": "fuzzy", "params": {"threshold": 0.1, "laws": "sampling"}}}
-    SpeculativeDecoder.check_recipe(build_recipe(sampling), VerifierRegistryWith({}), drafters=drafters)
+    SpeculativeDecoder.check_recipe(build_recipe(sampling), VerifierRegistry(extra={}), drafters=drafters)
 
 
 def test_prompt_lookup_stands_with_its_one_hot_laws(run, tiny_models, write_recipe):
@@ -156,4 +158,4 @@ def test_a_verifier_naming_an_unknown_view_is_its_fault(tiny_models):
 
     recipe = tiny_recipe(tiny_models, "llama", verifier={"name": "confused"})
     with pytest.raises(Exception, match="sets judged_laws 'raw'; set one of unprocessed, untruncated, or None"):
-        SpeculativeDecoder.check_recipe(build_recipe(recipe), VerifierRegistryWith({"confused": Confused}))
+        SpeculativeDecoder.check_recipe(build_recipe(recipe), VerifierRegistry(extra={"confused": Confused}))

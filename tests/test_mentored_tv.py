@@ -24,8 +24,8 @@ from specdec_cli.plugins.parameters import PluginParameterError
 from specdec_cli.plugins.registry import VerifierRegistry, load_verifier
 from specdec_cli.plugins.verifiers import device_path
 from specdec_plugins.mentored import MentoredDecoding
-from tests.conftest import one_error_line, random_block
-from tests.test_verify_batch import assert_same, batch_draws, decided_alone, random_batch
+from tests.conftest import random_block
+from tests.test_verify_batch import batch_draws, decided_alone, random_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -254,22 +254,6 @@ def test_the_kl_rule_at_the_tv_rules_spent_kl_accepts_at_least_as_much(seed):
 # ------------------------------------------------------------------ the author's kit, batches and the device path
 
 
-def test_mentored_tv_passes_the_kit():
-    check_verifier(MentoredDecoding, {"kl": 0.1, "divergence": "tv"}, samples=1000)
-
-
-@pytest.mark.parametrize("forced_device_path", [False, True], ids=["cpu-path", "device-path"])
-@pytest.mark.parametrize("params", [{"kl": 0.3, "divergence": "tv"}, {"kl": 0.3, "divergence": "kl"}])
-def test_a_batch_decides_each_block_as_it_is_decided_alone(params, forced_device_path):
-    verifier = load_verifier("mentored", params)
-    target, draft, tokens = random_batch(7, 1, 4, False)
-    draws = batch_draws(7)
-    with torch.inference_mode(), device_path() if forced_device_path else nullcontext():
-        batch = verifier.verify_batch(target, draft, tokens, draws)
-        alone = decided_alone(verifier, target, draft, tokens, draws)
-    assert_same(batch, alone)
-
-
 def test_a_batch_decided_with_another_sequences_draws_differs():
     """Negative control for the batch comparison."""
     verifier = _mentored(0.3)
@@ -297,29 +281,7 @@ def test_the_tv_block_dispatches_a_fixed_number_of_operations_and_reads_nothing(
     assert next(iter(counts))[1] == 0
 
 
-def test_the_batched_tv_rule_dispatches_the_same_operations_at_any_batch_size_and_reads_nothing():
-    verifier = _mentored(0.3)
-
-    def count(batch: int) -> OperationCount:
-        target, draft, tokens = random_batch(batch, 1, 4, False)
-        with torch.inference_mode(), device_path(), OperationCount() as counted:
-            verifier.verify_batch(target, draft, tokens, batch_draws(batch))
-        return counted
-
-    two, eight = count(2), count(8)
-    assert two.ops == eight.ops
-    assert eight.reads == 0, eight.read_names
-
-
 # ------------------------------------------------------------------ parameters
-
-
-def test_a_bad_divergence_is_one_line(run, recipe_path):
-    code, _, err = run(
-        ["generate", "-r", recipe_path, "--verifier", "mentored", "--set", "verifier.params.divergence=js", "a"]
-    )
-    assert code == 2
-    one_error_line(err, "divergence")
 
 
 def test_a_good_divergence_generates(run, recipe_path):
@@ -360,9 +322,3 @@ class OverspentTV(MentoredDecoding):
 def test_the_kit_fails_a_tv_rule_over_its_bound():
     with pytest.raises(ConformanceError, match=r"TV [0-9.e-]+ from the target's, over the bound 0.1"):
         check_verifier(OverspentTV, {"kl": 0.1, "divergence": "tv"}, samples=300)
-
-
-def test_the_tv_block_traces_into_one_graph():
-    target, draft, tokens = random_block("peaked", 1, 4, 32, 0, True)
-    explained = torch._dynamo.explain(_mentored(0.3).verify_block)(target, draft, tokens, Draws.create(key=1))
-    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons

@@ -17,9 +17,10 @@ from specdec_cli import SpeculativeDecoder
 from specdec_cli.base.errors import ModelLoadError
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.kit.testing import TINY_VOCAB, chi_square_p_value, save_tiny_model, tiny_tokenizer
+from specdec_cli.plugins.drafter_registry import DrafterRegistry
 from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_plugins.retokenized_drafter import RetokenizedDrafter
-from tests.conftest import DrafterRegistryWith, one_error_line
+from tests.conftest import one_error_line
 from tests.retokenize_models import (
     DRAFT_VOCAB,
     PROMPTS,
@@ -110,7 +111,7 @@ def test_the_first_tokens_follow_the_targets_law_through_every_lossless_verifier
 
 def test_a_misreported_law_fails_the_same_chi_square(models):
     """Negative control: the same drafter reporting the uniform law."""
-    drafters = DrafterRegistryWith({MisreportingRetokenizer.name: MisreportingRetokenizer})
+    drafters = DrafterRegistry(extra={MisreportingRetokenizer.name: MisreportingRetokenizer})
     recipe = _recipe(models, entry={"drafter": MisreportingRetokenizer.name, "model": str(models["same-weights"])})
     lying = SpeculativeDecoder.from_recipe(build_recipe(recipe), drafters=drafters)
     counts, law, _ = first_tokens(lying, 1000, batch_size=4)

@@ -22,7 +22,6 @@ from specdec_cli.plugins.drafter_registry import DrafterRegistry
 from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_plugins._vocab_intersection import VocabularyIntersection
 from specdec_plugins.retokenized_drafter import SampledRetokenizedDrafter
-from tests.conftest import DrafterRegistryWith
 from tests.retokenize_models import (
     DRAFT_VOCAB,
     PROMPTS,
@@ -67,7 +66,7 @@ def _decoder(
     speculation = {key: settings.pop(key) for key in ("kv_cache", "static_cache") if key in settings}
     recipe.update(verifier={"name": verifier}, speculation={"draft_length": 3, "num_drafts": num_drafts, **speculation})
     recipe["generation"].update(settings)
-    return SpeculativeDecoder.from_recipe(build_recipe(recipe), drafters=DrafterRegistryWith({drafter.name: drafter}))
+    return SpeculativeDecoder.from_recipe(build_recipe(recipe), drafters=DrafterRegistry(extra={drafter.name: drafter}))
 
 
 # --------------------------------------------------------------------------- the target's law
@@ -231,7 +230,9 @@ def test_an_entry_without_a_model_is_one_line_before_any_model_loads(models):
     recipe = retokenize_recipe(models, entry={"drafter": SAMPLE})
     with pytest.raises(UsageError) as error:
         SpeculativeDecoder.check_recipe(
-            build_recipe(recipe), VerifierRegistry(), drafters=DrafterRegistryWith({SAMPLE: SampledRetokenizedDrafter})
+            build_recipe(recipe),
+            VerifierRegistry(),
+            drafters=DrafterRegistry(extra={SAMPLE: SampledRetokenizedDrafter}),
         )
     assert str(error.value) == (
         f"drafts.0: the {SAMPLE} drafter needs 'model' (hub id, local directory or .gguf file) and no 'early_exit': "

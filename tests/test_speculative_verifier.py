@@ -69,20 +69,6 @@ def test_all_none_and_some_accepted():
     assert token.tolist() == [1, 2, 2]
 
 
-def test_batched_equals_one_at_a_time():
-    verifier = SpeculativeSampling()
-    generator = torch.Generator().manual_seed(3)
-    q = random_distributions(generator, (4, 3, 6))  # [batch, positions, V]
-    p = random_distributions(generator, (4, 3, 1, 6))  # [batch, positions, K, V]
-    x = torch.multinomial(p.reshape(-1, 6), 1, generator=generator).reshape(4, 3, 1)
-    batched = verifier.conditional(q, p, x)  # [4, 3, 6]
-    acceptance = verifier.acceptance_probability(q, p)  # [4, 3]
-    for b in range(4):
-        for t in range(3):
-            torch.testing.assert_close(batched[b, t], verifier.conditional(q[b, t], p[b, t], x[b, t]))
-            torch.testing.assert_close(acceptance[b, t], verifier.acceptance_probability(q[b, t], p[b, t]))
-
-
 def test_greedy_one_hot_target_never_nan():
     verifier = SpeculativeSampling()
     q = torch.tensor([0.0, 1.0, 0.0])

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from specdec_cli.base.randomness import Draws
-from specdec_cli.engine.device_path import OperationCount
-from specdec_cli.kit.conformance import check_verifier
 from specdec_cli.kit.testing import (
     adversarial_distribution_pairs,
     candidate_acceptance,
@@ -23,9 +21,8 @@ from specdec_cli.kit.testing import (
     target_sequence_law,
 )
 from specdec_cli.plugins.registry import VerifierRegistry
-from specdec_cli.plugins.verifiers import BatchDecision, device_path
 from specdec_plugins.threshold import ThresholdAcceptance
-from tests.conftest import one_error_line, random_block
+from tests.conftest import random_block
 
 VOCAB = 5
 SETTINGS = [(1.0, 1.0), (0.5, 0.5), (0.3, 1.0), (1.0, 0.2), (0.0, 1.0), (0.9, 0.05), (1.2, 0.0), (-1.0, 2.0)]
@@ -158,53 +155,3 @@ def test_lower_thresholds_accept_more_along_a_block():
         for verifier in verifiers
     ]
     assert accepted[0] < accepted[1] < accepted[2] < accepted[3] == 100 * 4  # s = 0 takes every draft token
-
-
-@pytest.mark.parametrize(("single", "acc"), [(1.0, 1.0), (0.5, 0.5), (0.2, 0.7)])
-def test_it_passes_the_plugin_authors_kit(single, acc):
-    refused = [{"single": float("nan")}, {"acc": float("nan")}]
-    check_verifier(ThresholdAcceptance, {"single": single, "acc": acc}, samples=1000, bad_params=refused)
-
-
-def test_a_batch_decides_each_block_as_it_is_decided_alone_and_reads_nothing():
-    """verify_batch (mapped by vmap) equals verify_block with each sequence's own draws; on the device path it
-    reads nothing and dispatches as many operations for 8 blocks as for 2."""
-    verifier = _threshold(0.4, 0.6)
-    assert ThresholdAcceptance.batches_by_vmap and ThresholdAcceptance.capturable
-
-    def batch(size: int):
-        kinds = ["peaked", "near_one_token", "disjoint", "flat_draft"]
-        blocks = [random_block(kinds[b % 4], 1, 4, 16, seed=b, identical_drafts=True) for b in range(size)]
-        draws = Draws.batch([100 + b for b in range(size)])
-        draws.block_start.copy_(torch.arange(size) * 3)
-        return *(torch.stack(parts) for parts in zip(*blocks)), draws
-
-    target, draft, tokens, draws = batch(4)
-    decided = verifier.verify_batch(target, draft, tokens, draws)
-    alone = BatchDecision.stack([verifier.verify_block(target[b], draft[b], tokens[b], draws.row(b)) for b in range(4)])
-    for field in ("tokens", "num_accepted", "row"):
-        assert torch.equal(getattr(decided, field), getattr(alone, field)), field
-
-    counts = []
-    for size in (2, 8):
-        inputs = batch(size)
-        with torch.inference_mode(), device_path(), OperationCount() as counted:
-            verifier.verify_batch(*inputs)
-        counts.append(counted)
-    assert counts[0].ops == counts[1].ops
-    assert counts[1].reads == 0, counts[1].read_names
-
-
-@pytest.mark.parametrize(
-    ("setting", "message"),
-    [
-        ("single=.nan", "single must be a number, got nan"),
-        ("acc=.nan", "acc must be a number, got nan"),
-    ],
-)
-def test_a_threshold_that_is_not_a_number_is_one_line(run, recipe_path, setting, message):
-    code, _, err = run(
-        ["generate", "-r", str(recipe_path), "--verifier", "threshold", "--set", f"verifier.params.{setting}", "a"]
-    )
-    assert code == 2
-    one_error_line(err, f"verifier 'threshold': {message}")

@@ -11,22 +11,16 @@ block in the engine; parameters out of range refused in one line.
 from __future__ import annotations
 
 import math
-import warnings
-from contextlib import nullcontext
 
 import pytest
 import torch
 
 from specdec_cli.base.randomness import Draws
 from specdec_cli.base.sampling import sample_with
-from specdec_cli.engine.device_path import OperationCount, count_block
-from specdec_cli.kit.conformance import check_verifier
 from specdec_cli.kit.testing import candidate_acceptance, enumerate_output_law, random_distributions
 from specdec_cli.plugins.laws import single_draft_draws
 from specdec_cli.plugins.registry import VerifierRegistry
-from specdec_cli.plugins.verifiers import BatchDecision, device_path
 from specdec_plugins.typical import TypicalAcceptance
-from tests.conftest import Case, one_error_line, random_block, random_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -241,113 +235,7 @@ def test_the_bonus_is_the_keyed_draw_from_q():
     torch.testing.assert_close(counts / counts.sum(), bonus_law.float(), atol=0.035, rtol=0)
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=str)
-def test_it_passes_the_authors_kit(params):
-    """The block law (the base class's walk over the one-hot conditional) sums to 1 and verify_block samples it."""
-    check_verifier(
-        TypicalAcceptance,
-        params,
-        samples=1000,
-        bad_params=[{"threshold": 0.0}, {"threshold": 1.5}, {"alpha": 0.0}, {"alpha": math.inf}, {"alpha": math.nan}],
-    )
-
-
-def test_its_capability_flags():
-    cls = VerifierRegistry().load_class("typical")
-    assert cls is TypicalAcceptance
-    assert (cls.lossless, cls.max_drafts, cls.token_level, cls.kl_bound_parameter) == (False, 1, True, None)
-    assert cls.batches_by_vmap and cls.capturable and cls.keyed_randomness and not cls.reading_cpu_path
-    assert cls.reason_to_refuse(2, True) == "verifier 'typical' takes at most 1 draft(s) per position"
-
-
 # --------------------------------------------------------------------------- the device path and batches
 
 
-@pytest.mark.parametrize("draft_length", [4, 8])
-def test_the_device_path_reads_nothing_and_counts_the_same_for_any_data(draft_length):
-    counts = [
-        count_block(TypicalAcceptance(), *block, draws)
-        for vocab in (64, 4096)
-        for _, block, draws in random_blocks(Case("typical", 1), draft_length, vocab)
-    ]
-    assert {count.reads for count in counts} == {0}, [count.read_names for count in counts]
-    assert len({count.ops for count in counts}) == 1
-    assert counts[0].ops <= 200
-
-
-def test_verify_block_traces_into_one_graph():
-    from torch._dynamo.utils import counters
-
-    _, block, draws = next(random_blocks(Case("typical", 1), 4, 32))
-    torch._dynamo.reset()
-    counters.clear()
-    with device_path():
-        decision = torch.compile(TypicalAcceptance().verify_block, backend="eager")(*block, draws)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    eager = TypicalAcceptance().verify_block(*block, draws)
-    assert torch.equal(decision.tokens, eager.tokens) and torch.equal(decision.num_accepted, eager.num_accepted)
-
-
-KINDS = ("peaked", "near_one_token", "equal", "disjoint", "flat_draft")
-
-
-def _batch(batch: int):
-    blocks = [random_block(KINDS[b % len(KINDS)], 1, 4, 16, seed=b, identical_drafts=True) for b in range(batch)]
-    target, draft, tokens = (torch.stack(parts) for parts in zip(*blocks))  # [B, 1, L+1, V], [B, 1, L, V], [B, 1, L]
-    draws = Draws.batch([100 + b for b in range(batch)])
-    draws.block_start.copy_(torch.arange(batch) * 3)
-    return target, draft, tokens, draws
-
-
-@pytest.mark.parametrize("forced_device_path", [False, True], ids=["cpu-path", "device-path"])
-@pytest.mark.parametrize("params", PARAMS, ids=str)
-def test_a_mapped_batch_decides_each_block_as_it_is_decided_alone(params, forced_device_path):
-    verifier = _typical(**params)
-    target, draft, tokens, draws = _batch(7)
-    with torch.inference_mode(), warnings.catch_warnings():
-        warnings.filterwarnings("error", message="There is a performance drop")  # an op vmap would loop
-        with device_path() if forced_device_path else nullcontext():
-            batch = verifier.verify_batch(target, draft, tokens, draws)
-        alone = BatchDecision.stack(
-            [verifier.verify_block(target[b], draft[b], tokens[b], draws.row(b)) for b in range(7)]
-        )
-    for field in ("tokens", "num_accepted", "row"):
-        assert torch.equal(getattr(batch, field), getattr(alone, field)), field
-    assert 0 < int(batch.num_accepted.sum()) < 7 * 4  # some blocks keep tokens, some stop
-
-
-def test_the_mapped_batch_dispatches_the_same_operations_at_any_batch_size_and_reads_nothing():
-    verifier = _typical()
-
-    def count(batch: int) -> OperationCount:
-        target, draft, tokens, draws = _batch(batch)
-        with torch.inference_mode(), device_path(), OperationCount() as counted:
-            verifier.verify_batch(target, draft, tokens, draws)
-        return counted
-
-    two, eight = count(2), count(8)
-    assert two.ops == eight.ops
-    assert eight.reads == 0, eight.read_names
-
-
 # --------------------------------------------------------------------------- the engine and the command line
-
-
-@pytest.mark.parametrize(
-    "setting, message",
-    [
-        ("threshold=0", "threshold must be a number in (0, 1], got 0"),
-        ("threshold=1.5", "threshold must be a number in (0, 1], got 1.5"),
-        ("threshold=.nan", "threshold must be a number in (0, 1], got nan"),
-        ("alpha=0", "alpha must be a finite number > 0, got 0"),
-        ("alpha=-0.3", "alpha must be a finite number > 0, got -0.3"),
-        ("alpha=.inf", "alpha must be a finite number > 0, got inf"),
-        ("alpha=.nan", "alpha must be a finite number > 0, got nan"),
-    ],
-)
-def test_a_parameter_out_of_range_is_one_line(run, recipe_path, setting, message):
-    code, _, err = run(
-        ["generate", "-r", str(recipe_path), "--verifier", "typical", "--set", f"verifier.params.{setting}", "a"]
-    )
-    assert code == 2
-    one_error_line(err, f"verifier 'typical': {message}")

@@ -16,7 +16,7 @@ from specdec_cli.kit.testing import (
     optimal_acceptance,
     random_distributions,
 )
-from specdec_cli.plugins.registry import VerifierRegistry, load_verifier
+from specdec_cli.plugins.registry import load_verifier
 from specdec_cli.plugins.verifiers import BlockVerifier, Verifier, device_path
 from specdec_plugins._importance import Problems
 
@@ -373,40 +373,6 @@ def test_mentored_rejects_bad_parameters(kl):
 
 # --------------------------------------------------------------------------- capability flags
 
-FLAGS = (
-    "lossless",
-    "identical_drafts",
-    "token_level",
-    "keyed_randomness",
-    "capturable",
-    "reading_cpu_path",
-    "batches_by_vmap",
-)
-FAST = {"keyed_randomness", "capturable", "batches_by_vmap"}
-BUILT_IN_FLAGS = {  # name: (the flags that are True, max_drafts, kl_bound_parameter), as each built-in once spelt them
-    "speculative": ({"lossless", "token_level", *FAST}, 1, None),
-    "mentored": ({"token_level", "reading_cpu_path", *FAST}, 1, "kl"),
-    "ensemble": ({"token_level", *FAST}, 1, None),
-    "typical": ({"token_level", *FAST}, 1, None),
-    "threshold": ({"token_level", *FAST}, 1, None),
-    "fuzzy": ({"token_level", *FAST}, 1, None),
-    "fly": (FAST, 1, None),
-    "cactus": ({"token_level", *FAST}, 1, None),
-    "match": ({"lossless", "token_level", *FAST}, None, None),
-    "specinfer": ({"lossless", "token_level", "reading_cpu_path", *FAST}, None, None),
-    "spectr": ({"lossless", "identical_drafts", "token_level", "reading_cpu_path", *FAST}, None, None),
-    "block": ({"lossless", *FAST}, 1, None),
-    "is-lp": ({"lossless", "token_level", "keyed_randomness", "capturable", "reading_cpu_path"}, None, None),
-    "is-truncated": ({"lossless", "token_level", "keyed_randomness", "capturable", "reading_cpu_path"}, None, None),
-}
-
-
-@pytest.mark.parametrize("name", sorted(BUILT_IN_FLAGS))
-def test_each_built_in_keeps_its_capability_flags(name):
-    cls = VerifierRegistry().load_class(name)
-    flags = {flag for flag in FLAGS if getattr(cls, flag)}
-    assert (flags, cls.max_drafts, cls.kl_bound_parameter) == BUILT_IN_FLAGS[name]
-
 
 class _ConditionalOnly(Verifier):
     """A token-level plugin that writes only the law: every draw is the base class's own."""
@@ -461,21 +427,6 @@ def test_select_samples_the_conditional_law(name):
     assert observed[~support].sum() == 0
     assert chisquare(observed[support].numpy(), (law[support] / law[support].sum() * n).numpy()).pvalue > 1e-3
     assert torch.equal(accepted, (tokens.unsqueeze(-1) == candidates).any(-1))
-
-
-@pytest.mark.parametrize("name", LOSSLESS + ["mentored"])
-def test_batched_equals_one_at_a_time(name):
-    verifier = load_verifier(name, {"kl": 0.1} if name == "mentored" else {})
-    num_drafts = 1 if verifier.max_drafts == 1 else 2
-    generator = torch.Generator().manual_seed(8)
-    target = random_distributions(generator, (3, 2, 5))  # [batch, positions, V]
-    draft = random_distributions(generator, (3, 2, 1, 5)).expand(-1, -1, num_drafts, -1)  # [batch, pos, K, V]
-    tokens = torch.multinomial(draft.reshape(-1, 5), 1, generator=generator).reshape(3, 2, num_drafts)
-    batched = verifier.conditional(target, draft, tokens)  # [3, 2, V]
-    acceptance = verifier.acceptance_probability(target, draft)  # [3, 2]
-    for b, t in itertools.product(range(3), range(2)):
-        torch.testing.assert_close(batched[b, t], verifier.conditional(target[b, t], draft[b, t], tokens[b, t]))
-        torch.testing.assert_close(acceptance[b, t], verifier.acceptance_probability(target[b, t], draft[b, t]))
 
 
 def test_spectr_refuses_different_drafts():
