@@ -128,13 +128,13 @@ def test_world_size_without_torchrun_is_one_line(run, inputs, monkeypatch):
 def test_an_unwritable_cache_is_refused_before_the_conversion(tmp_path, monkeypatch):
     """The GGUF conversion takes a minute on the default model: the cache is checked first."""
     from specdec_cli.base.errors import UsageError
-    from specdec_cli.models.loading import _cached_gguf_conversion
+    from specdec_cli.models.gguf_cache import cached_gguf_conversion
 
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     (tmp_path / "not-a-folder").write_text("")
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "not-a-folder"))
     with pytest.raises(UsageError, match="cannot write to the cache folder .SPECDEC_CACHE."):
-        _cached_gguf_conversion(str(tmp_path), "model.gguf", {})
+        cached_gguf_conversion(str(tmp_path), "model.gguf", {})
 
 
 def test_a_damaged_safetensors_file_is_one_line(run, tiny_models, write_recipe, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from specdec_cli.base.errors import UsageError
 from specdec_cli.models import loading
-from specdec_cli.models.loading import _cached_gguf_conversion, _content_digest
+from specdec_cli.models.gguf_cache import cached_gguf_conversion, content_digest
 from specdec_cli.results.store import LOCK, SAMPLES, ResultsStore
 from tests.conftest import acceptance_of_one_prompt, bench_on_files, one_error_line, tiny_recipe
 
@@ -206,13 +206,13 @@ def test_the_same_gguf_content_in_two_places_converts_once(tiny_gguf, tmp_path, 
     for copy in copies:
         copy.parent.mkdir()
         shutil.copyfile(tiny_gguf, copy)
-    converted = {_cached_gguf_conversion(str(copy.parent), copy.name, {}) for copy in copies}
+    converted = {cached_gguf_conversion(str(copy.parent), copy.name, {}) for copy in copies}
     assert len(converted) == 1 and list((tmp_path / "cache" / "gguf").iterdir()) == [Path(*converted)]
     assert "Converting" not in capsys.readouterr().err
     with open(copies[1], "r+b") as handle:  # the same size and name, other weights in its last tensor
         handle.seek(-4, os.SEEK_END)
         handle.write(b"\x00\x00\x80\x3f")
-    changed = _cached_gguf_conversion(str(copies[1].parent), copies[1].name, {})
+    changed = cached_gguf_conversion(str(copies[1].parent), copies[1].name, {})
     assert changed not in converted
     assert sorted((tmp_path / "cache" / "gguf").iterdir()) == sorted(map(Path, {*converted, changed}))
 
@@ -222,13 +222,13 @@ def test_a_remembered_digest_is_trusted_only_when_plausible(tiny_gguf, tmp_path,
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
-    assert _content_digest(tiny_gguf) == digest
+    assert content_digest(tiny_gguf) == digest
     [memo] = (tmp_path / "gguf-digests").iterdir()
     assert memo.read_text() == digest + "\n"
     memo.write_text("half a digest")
-    assert _content_digest(tiny_gguf) == digest and memo.read_text() == digest + "\n"
+    assert content_digest(tiny_gguf) == digest and memo.read_text() == digest + "\n"
     memo.write_text("f" * 64)  # plausible: taken without reading the file again
-    assert _content_digest(tiny_gguf) == "f" * 64
+    assert content_digest(tiny_gguf) == "f" * 64
 
 
 def test_the_conversion_bar_shows_only_when_the_libraries_bars_are_on(tiny_gguf, tmp_path, monkeypatch, capsys):
@@ -237,7 +237,7 @@ def test_the_conversion_bar_shows_only_when_the_libraries_bars_are_on(tiny_gguf,
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     logging.enable_progress_bar()  # as --verbose leaves it
     try:
-        _cached_gguf_conversion(str(tiny_gguf.parent), tiny_gguf.name, {})
+        cached_gguf_conversion(str(tiny_gguf.parent), tiny_gguf.name, {})
     finally:
         logging.disable_progress_bar()
     assert "Converting and de-quantizing GGUF tensors" in capsys.readouterr().err
@@ -248,7 +248,7 @@ def test_an_unreadable_gguf_file_is_one_line(tmp_path, monkeypatch):
     gguf.write_bytes(b"GGUF")
     monkeypatch.setattr("builtins.open", _refusing_open(gguf))
     with pytest.raises(loading.ModelLoadError, match=f"cannot read the GGUF file '{gguf}' .Permission denied."):
-        _content_digest(gguf)
+        content_digest(gguf)
 
 
 def _refusing_open(refused: Path):

@@ -23,7 +23,7 @@ from specdec_cli.base.inputs import cache_dir
 from specdec_cli.base.recipe import check_expanded_size
 from specdec_cli.base.sampling import SamplingParams, sampling_law
 from specdec_cli.bench.tasks import DataSource, load_examples
-from specdec_cli.models.loading import STALE_STAGING_AFTER_S, _cached_gguf_conversion, remove_stale_staging
+from specdec_cli.models.gguf_cache import STALE_STAGING_AFTER_S, cached_gguf_conversion, remove_stale_staging
 from tests.conftest import one_error_line, tiny_recipe
 
 BOM = "\ufeff"
@@ -388,7 +388,7 @@ def test_an_interrupted_or_failed_conversion_leaves_no_staging_folder(
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_part_then_fail)
     with pytest.raises(expected) as raised:
-        _cached_gguf_conversion(str(tiny_gguf.parent), tiny_gguf.name, {})
+        cached_gguf_conversion(str(tiny_gguf.parent), tiny_gguf.name, {})
     assert list((tmp_path / "gguf").iterdir()) == []
     if expected is SpecdecError:
         folder = tmp_path / "gguf"

@@ -24,9 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ..base.errors import ModelLoadError, UsageError
 from ..base.recipe import ModelConfig, Recipe
 from ..base.waits import waiting
-from .gguf_cache import STALE_STAGING_AFTER_S, cached_gguf_conversion, remove_stale_staging  # noqa: F401
-from .gguf_cache import cached_gguf_conversion as _cached_gguf_conversion  # noqa: F401 (the tests' import path)
-from .gguf_cache import content_digest as _content_digest  # noqa: F401 (the tests' import path)
+from .gguf_cache import cached_gguf_conversion
 
 if TYPE_CHECKING:
     import torch
