@@ -14,11 +14,12 @@ import mpmath
 import pytest
 import torch
 
-import specdec_plugins.spectr as spectr
+import specdec_plugins._spectr_solve as spectr
 from specdec_cli import load_verifier
 from specdec_cli.base.randomness import Draws
 from specdec_cli.engine.device_path import OperationCount
 from specdec_cli.kit.testing import adversarial_distribution_pairs, random_distributions
+from specdec_cli.plugins.laws import TINY
 from specdec_cli.plugins.verifiers import Verifier, device_path
 from tests.conftest import BLOCK_KINDS, random_block
 
@@ -119,7 +120,7 @@ def test_the_residual_is_never_negative():
         for (q, p), count in itertools.product(_laws(vocab), range(1, 5)):
             rho, p_acc, beta = spectr.solve_rho(q, p, count)
             assert float(p_acc) <= float(rho * beta)
-            unclamped = q - torch.minimum(p, q / rho) * (p_acc / beta.clamp_min(spectr.TINY))  # [V]
+            unclamped = q - torch.minimum(p, q / rho) * (p_acc / beta.clamp_min(TINY))  # [V]
             assert bool((unclamped >= -4e-16 * q).all()), (q, p, count)
 
 
@@ -131,7 +132,7 @@ def test_the_cpu_solve_agrees_with_the_sort(kind):
     for position, count in itertools.product(range(4), range(1, 5)):
         q, p = target[0, position], draft[0, position]  # [V] float32 each
         rho, p_acc, beta = (float(x) for x in spectr.solve_rho(q, p, count))
-        cpu_rho, cpu_p_acc, cpu_beta = (float(x) for x in spectr._solve_by_buckets(q, p, count))
+        cpu_rho, cpu_p_acc, cpu_beta = (float(x) for x in spectr.solve_by_buckets(q, p, count))
         tolerance = 1e-12 * rho
         if abs(cpu_rho - rho) > tolerance:
             tolerance += _Reference(q.double(), p.double(), count).resolution(mpmath.mpf(rho))
@@ -176,13 +177,13 @@ def _host_problems(vocab: int):
 def test_the_set_steps_agree_with_the_sort(vocab, monkeypatch):
     """The CPU walk's solve (set steps from a rejected θ, float32 then float64 sums) against the full sort of
     the device path: ρ within 1e-12, or within what float64 resolves of the root; the bucketed fallback rare."""
-    fallbacks, solve = [], spectr._solve_by_buckets
-    monkeypatch.setattr(spectr, "_solve_by_buckets", lambda *args: fallbacks.append(args[2]) or solve(*args))
+    fallbacks, solve = [], spectr.solve_by_buckets
+    monkeypatch.setattr(spectr, "solve_by_buckets", lambda *args: fallbacks.append(args[2]) or solve(*args))
     generator, problems = torch.Generator().manual_seed(1), 0
     for q, p, count in _host_problems(vocab):
         rho, p_acc, beta = (float(x) for x in spectr.solve_rho(q, p, count))
         for start in (1.0, 1 + (rho - 1) * float(torch.rand((), generator=generator, dtype=torch.float64))):
-            problem = spectr._HostProblem(q, p, count)
+            problem = spectr.HostProblem(q, p, count)
             problem.lower = start  # as a test rejected at θ = start leaves it (ρ ≥ start)
             host_rho, host_p_acc, host_beta = (float(x) for x in problem.solve())
             tolerance = 1e-12 * rho
@@ -200,9 +201,9 @@ def test_the_set_steps_agree_with_the_sort(vocab, monkeypatch):
 
 def test_the_comparison_with_the_sort_sees_a_coarse_root(monkeypatch):
     """Negative control: a solve that takes the float32 sums for exact ones (ρ off by about 1e-7) is caught."""
-    masses = spectr._HostProblem._masses
+    masses = spectr.HostProblem._masses
     monkeypatch.setattr(
-        spectr._HostProblem, "_masses", lambda problem, threshold, coarse=False: masses(problem, threshold, True)
+        spectr.HostProblem, "_masses", lambda problem, threshold, coarse=False: masses(problem, threshold, True)
     )
     with pytest.raises(AssertionError):
         test_the_set_steps_agree_with_the_sort(4000, monkeypatch)
@@ -220,7 +221,7 @@ def test_the_candidate_test_places_theta_against_the_sorted_root(count):
         ratio = float(q[token]) / float(p[token])
         for theta in (rho * (1 - 1e-3), rho * (1 - 1e-9), rho * (1 + 1e-9), rho * (1 + 1e-3), 1.5, count - 0.5):
             if abs(theta - rho) > 1e-12 * rho and theta > 0:
-                assert spectr._HostProblem(q, p, count).accepts(token, ratio / theta) == (rho < theta), (theta, rho)
+                assert spectr.HostProblem(q, p, count).accepts(token, ratio / theta) == (rho < theta), (theta, rho)
 
 
 # --------------------------------------------------------------------------- the block decision
@@ -260,13 +261,13 @@ def test_every_path_makes_the_same_decision(num_drafts, other):
 def test_the_host_walk_agrees_where_every_row_drew_the_same_tokens(num_drafts, monkeypatch):
     """Rows that share every token stay alive together, so the host walk tests candidates and solves ρ with
     K' = K (the set steps, not the K' = 1 shortcut), at a vocabulary with many tokens per bucket."""
-    solve, counts_solved = spectr._HostProblem.solve, []
+    solve, counts_solved = spectr.HostProblem.solve, []
 
     def spied(problem):
         counts_solved.append(problem.count)
         return solve(problem)
 
-    monkeypatch.setattr(spectr._HostProblem, "solve", spied)
+    monkeypatch.setattr(spectr.HostProblem, "solve", spied)
     verifier, disagreements = load_verifier("spectr"), 0
     for kind, seed in itertools.product(("peaked", "near_one_token", "flat_draft"), range(3)):
         target, draft, tokens = random_block(kind, num_drafts, 4, 4096, seed, identical_drafts=True)
@@ -280,13 +281,13 @@ def test_the_host_walk_agrees_where_every_row_drew_the_same_tokens(num_drafts, m
 def test_the_comparison_sees_a_wrong_residual(monkeypatch):
     """Negative control: a CPU path whose residual swaps p_acc and β (a bug this comparison caught)
     disagrees with the device path."""
-    solve = spectr._HostProblem.solve
+    solve = spectr.HostProblem.solve
 
     def swapped(problem):
         rho, p_acc, beta = solve(problem)
         return rho, beta, p_acc
 
-    monkeypatch.setattr(spectr._HostProblem, "solve", swapped)
+    monkeypatch.setattr(spectr.HostProblem, "solve", swapped)
     assert _disagreements(load_verifier("spectr"), 3, compare_with_base=False) > 0
 
 
