@@ -25,7 +25,7 @@ from specdec_cli.kit.testing import (
 from specdec_cli.plugins.registry import load_verifier
 from specdec_cli.plugins.verifiers import device_path, walk_alive_rows
 from specdec_plugins import _pair_selection
-from specdec_plugins._importance import BlockUniforms, Problems, commit_runs
+from specdec_plugins._importance_parts import BlockUniforms, Problems, commit_runs
 from specdec_plugins.is_truncated import ImportanceSamplingTruncated
 from tests.conftest import BLOCK_KINDS as DEVICE_BLOCK_KINDS
 from tests.conftest import block_inputs, random_block

@@ -18,7 +18,7 @@ from specdec_cli.kit.testing import (
 )
 from specdec_cli.plugins.registry import load_verifier
 from specdec_cli.plugins.verifiers import BlockVerifier, Verifier, device_path
-from specdec_plugins._importance import Problems
+from specdec_plugins._importance_parts import Problems
 
 LOSSLESS = ["speculative", "specinfer", "spectr", "is-lp", "is-truncated", "match"]
 MULTI_DRAFT = ["specinfer", "spectr", "is-lp", "is-truncated"]
