@@ -80,7 +80,7 @@ def test_compile_on_the_cpu_leaves_a_reading_cpu_path_eager(tiny_models, verifie
     """Compiled, mentored took 80× its eager time per block on the CPU (benchmarks/results/compile_speed_cpu.md):
     the compiler sends a verifier down its device path, which on a CPU costs more than its reading path."""
     decoder = _decoder(tiny_models, verifier, compile_steps=True)
-    assert (decoder._verify_block != decoder.verifier.verify_block) == compiled
+    assert (decoder.steps.verify != decoder.verifier.verify) == compiled
 
 
 def test_a_generator_plugin_gets_a_generator_seeded_by_sample_and_block(tiny_models):

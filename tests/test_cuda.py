@@ -164,7 +164,7 @@ def test_the_compiled_engine_on_cuda_decides_as_the_eager_one(tiny_models, verif
     eager = compiled.with_config(compile=False, static_cache=True)  # --compile's cache, its steps eager
     prompt_ids = compiled.encode_prompt("a b c")
     compiled.warm_up(prompt_ids)
-    graphs = list(compiled._verify_block._captured.values())  # a block shape each; none if not capturable
+    graphs = list(compiled.steps.verify._captured.values())  # a block shape each; none if not capturable
     assert graphs or not compiled.verifier.capturable, "the warm-up captures (or refuses) this decoder's own graphs"
     for sample in range(3):
         assert compiled.generate_ids(prompt_ids, sample)[0] == eager.generate_ids(prompt_ids, sample)[0]

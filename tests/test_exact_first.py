@@ -113,8 +113,8 @@ def test_batches_give_the_same_tokens_with_both_phases_in_one_step(tiny_models, 
 def test_compile_compiles_both_rules_and_a_lossless_verifier_changes_nothing(tiny_models):
     compiled = _decoder(tiny_models, 2, 6, compile=True)
     assert compiled.exact_verifier.lossless and not compiled.verifier.lossless
-    assert compiled._verify_exact_block != compiled.exact_verifier.verify_block  # torch.compile'd, lazily
-    assert compiled._verify_block != compiled.verifier.verify_block
+    assert compiled.steps.verify_exact != compiled.exact_verifier.verify  # torch.compile'd, lazily
+    assert compiled.steps.verify != compiled.verifier.verify
     lossless = compiled.with_config(verifier="speculative", compile=False)
     assert lossless.exact_verifier is None and lossless.exact_first == 0
     assert "changes nothing for verifier 'speculative'" in lossless.exact_first_note

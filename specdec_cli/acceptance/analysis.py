@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base.errors import NonFiniteLogitsError, SpecdecError, UsageError
-from ..base.randomness import Draws, Stream, sample_key
+from ..base.errors import SpecdecError, UsageError
+from ..base.randomness import Draws, sample_key
 from ..base.recipe import Recipe, VerifierConfig
-from ..base.sampling import judged_params, non_finite_message, probs_from_logits, sampling_law
+from ..base.sampling import judged_params, probs_from_logits
 from ..base.theory import (
     MAX_TWO_DRAFT_SUPPORT,
     optimal_acceptance,
@@ -49,7 +49,6 @@ from ..engine.session import next_token_logits
 from ..models.pool import ModelPool
 from ..plugins.divergences import DIVERGENCES, kl_divergence, total_variation
 from ..plugins.draft_rows import DraftRows, round_robin
-from ..plugins.drafting import DraftRequest
 from ..plugins.registry import VerifierRegistry, error_line
 from ..plugins.sweeps import swept_params
 from ..plugins.verifiers import BlockVerifier, JudgedLaws, judged_argument
@@ -537,26 +536,24 @@ def _proposed_laws(
     decoder: SpeculativeDecoder, prompt_ids: list[int], tokens: list[int], key: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``decoder``'s one drafter (no model) proposes after each prefix of the target's continuation ``tokens``,
-    asked as the engine asks it: started on the prompt, then at each position a block of one token with the
-    sample's keyed uniforms, of whose row nothing is committed. → the law of its first token ``[T, V]`` (zeros
-    where it proposed nothing) and where it proposed ``[T]``."""
-    (drafter,) = decoder.drafters
-    registry, device = decoder.drafter_registry, decoder.device
+    asked through the engine's draft step (:class:`~specdec_cli.engine.block_steps.DraftStep`), as a run asks it:
+    started on the prompt, then at each position a block of one token with the sample's keyed uniforms, of whose row
+    nothing is committed. → the law of its first token ``[T, V]`` (zeros where it proposed nothing) and where it
+    proposed ``[T]``."""
+    step, device = decoder.steps.draft, decoder.device
     context = decoder.target.decoder_start_ids if decoder.target.is_encoder_decoder else list(prompt_ids)
-    registry.guarded(drafter.name, "remove_sequences", drafter.remove_sequences, [])
-    registry.guarded(drafter.name, "start", drafter.add_sequences, [prompt_ids], [context], None)
+    step.reset()
+    step.start([prompt_ids], [context], None)
     draws = Draws.batch([key], device)
     laws = torch.zeros(len(tokens), decoder.vocab_size, dtype=torch.float64, device=device)  # [T, V]
     proposed = torch.zeros(len(tokens), dtype=torch.bool, device=device)  # [T]
     for position, token in enumerate(tokens):
         draws.block_start.fill_(position)
-        uniforms = draws.batch_uniforms(Stream.DRAFT, 1, drafter.rows)  # [1, 1, rows]
-        proposal = decoder.checked_proposal(drafter, DraftRequest([context], [1], uniforms, sampling_law))
-        if not bool(proposal.finite):
-            raise NonFiniteLogitsError(non_finite_message(f"draft {drafter.label}"))
-        if proposal.lengths[0]:
-            laws[position], proposed[position] = proposal.laws[0, 0, 0], True
-        registry.guarded(drafter.name, "keep", drafter.keep, [0], [len(context)])
+        drafted, _ = step.propose([context], [1], draws, decoder.steps.sampling_law, None)
+        decoder.guards.check_block_flags(step.drafters, True, drafted.finite.tolist(), drafted.in_vocab.tolist())
+        if drafted.lengths[0]:
+            laws[position], proposed[position] = drafted.laws[0, 0, 0], True
+        step.keep([[0]], [[len(context)]])
         context.append(token)  # committed in place, as the engine commits a block
     return laws, proposed
 

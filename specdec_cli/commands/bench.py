@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from rich.console import Console
 from ..base.errors import SpecdecError, UsageError
 from ..base.inputs import check_plot_path, write_atomically
 from ..base.recipe import Recipe
-from ..bench import report
+from ..bench import distributed, report
 from ..bench.grid import Grid
 from ..bench.results import BenchResults, summarize
 from ..bench.tasks import (
@@ -351,7 +350,7 @@ class _Plan:
 
 def _run(plan: _Plan, output: _Output) -> None:
     """Run what the folder does not hold yet, then write and show the results (also when stopped)."""
-    rank, world_size = _init_distributed()
+    rank, world_size = distributed.init_distributed()
     config = plan.config()
     revisions = plan.registry.revisions(plan.verifiers())
     store = ResultsStore(output.folder, config, rank, world_size, revisions=revisions)
@@ -388,7 +387,7 @@ def _run(plan: _Plan, output: _Output) -> None:
     store.close()
     failures = {key: failure.summary() for key, failure in runner.failures.items()}
     if world_size > 1:
-        failures = _gather(store, rank, failures)
+        failures = distributed.gather(store, rank, failures)
         if rank != 0:
             return
     environment = provenance(pool.target(plan.base.target).device)
@@ -530,41 +529,3 @@ def _draft_temperature_sets(text: str | None) -> tuple:
         raise UsageError(f"--draft-temperatures expects sets such as '1.0,1.2;0.7,0.7' (a set per ';'), got '{text}'")
     common.refuse_repeats(sets, "--draft-temperatures")
     return tuple(sets)
-
-
-def _init_distributed() -> tuple[int, int]:
-    """Rank and world size under torchrun / accelerate launch (gloo on CPU, nccl on GPUs)."""
-    try:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise UsageError(f"WORLD_SIZE must be a number, got '{os.environ['WORLD_SIZE']}'") from None
-    if world_size == 1:
-        return 0, 1
-    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing:
-        raise UsageError(
-            f"WORLD_SIZE={world_size} is set without {', '.join(missing)}; launch a data-parallel "
-            "run with torchrun (it sets them), or unset WORLD_SIZE"
-        )
-    import torch
-    import torch.distributed as dist
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), world_size
-
-
-def _gather(store: ResultsStore, rank: int, failures: dict[str, str]) -> dict[str, str]:
-    """Every process's samples to rank 0, which writes the one samples.jsonl of a single-process run;
-    every process's failed cells (cell key → why) to all."""
-    import torch.distributed as dist
-
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (list(store.records.values()), failures))
-    if rank == 0:
-        store.merge([record for records, _ in gathered for record in records])
-    dist.barrier()
-    dist.destroy_process_group()
-    return {key: why for _, theirs in gathered for key, why in theirs.items()}

@@ -288,7 +288,7 @@ def _generate(
         decoder.check_batching()
     first = decoder.encode_prompt(prompts[0])
     decoder.warm_up(first)
-    _print_notes(err, decoder, first, recalibrate, choose_threads)
+    _calibrate(err, decoder, first, recalibrate, choose_threads)
     out = Console(highlight=False)
     several = len(prompts) * num_samples > 1
     stream = None if as_json else _Stream(decoder.target.tokenizer, out, several, recipe.generation.stop)
@@ -381,7 +381,7 @@ def _compare(
             for label, r in recipes.items()
         }
     )
-    _print_notes(err, base, base.encode_prompt(prompts[0]), recalibrate, choose_threads)
+    _calibrate(err, base, base.encode_prompt(prompts[0]), recalibrate, choose_threads)
     for note in dict.fromkeys(row.decoder.exact_first_note for row in comparison.rows):  # base's is printed
         if note not in (None, base.exact_first_note):
             err.print(f"note: {note}", highlight=False, soft_wrap=True)
@@ -422,15 +422,23 @@ def _until_interrupted(results: Iterator[T], each: Callable[[T], None]) -> bool:
     return False
 
 
-def _print_notes(
+def _calibrate(
     err: Console, decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool, choose_threads: bool
 ) -> None:
-    """Before decoding: the models that keep the dynamic cache, and whether the draft pays on this machine (its
-    measurement also settles the thread count when the user gave none)."""
-    from ..generation.calibration import note_for
+    """Before decoding: measure whether the draft pays on this machine, run at the thread count that measurement
+    chose when the user gave none, and print the notes."""
+    from ..generation.calibration import calibrate
 
+    calibration = calibrate(decoder, prompt_ids, recalibrate, choose_threads)
+    if calibration.threads is not None:
+        common.apply_threads(calibration.threads)
+    _print_notes(err, decoder, calibration.note)
+
+
+def _print_notes(err: Console, decoder: SpeculativeDecoder, calibration_note: str | None) -> None:
+    """The models that keep the dynamic cache, an ``exact_first`` that changes nothing, and the calibration's note."""
     exact_first = None if decoder.exact_first_note is None else f"note: {decoder.exact_first_note}"
-    for note in [*decoder.cache_notes, exact_first, note_for(decoder, prompt_ids, recalibrate, choose_threads)]:
+    for note in [*decoder.cache_notes, exact_first, calibration_note]:
         if note is not None:
             err.print(note, highlight=False, soft_wrap=True)
 

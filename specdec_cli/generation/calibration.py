@@ -163,7 +163,19 @@ def draft_cost(
     fresh measurement cannot be right and no busy CPU explains it: no figure says less than a wrong one.
 
     ``choose_threads`` (the user gave no ``--threads``): unless OMP_NUM_THREADS fixes the count, the figure is of
-    the thread count chosen on a CPU (:func:`_chosen`), and torch is left at that count."""
+    the thread count chosen on a CPU (:func:`_chosen`), its ``threads``, which the caller applies; torch is left at
+    the count it had, whatever the measurement set meanwhile."""
+    entry = torch.get_num_threads()
+    try:
+        return _draft_cost(decoder, prompt_ids, recalibrate, choose_threads)
+    finally:  # a measurement stopped half-way (Ctrl-C, out of memory) leaves the run at its own count too
+        torch.set_num_threads(entry)
+
+
+def _draft_cost(
+    decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool, choose_threads: bool
+) -> DraftCost | None:
+    """:func:`draft_cost`, which restores torch's thread count around it."""
     on_cpu = decoder.device.type == "cpu"
     default = _SET_ASIDE[-1] if _SET_ASIDE else torch.get_num_threads()
     choosing = choose_threads and on_cpu and "OMP_NUM_THREADS" not in os.environ and default > 1
@@ -171,8 +183,6 @@ def draft_cost(
     path = cache_dir() / "calibration" / f"{_key(decoder, machine, choosing)}.json"
     cached = None if recalibrate else _read_cached(path)
     if cached is not None and _trusted(cached, decoder, choosing):
-        if choosing:
-            torch.set_num_threads(cached.threads)
         return cached
     load = cpu_load()
     with waiting(_measuring(decoder, choosing, load)):
@@ -210,26 +220,18 @@ def _chosen(decoder: SpeculativeDecoder, prompt_ids: list[int], load: CpuLoad | 
         torch.set_num_threads(default)  # a CPU that has gone quiet since one thread was taken: both are timed
         return _fastest(decoder, prompt_ids)
     torch.set_num_threads(1)
-    try:
-        cost = _measure(decoder, prompt_ids, _machine(decoder))
-    except BaseException:  # a measurement stopped half-way (Ctrl-C, out of memory) leaves the run at its own count
-        torch.set_num_threads(default)
-        raise
+    cost = _measure(decoder, prompt_ids, _machine(decoder))
     return replace(cost, slower_threads=default, load=load.average, cores=load.cores)
 
 
 def _fastest(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> DraftCost:
     """Measured at torch's current thread count and at one thread: the one whose block (draft steps and the
-    target's scoring) is faster, with the other's block time; torch is left at the faster count."""
-    costs, default = [], torch.get_num_threads()
-    try:
-        for threads in (default, 1):
-            torch.set_num_threads(threads)
-            costs.append(_measure(decoder, prompt_ids, _machine(decoder)))
-    finally:  # a measurement stopped half-way (Ctrl-C, out of memory) leaves the run at its own count
-        torch.set_num_threads(default)
+    target's scoring) is faster, with the other's block time."""
+    costs = []
+    for threads in (torch.get_num_threads(), 1):
+        torch.set_num_threads(threads)
+        costs.append(_measure(decoder, prompt_ids, _machine(decoder)))
     faster, slower = sorted(costs, key=lambda cost: cost.block_s(decoder.draft_length))  # a tie keeps the default
-    torch.set_num_threads(faster.threads)
     return replace(faster, slower_threads=slower.threads, slower_block_s=slower.block_s(decoder.draft_length))
 
 
@@ -436,20 +438,37 @@ def _threads(count: int) -> str:
     return f"{count} thread" if count == 1 else f"{count} threads"
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What calibrating a decoder on this machine found: the note to show before decoding, and the thread count
+    chosen for the run, which the caller applies (None: keep torch's)."""
+
+    note: str | None
+    threads: int | None = None
+
+
+def calibrate(
+    decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool = False, choose_threads: bool = False
+) -> Calibration:
+    """:func:`draft_cost_note` for a speculative decoder (None for the target alone, when the draft pays on a quiet
+    CPU, or when no trustworthy figure could be measured), and the thread count to run at. ``recalibrate``: measure
+    again, whatever is cached. ``choose_threads`` (the user gave no ``--threads``): the faster of torch's default
+    thread count and one thread (:func:`draft_cost`)."""
+    if decoder.verifier is None or not _draft_models(decoder):  # a drafter without a model costs no forward
+        return Calibration(None)
+    cost = draft_cost(decoder, prompt_ids, recalibrate, choose_threads)
+    if cost is None:
+        return Calibration(None)
+    bfloat16_draft = any(model.model.dtype == torch.bfloat16 for model in _draft_models(decoder))
+    threads = cost.threads if choose_threads and cost.threads >= 1 else None
+    return Calibration(draft_cost_note(cost, decoder.draft_length, bfloat16_draft), threads)
+
+
 def note_for(
     decoder: SpeculativeDecoder, prompt_ids: list[int], recalibrate: bool = False, choose_threads: bool = False
 ) -> str | None:
-    """:func:`draft_cost_note` for a speculative decoder (None for the target alone, when the draft pays on a quiet
-    CPU, or when no trustworthy figure could be measured). ``recalibrate``: measure again, whatever is cached.
-    ``choose_threads`` (the user gave no ``--threads``): leave torch at the faster of its default thread count and
-    one thread (:func:`draft_cost`)."""
-    if decoder.verifier is None or not _draft_models(decoder):  # a drafter without a model costs no forward
-        return None
-    cost = draft_cost(decoder, prompt_ids, recalibrate, choose_threads)
-    if cost is None:
-        return None
-    bfloat16_draft = any(model.model.dtype == torch.bfloat16 for model in _draft_models(decoder))
-    return draft_cost_note(cost, decoder.draft_length, bfloat16_draft)
+    """:func:`calibrate`'s note alone (its thread count is the caller's to apply)."""
+    return calibrate(decoder, prompt_ids, recalibrate, choose_threads).note
 
 
 def _draft_models(decoder: SpeculativeDecoder) -> list:

@@ -423,13 +423,16 @@ def _block_of(target_law, draft_laws) -> tuple[torch.Tensor, torch.Tensor, torch
 def _check_sampling(cls: type, verifier: Any, target_law, draft_laws, samples: int) -> float:
     """``verify``, deciding one block for each of ``samples`` sequences in one call with keyed draws as the engine
     gives them, samples its block_law: the chi-square's p-value."""
-    from ..plugins.verifiers import batch_decision_problem, decision_value_problem
+    from ..plugins.verifiers import DecisionError, batch_decision_problem, decision_value_problem
     from .testing import chi_square_p_value, decision_outcomes
 
     target_probs, draft_probs, tokens = _block_of(target_law, draft_laws)
     law = decision_outcomes(verifier.block_law(target_probs, draft_probs, tokens), tokens)
     batch = [tensor.expand(samples, *tensor.shape) for tensor in (target_probs.float(), draft_probs.float(), tokens)]
-    decision = verifier.verify(*batch, Draws.batch(list(range(samples))))
+    try:
+        decision = verifier.verify(*batch, Draws.batch(list(range(samples))))
+    except DecisionError as error:
+        raise ConformanceError(f"{cls.name}: verify_block {error}") from None
     problem = batch_decision_problem(decision, samples, DRAFT_LENGTH + 1, tokens.device)
     if problem is not None:
         raise ConformanceError(f"{cls.name}: verify {problem}")

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..base.randomness import Draws, Randomness, block_generator
-from .decisions import BlockDecision, Decision
+from .decisions import BlockDecision, Decision, DecisionError, decision_problem
 from .divergences import kl_divergence
 from .parameters import check_parameters
 
@@ -110,12 +110,15 @@ def decide_blocks(
     if verifier.batches_by_vmap and keyed and batch > 1 and not reading:
         return _mapped_decisions(verifier, target_probs, draft_probs, draft_tokens, randomness, judged)
     blocks = _block_randomness(verifier, randomness, batch, draft_tokens.device)
-    return Decision.stack(
-        [
-            verifier.verify_block(target_probs[b], draft_probs[b], draft_tokens[b], block, **judged_argument(judged, b))
-            for b, block in enumerate(blocks)
-        ]
-    )
+    decisions = [
+        verifier.verify_block(target_probs[b], draft_probs[b], draft_tokens[b], block, **judged_argument(judged, b))
+        for b, block in enumerate(blocks)
+    ]
+    for decision in decisions:
+        problem = decision_problem(decision, draft_tokens.shape[2] + 1, draft_tokens.device)
+        if problem is not None:
+            raise DecisionError(problem)
+    return Decision.stack(decisions)
 
 
 def _block_randomness(

@@ -17,12 +17,19 @@ __all__ = [
     "BatchDecision",
     "BlockDecision",
     "Decision",
+    "DecisionError",
     "batch_decision_problem",
     "batch_departs_from_drafts",
     "decision_problem",
     "decision_value_problem",
     "departs_from_drafts",
 ]
+
+
+class DecisionError(ValueError):
+    """A rule written for one block returned a decision of the wrong form (:func:`decision_problem` says what):
+    raised by the adapter that maps it over a batch, before stacking would hide the form (a float or bool field
+    cast to int64)."""
 
 
 @dataclass(frozen=True)
