@@ -15,11 +15,13 @@ from .plugins.registry import (
     VerifierRegistry,
     load_verifier,
 )
+from .plugins.single_draft import SingleDraftRule
 from .plugins.verifiers import *  # noqa: F403 (the names of that module's __all__)
 from .plugins.verifiers import __all__ as _contract
 
 __all__ = [
     *_contract,
+    "SingleDraftRule",
     "VerifierFault",
     "VerifierParameterError",
     "VerifierParameterValueError",

@@ -44,14 +44,8 @@ from typing import Annotated, ClassVar, Literal
 
 import torch
 
-from specdec_cli.plugins.laws import (
-    excess_weights,
-    first_accepted,
-    one_hot_mass,
-    row_at,
-    single_draft_block,
-    uniforms_like,
-)
+from specdec_cli.plugins.laws import excess_weights
+from specdec_cli.plugins.single_draft import _one_draft
 from specdec_cli.plugins.verifiers import JudgedLaws
 
 from .speculative import SpeculativeSampling
@@ -131,42 +125,9 @@ class FuzzySpeculative(SpeculativeSampling):
         otherwise = super().acceptance(target_probs, draft_probs, x) if self.fallback == "speculative" else 0.0
         return torch.where(close, 1.0, otherwise).to(target_probs.dtype)  # [..., 1]
 
-    def residual(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    def residual_weights(self, target_probs, draft_probs, x):
         """What a rejected position draws from ``[..., V]``: q itself (FSD), or (q − p)+ as weights (the variant)."""
         return target_probs if self.fallback == "target" else excess_weights(target_probs, draft_probs)  # [..., V]
-
-    def conditional(self, target_probs, draft_probs, draft_tokens, judged: JudgedLaws = None):
-        q, p, x = target_probs, draft_probs[..., 0, :], draft_tokens[..., :1]  # [..., V], [..., V], [..., 1]
-        accept = self.acceptance(q, p, x, _one_draft(judged))  # [..., 1]
-        rest = self.residual(q, p)  # [..., V]
-        law = rest / rest.sum(-1, keepdim=True).clamp_min(torch.finfo(rest.dtype).tiny)  # [..., V]
-        return one_hot_mass((1 - accept) * law, x, accept)  # [..., V]
-
-    def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
-        q, p, x = target_probs, draft_probs[..., 0, :], draft_tokens[..., :1]  # [..., V], [..., V], [..., 1]
-        accept = self.acceptance(q, p, x)  # [..., 1]
-        return first_accepted(uniforms_like(accept, randomness), accept, x, self.residual(q, p), randomness)
-
-    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None, judged: JudgedLaws = None):
-        q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
-        compared = None if judged is None else (judged[0][0, :-1], judged[1][0])  # [L, V] each
-        accept = self.acceptance(q[:-1], p, x.unsqueeze(-1), compared).squeeze(-1)  # [L]
-        return single_draft_block(accept, lambda n: self.residual(row_at(q, n), row_at(p, n)), q, x, randomness)
-
-    def block_law(self, target_probs, draft_probs, draft_tokens):
-        """The walk's exact law (host loops: for tests only): x_t accepted with its acceptance, else the block ends
-        with a draw from the residual, which may repeat x_t (FSD draws from q): the base class's walk, which goes on
-        wherever the output equals the draft token, would not end it there."""
-        q, p, x = target_probs[0], draft_probs[0], draft_tokens[0]  # [L+1, V], [L, V], [L]
-        accept = self.acceptance(q[:-1], p, x.unsqueeze(-1)).squeeze(-1).tolist()  # [L]
-        law = torch.zeros((1, *q.shape), dtype=q.dtype)  # [1, L+1, V]
-        mass = 1.0
-        for t, kept in enumerate(accept):
-            rest = self.residual(q[t], p[t])  # [V]
-            law[0, t] += mass * (1 - kept) * rest / rest.sum()
-            mass *= kept
-        law[0, -1] += mass * q[-1]
-        return law
 
     def acceptance_probability(self, target_probs, draft_probs, judged: JudgedLaws = None):
         p = draft_probs[..., 0, :]  # [..., V]
@@ -178,9 +139,3 @@ class FuzzySpeculative(SpeculativeSampling):
         """p where Div ≤ T (the draft token is kept whatever it is), q elsewhere (either fallback outputs q)."""
         p = draft_probs[..., 0, :]  # [..., V]
         return torch.where(self.close(target_probs, p, _one_draft(judged)).unsqueeze(-1), p, target_probs)  # [..., V]
-
-
-def _one_draft(judged: JudgedLaws) -> JudgedLaws:
-    """The judged laws of the token-level methods (target ``[..., V]``, drafts ``[..., 1, V]``) with the draft's one
-    row taken, as the methods take the handed draft law's."""
-    return None if judged is None else (judged[0], judged[1][..., 0, :])

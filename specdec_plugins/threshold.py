@@ -28,26 +28,16 @@ from typing import Annotated, ClassVar
 
 import torch
 
-from specdec_cli.plugins.laws import (
-    TINY,
-    excess_or,
-    first_accepted,
-    normalized_or,
-    one_hot_mass,
-    row_at,
-    single_draft_block,
-    uniforms_like,
-)
-from specdec_cli.plugins.verifiers import Verifier
+from specdec_cli.plugins.laws import TINY, excess_or
+from specdec_cli.plugins.single_draft import SingleDraftRule
 
 ACC_FLOOR = float(torch.tensor(1e-9, dtype=torch.float32))
 """sgl-kernel's floor on threshold_acc (``fmaxf(threshold_acc, 1e-9f)``), as the float32 it is there."""
 
 
-class ThresholdAcceptance(Verifier):
+class ThresholdAcceptance(SingleDraftRule):
     name = "threshold"
     lossless = False  # at the defaults it is; any other threshold is not
-    max_drafts = 1
     batches_by_vmap = True
     revisions: ClassVar[tuple[str, ...]] = (
         "acc is floored at 1e-9 as sgl-kernel floors it, and any number SGLang takes is taken (acc 0 was refused)",
@@ -74,44 +64,27 @@ class ThresholdAcceptance(Verifier):
         self.floored_acc = max(self.acc, ACC_FLOOR)
         """What sgl-kernel divides by: ``fmaxf(threshold_acc, 1e-9f)``."""
 
-    def acceptance(self, target_x: torch.Tensor) -> torch.Tensor:
+    def acceptance_at(self, target_x: torch.Tensor) -> torch.Tensor:
         """a(x) for the target probabilities ``target_x`` ``[...]`` of draft tokens → ``[...]``."""
         return torch.where(target_x >= self.single, 1.0, (target_x / self.floored_acc).clamp(max=1.0))  # [...]
 
-    @staticmethod
-    def residual_weights(target_probs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """q with the rejected token x ``[..., 1]`` removed, as weights to draw from ``[..., V]``; q itself where
-        nothing is left (q(x) = 1, where x is always accepted and the residual is never drawn)."""
+    def acceptance(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """a(x) for candidates ``x`` ``[..., k]`` (p is never read)."""
+        return self.acceptance_at(target_probs.gather(-1, x))  # [..., k]
+
+    def residual_weights(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """q with the rejected token x ``[..., 1]`` removed ``[..., V]``; q itself where nothing is left (q(x) = 1,
+        where x is always accepted and the residual is never drawn)."""
         return excess_or(target_probs.scatter(-1, x, 0.0), target_probs)  # [..., V]
 
-    def conditional(self, target_probs, draft_probs, draft_tokens):
-        q, x = target_probs, draft_tokens[..., :1]  # [..., V], [..., 1]
-        accept = self.acceptance(q.gather(-1, x))  # [..., 1]
-        residual = normalized_or(self.residual_weights(q, x), q)  # [..., V]
-        return one_hot_mass((1 - accept) * residual, x, accept)  # [..., V]
-
-    def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
-        q, x = target_probs, draft_tokens[..., :1]  # [..., V], [..., 1]
-        accept = self.acceptance(q.gather(-1, x))  # [..., 1]
-        return first_accepted(uniforms_like(accept, randomness), accept, x, self.residual_weights(q, x), randomness)
-
-    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
-        q, x = target_probs[0], draft_tokens[0]  # [L+1, V], [L]
-        accept = self.acceptance(q[:-1].gather(-1, x.unsqueeze(-1)).squeeze(-1))  # [L]
-
-        def residual_at(n: torch.Tensor) -> torch.Tensor:  # [V]: after a rejection at position n
-            return self.residual_weights(row_at(q, n), x.index_select(0, n.view(1)))
-
-        return single_draft_block(accept, residual_at, q, x, randomness)
-
     def acceptance_probability(self, target_probs, draft_probs):
-        return (draft_probs[..., 0, :] * self.acceptance(target_probs)).sum(-1)  # [...]
+        return (draft_probs[..., 0, :] * self.acceptance_at(target_probs)).sum(-1)  # [...]
 
     def output_law(self, target_probs, draft_probs):
         """π(y) = p(y) a(y) + q(y) (R − r(y)), where r(x) = p(x) (1 − a(x)) / (1 − q(x)) is the mass that
         rejecting x spreads over q without x, and R = Σ_x r(x)."""
         q, p = target_probs, draft_probs[..., 0, :]  # [..., V]
-        accept = self.acceptance(q)  # [..., V]: a(x) for every token
+        accept = self.acceptance_at(q)  # [..., V]: a(x) for every token
         rest = q.sum(-1, keepdim=True) - q  # [..., V]: 1 − q(x), as the residual normalises it
         rejected = torch.where(rest > 0, p * (1 - accept) / rest.clamp_min(TINY), 0.0)  # [..., V]: r(x), 0 at a(x) = 1
         return p * accept + q * (rejected.sum(-1, keepdim=True) - rejected)  # [..., V]

@@ -39,17 +39,16 @@ from typing import Annotated, ClassVar, Literal
 
 import torch
 
-from specdec_cli.plugins.laws import row_at, single_draft_block
-from specdec_cli.plugins.verifiers import JudgedLaws, Verifier
+from specdec_cli.plugins.single_draft import SingleDraftRule
+from specdec_cli.plugins.verifiers import JudgedLaws
 
 ENTROPY_SMOOTHING = 1e-5
 """vLLM's (and Medusa's) ε in −Σ q ln(q + ε): it moves τ, and so the decisions, on large vocabularies."""
 
 
-class TypicalAcceptance(Verifier):
+class TypicalAcceptance(SingleDraftRule):
     name = "typical"
     lossless = False
-    max_drafts = 1
     batches_by_vmap = True
     revisions: ClassVar[tuple[str, ...]] = ("vLLM's smoothed entropy −Σ q ln(q + 1e-5) (it was the exact one)",)
 
@@ -76,8 +75,9 @@ class TypicalAcceptance(Verifier):
 
     def acceptance_threshold(self, target_probs: torch.Tensor) -> torch.Tensor:
         """τ = min(ε, δ·exp(−H(q))) ``[...]`` for target_probs ``[..., V]``, with vLLM's smoothed entropy."""
-        entropy = -(target_probs * torch.log(target_probs + ENTROPY_SMOOTHING)).sum(-1)  # [...]
-        return (self.alpha * torch.exp(-entropy)).clamp(max=self.threshold)  # [...]
+        # −H(q) = Σ q ln(q + ε), summed as vLLM sums q·ln(q + ε) (xlogy: the same products, one operation).
+        minus_entropy = torch.xlogy(target_probs, target_probs + ENTROPY_SMOOTHING).sum(-1)  # [...]
+        return (self.alpha * torch.exp(minus_entropy)).clamp(max=self.threshold)  # [...]
 
     def passes(self, target_probs: torch.Tensor, judged: JudgedLaws = None) -> torch.Tensor:
         """``[..., V]`` bool: the tokens kept as drafted, for target_probs ``[..., V]``: those whose tested probability
@@ -87,23 +87,41 @@ class TypicalAcceptance(Verifier):
         passed = tested > self.acceptance_threshold(tested).unsqueeze(-1)  # [..., V]
         return passed.scatter(-1, target_probs.argmax(-1, keepdim=True), True)  # [..., V]
 
-    def _kept(self, target_probs: torch.Tensor, draft_tokens: torch.Tensor, judged: JudgedLaws = None) -> torch.Tensor:
-        """Whether the output is the draft token ``[...]`` bool, for target_probs ``[..., V]`` and draft_tokens
-        ``[...]``: it passes the test, or it is the argmax the test would recover."""
-        return self.passes(target_probs, judged).gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [...]
+    def _kept(self, target_probs: torch.Tensor, x: torch.Tensor, judged: JudgedLaws = None) -> torch.Tensor:
+        """``[..., k]`` bool: whether each candidate of ``x`` ``[..., k]`` is kept as drafted (it passes the test, or
+        it is the argmax the test would recover)."""
+        return self.passes(target_probs, judged).gather(-1, x)  # [..., k]
+
+    def acceptance(self, target_probs, draft_probs, x, judged: JudgedLaws = None):
+        """1 where the candidate ``x`` ``[..., k]`` is kept, else 0 → ``[..., k]``; p is not consulted."""
+        return self._kept(target_probs, x, judged).to(target_probs.dtype)  # [..., k]: 0 or 1
+
+    def _output(self, target_probs: torch.Tensor, x: torch.Tensor, judged: JudgedLaws = None) -> torch.Tensor:
+        """The token a position outputs ``[..., 1]`` for its draft token ``x`` ``[..., 1]``: x where kept, else the
+        recovered argmax (the rule draws nothing)."""
+        return torch.where(self._kept(target_probs, x, judged), x, target_probs.argmax(-1, keepdim=True))  # [..., 1]
 
     def conditional(self, target_probs, draft_probs, draft_tokens, judged: JudgedLaws = None):
-        x = draft_tokens[..., 0]  # [...]
-        token = torch.where(self._kept(target_probs, x, judged), x, target_probs.argmax(-1))  # [...]
-        return torch.zeros_like(target_probs).scatter(-1, token.unsqueeze(-1), 1.0)  # [..., V]: one-hot
+        """One-hot at :meth:`_output` (the base class's law, without its arithmetic on 0s and 1s)."""
+        token = self._output(target_probs, draft_tokens[..., :1], judged)  # [..., 1]
+        return torch.zeros_like(target_probs).scatter(-1, token, 1.0)  # [..., V]
+
+    def select(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        """:meth:`_output`, with no uniform drawn (every acceptance is 0 or 1)."""
+        x = draft_tokens[..., :1]  # [..., 1]
+        token = self._output(target_probs, x)  # [..., 1]
+        return token.squeeze(-1), (token == x).squeeze(-1)  # [...] each
+
+    def residual_weights(self, target_probs, draft_probs, x):
+        """The argmax of q, one-hot ``[..., V]``: vLLM's recovered token."""
+        return _one_hot_argmax(target_probs)  # [..., V]
 
     def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None, judged: JudgedLaws = None):
-        q, x = target_probs[0], draft_tokens[0]  # [L+1, V], [L]
-        tested = None if judged is None else (judged[0][0, :-1],)  # ([L, V],)
-        accept = self._kept(q[:-1], x, tested).to(q.dtype)  # [L]: 0 or 1, so each uniform in ]0, 1[ decides as the test
-        if self.rule == "medusa":  # the bonus is the argmax too: a one-hot law to draw it from
-            q = torch.cat([q[:-1], _one_hot_argmax(q[-1:])])  # [L+1, V]
-        return single_draft_block(accept, lambda n: _one_hot_argmax(row_at(q, n)), q, x, randomness)
+        """The base class's block; with rule medusa, the bonus is the argmax too (a one-hot law to draw it from).
+        The acceptances are 0 or 1, so each uniform in ]0, 1[ decides as the test."""
+        if self.rule == "medusa":
+            target_probs = torch.cat([target_probs[:, :-1], _one_hot_argmax(target_probs[:, -1:])], 1)  # [1, L+1, V]
+        return super().verify_block(target_probs, draft_probs, draft_tokens, randomness, judged)
 
     def acceptance_probability(self, target_probs, draft_probs, judged: JudgedLaws = None):
         p = draft_probs[..., 0, :]  # [..., V]

@@ -15,7 +15,7 @@ from specdec_cli.engine.device_path import OperationCount
 from specdec_cli.kit.testing import random_distributions
 from specdec_cli.plugins.registry import load_verifier
 from specdec_cli.plugins.verifiers import device_path
-from specdec_plugins import mentored
+from specdec_plugins import _mentored_solve as mentored
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -256,7 +256,7 @@ class UnflooredThreshold(ThresholdAcceptance):
 
     name = "unfloored-threshold"
 
-    def acceptance(self, target_x):
+    def acceptance_at(self, target_x):
         return torch.where(target_x >= self.single, 1.0, (target_x / self.acc).clamp(max=1.0))
 
 
@@ -266,8 +266,7 @@ class KeepsTheRejected(ThresholdAcceptance):
 
     name = "keeps-the-rejected"
 
-    @staticmethod
-    def residual_weights(target_probs, x):
+    def residual_weights(self, target_probs, draft_probs, x):
         return target_probs
 
 

@@ -143,7 +143,7 @@ def test_a_token_the_target_is_sure_of_is_always_accepted(single, acc):
     verifier = _threshold(single, acc)
     q, p = _law([0.0, 1.0, 0.0]), _law([0.5, 0.25, 0.25]).view(1, 3)  # [3], [1, 3]
     torch.testing.assert_close(verifier.conditional(q, p, torch.tensor([1])), q)
-    residual = verifier.residual_weights(q, torch.tensor([1]))  # [3]
+    residual = verifier.residual_weights(q, p[0], torch.tensor([1]))  # [3]
     assert torch.isfinite(residual).all() and float(residual.sum()) > 0
 
 

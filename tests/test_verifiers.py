@@ -325,7 +325,7 @@ def test_mentored_is_exact_on_sparse_laws_and_from_the_sorted_table(monkeypatch,
     """Zero-q tokens, p = 0 < q tokens and bounds from 1e-6 to 1 nat: KL(q ‖ output) = D wherever
     D < KL(q ‖ p) and the root is representable. With one set step no row settles, so the same
     answers must come from the sorted-table fallback."""
-    from specdec_plugins import mentored
+    from specdec_plugins import _mentored_solve as mentored
 
     if max_set_steps:
         monkeypatch.setattr(mentored, "_MAX_SET_STEPS", max_set_steps)
