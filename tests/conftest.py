@@ -32,8 +32,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from specdec_cli.base.randomness import Draws  # noqa: E402
 from specdec_cli.cli import main  # noqa: E402
 from specdec_cli.kit.testing import random_sequence_laws, save_tiny_model  # noqa: E402
-from specdec_cli.plugins.drafter_registry import DrafterRegistry  # noqa: E402
-from specdec_cli.plugins.registry import VerifierRegistry, load_verifier  # noqa: E402
+from specdec_cli.plugins.registry import load_verifier  # noqa: E402
 from specdec_cli.plugins.verifiers import BlockVerifier  # noqa: E402
 from specdec_cli.results.store import SAMPLES  # noqa: E402
 
@@ -394,29 +393,6 @@ def random_blocks(case: Case, draft_length: int, vocab: int):
     for seed, kind in enumerate(BLOCK_KINDS):
         block = random_block(kind, case.num_drafts, draft_length, vocab, seed, case.identical_drafts, support)
         yield kind, block, Draws.create(key=1000 + seed, block_start=17 * seed)
-
-
-class WithExtra:
-    """A registry's installed plugins plus ``extra`` (name → class), through the registry's overridable loading
-    (mixed in before a registry class)."""
-
-    def __init__(self, extra: dict[str, type]):
-        super().__init__()
-        self.extra = extra
-
-    def names(self):
-        return sorted([*super().names(), *self.extra])
-
-    def load_class(self, name):
-        return self.extra[name] if name in self.extra else super().load_class(name)
-
-
-class VerifierRegistryWith(WithExtra, VerifierRegistry):
-    """The installed verifiers plus ``extra``."""
-
-
-class DrafterRegistryWith(WithExtra, DrafterRegistry):
-    """The installed drafters plus ``extra`` (name → class)."""
 
 
 def block_inputs(num_drafts: int, identical: bool, vocab: int = 4, draft_length: int = 3):

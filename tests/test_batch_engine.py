@@ -23,12 +23,14 @@ from specdec_cli.base.recipe import build_recipe
 from specdec_cli.base.sampling import SamplingParams
 from specdec_cli.engine.decoder import DecodingRun, SequenceJob
 from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law
+from specdec_cli.plugins.drafter_registry import DrafterRegistry
 from specdec_cli.plugins.drafting import Proposal, SequenceRequest
+from specdec_cli.plugins.registry import VerifierRegistry
 from specdec_cli.plugins.verifiers import device_path
 from specdec_plugins.model_drafter import ModelDrafter
 from specdec_plugins.prompt_lookup import PromptLookup
 from specdec_plugins.speculative import SpeculativeSampling
-from tests.conftest import DrafterRegistryWith, VerifierRegistryWith, bench_on_files, tiny_recipe
+from tests.conftest import bench_on_files, tiny_recipe
 
 PROMPTS = ["a b c d", "e e a", "b", "d c b a e d c b a"]
 LOSSLESS = [
@@ -333,7 +335,7 @@ class Unkeyed(SpeculativeSampling):
 
 
 def test_a_proposal_shorter_than_asked_cuts_the_block_as_alone(tiny_models):
-    drafters = DrafterRegistryWith({"short-model": ShortModel})
+    drafters = DrafterRegistry(extra={"short-model": ShortModel})
     recipe = tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 16, "temperature": 1.0})
     recipe["draft"] = {"drafter": "short-model", "model": str(tiny_models["llama-draft"])}
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe), drafters=drafters)
@@ -346,7 +348,7 @@ def test_a_proposal_shorter_than_asked_cuts_the_block_as_alone(tiny_models):
 def test_a_drafter_without_batch_methods_that_raises_is_one_line(tiny_models):
     from specdec_cli.base.errors import SpecdecError
 
-    drafters = DrafterRegistryWith({"failing-lookup": FailingLookup})
+    drafters = DrafterRegistry(extra={"failing-lookup": FailingLookup})
     recipe = tiny_recipe(tiny_models, "llama")
     recipe.pop("draft")
     recipe["drafts"] = [{"drafter": "failing-lookup"}]
@@ -357,7 +359,7 @@ def test_a_drafter_without_batch_methods_that_raises_is_one_line(tiny_models):
 
 
 def test_a_verifier_drawing_from_a_generator_gives_batch_ones_samples(tiny_models):
-    registry = VerifierRegistryWith({"unkeyed": Unkeyed})
+    registry = VerifierRegistry(extra={"unkeyed": Unkeyed})
     recipe = tiny_recipe(tiny_models, "t5", verifier={"name": "unkeyed"}, generation={"max_new_tokens": 12})
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=registry)
     alone = decoder.generate(PROMPTS, num_samples=3)

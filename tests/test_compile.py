@@ -39,14 +39,6 @@ class GeneratorPlugin(SpeculativeSampling):
         return super().verify_block(target_probs, draft_probs, draft_tokens, randomness)
 
 
-class _Registry(VerifierRegistry):
-    def names(self):
-        return sorted([*super().names(), GeneratorPlugin.name])
-
-    def load_class(self, name):
-        return GeneratorPlugin if name == GeneratorPlugin.name else super().load_class(name)
-
-
 def _decoder(tiny_models, verifier: str, compile_steps: bool) -> SpeculativeDecoder:
     recipe = tiny_recipe(
         tiny_models,
@@ -55,7 +47,8 @@ def _decoder(tiny_models, verifier: str, compile_steps: bool) -> SpeculativeDeco
         generation={"max_new_tokens": 4},
         speculation={"draft_length": 3, "compile": compile_steps},
     )
-    return SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=_Registry())
+    registry = VerifierRegistry(extra={GeneratorPlugin.name: GeneratorPlugin})
+    return SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=registry)
 
 
 def test_the_compiled_steps_decide_as_the_eager_ones(tiny_models):

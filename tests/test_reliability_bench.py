@@ -14,6 +14,7 @@ import torch
 
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.bench.metrics import STAT_TOTALS
+from specdec_cli.plugins.discovery import PluginEntry
 from specdec_cli.plugins.registry import VerifierRegistry
 from tests.conftest import (
     BASELINE_CELL,
@@ -126,13 +127,10 @@ class FailsAfterTenBlocks(VerifierRegistry().load_class("speculative")):
 
 def test_a_plugin_that_raises_at_run_time_fails_its_cell_only(run, recipe_path, data, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # the description cache would keep the plugin
-    names, load_class = VerifierRegistry.names, VerifierRegistry.load_class
-    monkeypatch.setattr(VerifierRegistry, "names", lambda self: sorted([*names(self), FailsAfterTenBlocks.name]))
-    monkeypatch.setattr(
-        VerifierRegistry,
-        "load_class",
-        lambda self, name: FailsAfterTenBlocks if name == FailsAfterTenBlocks.name else load_class(self, name),
-    )
+    # An installed plugin as the registry finds one: an entry point naming this module's class.
+    entry = PluginEntry("fails-later", f"{__name__}:FailsAfterTenBlocks", "fails-later-plugin", "0.1")
+    listed = VerifierRegistry.entry_points
+    monkeypatch.setattr(VerifierRegistry, "entry_points", lambda self: [*listed(self), entry])
     out = tmp_path / "out"
     code, _, err = run(bench_on_files(recipe_path, data, out, "--verifier", "fails-later,speculative"))
     assert code == 1, err

@@ -217,10 +217,7 @@ class PluginRegistry:
         key = name.strip().lower()
         if key in self._added or key in self._claims.winners or key in self._claims.failures:
             return key
-        # A subclass that overrides names() lists plugins the claims do not hold.
-        if key not in self.names() and key not in self.failures():
-            raise UsageError(self._unknown(name))
-        return key
+        raise UsageError(self._unknown(name))
 
     def _unknown(self, name: str) -> str:
         """The line for a name no plugin has: the closest name when one is close (a typo), else them all."""
