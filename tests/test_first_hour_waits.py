@@ -15,7 +15,7 @@ from rich.console import Console
 
 from specdec_cli.base import waits
 from specdec_cli.base.recipe import build_recipe
-from specdec_cli.commands.common import WAIT_SAID_AFTER_S, LongWaitsOnStderr
+from specdec_cli.commands.progress import WAIT_SAID_AFTER_S, LongWaitsOnStderr
 from specdec_cli.engine.decoder import SpeculativeDecoder
 from specdec_cli.engine.session import ModelSession, compiling_steps
 from specdec_cli.generation import calibration
@@ -141,7 +141,7 @@ def test_the_measurement_says_whether_a_later_run_keeps_it(said, tiny_models, mo
 
 def test_progress_off_a_terminal_is_a_line_every_half_minute(capsys):
     """A bar cannot redraw in a log: a long run says its tokens, time and ETA there, at most every 30 s."""
-    from specdec_cli.commands.common import PlainProgress
+    from specdec_cli.commands.progress import PlainProgress
 
     now = [0.0]
     progress = PlainProgress("samples", total=1000, completed=100, clock=lambda: now[0])

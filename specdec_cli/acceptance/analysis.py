@@ -25,6 +25,7 @@ rule's (``speculation.exact_verifier``), and its spent divergence counts the pos
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 from collections.abc import Callable, Hashable, Sequence
@@ -108,7 +109,7 @@ class AcceptanceAnalysis:
         self.registry = registry or VerifierRegistry()
         self.verifiers = self._verifiers(request.kl_values or ())  # every parameter checked before the models load
         exact = exact_verifier_name(recipe.speculation.exact_verifier, self.registry)
-        self.exact = self.registry.create(exact) if request.exact_first else None
+        self.exact = self.registry.resolve(exact, {}).verifier if request.exact_first else None
         """The lossless rule of a lossy row's first ``exact_first`` positions (at its defaults); None: none."""
         self.kl_optimal = self.registry.optimal_name("kl")
         """The installed KL-optimal rule (mentored), looked up once: every lossy row's "best at that KL" is its."""
@@ -141,19 +142,16 @@ class AcceptanceAnalysis:
         return _LoadedSection(section.drafter, drafts, [draft.law(self.decoder.config) for draft in drafts], proposers)
 
     def _verifiers(self, bounds: Sequence[float]) -> dict[AcceptanceRow, BlockVerifier]:
-        """One verifier per row; a verifier with a KL bound gets a row per bound (one with its own
-        parameters while there are none yet), times one per combination of the values its sweeps give."""
+        """One verifier per row, resolved in the registry (the command's checks built it): a verifier with a KL bound
+        gets a row per bound (one with its own parameters while there are none yet), times one per combination of
+        the values its sweeps give."""
         params = self.recipe.verifier.params  # each verifier gets those it takes (is-lp's max_support, ...)
         verifiers = {}
-        for name in self.request.verifiers:
-            name = self.registry.canonical(name)
-            own = self.registry.params_for(name, params)
+        for name in map(self.registry.canonical, self.request.verifiers):
             bounded = bounds if self.registry.verifier_class(name).kl_bound_parameter is not None else ()
-            for bound in bounded or (None,):
-                given = own if bound is None else self.registry.with_kl_bound(name, own, bound)
-                for swept in swept_params(name, self.request.sweeps):
-                    row = AcceptanceRow(name, kl_bound=bound, params=swept)
-                    verifiers[row] = self.registry.create(name, {**given, **dict(swept)})
+            for bound, swept in itertools.product(bounded or (None,), swept_params(name, self.request.sweeps)):
+                chosen = self.registry.resolve(name, params, kl_bound=bound, swept=swept, taken_only=True)
+                verifiers[AcceptanceRow(name, kl_bound=bound, params=swept)] = chosen.verifier
         return verifiers
 
     def rows(self) -> list[AcceptanceRow]:

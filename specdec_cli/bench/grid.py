@@ -80,7 +80,24 @@ class GridCell:
         return GridCell.baseline(self.temperature, self.batch_size).key
 
     def recipe(self, base: Recipe, registry: VerifierRegistry) -> Recipe:
-        """The base recipe with this cell's settings; the verifier gets the base's parameters it takes."""
+        """The base recipe with this cell's settings; the verifier, resolved once per registry, gets the base's
+        parameters it takes."""
+        drafting = self.drafting(base)
+        if self.verifier == BASELINE:
+            return drafting
+        chosen = registry.resolve(
+            self.verifier,
+            base.verifier.params,
+            kl_bound=self.kl,
+            swept=self.params,
+            draft_length=self.draft_length,
+            taken_only=True,
+        )
+        return dataclasses.replace(drafting, verifier=chosen.config)
+
+    def drafting(self, base: Recipe) -> Recipe:
+        """The base recipe with this cell's drafts, speculation and sampling settings (the base's verifier section;
+        the baseline's own): what counts the cell's draft rows, before its verifier is built."""
         generation = dataclasses.replace(base.generation, temperature=self.temperature)
         if self.verifier == BASELINE:
             return dataclasses.replace(base, generation=generation, verifier=VerifierConfig(name=BASELINE))
@@ -91,23 +108,14 @@ class GridCell:
             drafts = tuple(dataclasses.replace(base.drafts[0], temperature=t) for t in self.draft_temperatures)
         if self.drafter is not None:
             drafts = DrafterRegistry().entries_of(drafts, self.drafter)
-        params = registry.params_for(self.verifier, base.verifier.params)
-        if self.kl is not None:
-            params = registry.with_kl_bound(self.verifier, params, self.kl)
-        params = {**params, **dict(self.params)}
-        return dataclasses.replace(
-            base,
-            drafts=drafts,
-            verifier=dataclasses.replace(base.verifier, name=self.verifier, params=params),
-            speculation=dataclasses.replace(
-                base.speculation,
-                num_drafts=self.num_drafts,
-                draft_length=self.draft_length,
-                draft_length_schedule=self.draft_length_schedule,
-                exact_first=self.exact_first,
-            ),
-            generation=generation,
+        speculation = dataclasses.replace(
+            base.speculation,
+            num_drafts=self.num_drafts,
+            draft_length=self.draft_length,
+            draft_length_schedule=self.draft_length_schedule,
+            exact_first=self.exact_first,
         )
+        return dataclasses.replace(base, drafts=drafts, speculation=speculation, generation=generation)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +167,7 @@ class Grid:
                     batch_size=batch,
                     params=swept,
                 )
-                rows = recipe_draft_rows(cell.recipe(base, registry))
+                rows = recipe_draft_rows(cell.drafting(base))
                 reason = registry.refusal(name, rows)
                 if reason is not None:
                     skipped.append(reason)

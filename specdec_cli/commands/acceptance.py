@@ -24,6 +24,7 @@ from ..plugins.drafter_registry import draft_law
 from ..plugins.registry import VerifierRegistry
 from ..results.store import ResultsStore
 from . import common, options
+from .progress import token_progress
 
 if TYPE_CHECKING:
     from ..acceptance.analysis import AcceptanceAnalysis
@@ -109,13 +110,14 @@ def acceptance(
     """Acceptance probability of each verifier per number of drafts, on positions the target generates."""
     common.apply_threads(model.threads)
     temperatures = common.parse_list(draft_temperatures, float, "--draft-temperatures")
-    resolved = common.RecipeOptions.of(
+    flags = common.RecipeOptions.of(
         model, temperature=temperature, draft_temperatures=temperatures or None, exact_first=exact_first
-    ).resolve()
+    )
+    resolved, registry = flags.resolve(), flags.registry
     common.check_hub_models(resolved)
     from ..engine.decoding import exact_verifier_name  # torch, which the verifiers below import anyway
 
-    exact_verifier_name(resolved.speculation.exact_verifier, VerifierRegistry())
+    exact_verifier_name(resolved.speculation.exact_verifier, registry)
     # Each drafter's entries, checked (an unknown drafter, one that needs an entry): one line before models load.
     sections = DrafterSection.of_recipe(resolved, common.grid_values(drafters, str, "--drafter"))
     common.check_at_least_one(limit, "--limit")
@@ -124,9 +126,9 @@ def acceptance(
     bounds = common.parse_list(kl, float, "--kl")
     laws = [[draft_law(draft, resolved.generation) for draft in section.drafts] for section in sections]
     requested = common.parse_list(verifiers, str, "--verifier")
-    names, left_out = _applicable(requested, counts, laws)
-    common.check_kl_bounds(bounds, names, resolved.verifier.params, VerifierRegistry())
-    sweeps = common.run_sweeps(sweep or [], requested or names, resolved.verifier.params, VerifierRegistry())
+    names, left_out = _applicable(requested, counts, laws, registry)
+    common.check_kl_bounds(bounds, names, resolved.verifier.params, registry)
+    sweeps = common.run_sweeps(sweep or [], requested or names, resolved.verifier.params, registry)
     request = AcceptanceRequest(
         verifiers=tuple(names),
         num_drafts=counts,
@@ -136,7 +138,7 @@ def acceptance(
     )
     texts = subset(_prompts([*(prompt_args or []), *(prompts or [])], prompt_file, field), limit, shuffle, shuffle_seed)
     check_plot_path(plot)
-    _run(resolved, (request, sections), texts, left_out, output, as_json, plot)
+    _run(resolved, (request, sections), texts, left_out, output, as_json, plot, registry=registry)
 
 
 def _run(
@@ -147,16 +149,19 @@ def _run(
     output: Path | None,
     as_json: bool,
     plot: Path | None,
+    *,
+    registry: VerifierRegistry,
 ) -> None:
     """Evaluate what the results folder does not hold yet, then write and show the report (also when stopped).
-    ``what``: the request and the drafter sections it is evaluated for."""
+    ``what``: the request and the drafter sections it is evaluated for; ``registry``: the command's, whose
+    resolved verifiers its checks built."""
     from ..acceptance.analysis import AcceptanceAnalysis  # torch and transformers: only now
 
     request, sections = what
     store = _open_store(output, recipe, what, texts)
     err = Console(stderr=True)
     with err.status("Loading models…"):
-        analysis = AcceptanceAnalysis(recipe, request, sections=sections)
+        analysis = AcceptanceAnalysis(recipe, request, sections=sections, registry=registry)
     results = _evaluate(analysis, texts, store, err)
     first = results[0]
     if left_out:
@@ -218,7 +223,7 @@ def _evaluate(
     finished = sum(count == len(analysis.sections) for count in sections_done.values())  # prompts wholly done
     if (resumed := store.resume_note(finished, len(texts), unit="prompts")) is not None:
         err.print(f"note: {resumed}", highlight=False, soft_wrap=True)
-    with common.token_progress(len(texts) * budget, completed=finished * budget, label="prompts") as progress:
+    with token_progress(len(texts) * budget, completed=finished * budget, label="prompts") as progress:
 
         def written(results: list[PromptAcceptance]) -> None:
             for result in results:
@@ -255,12 +260,11 @@ def _open_store(
 
 
 def _applicable(
-    names: list[str], num_drafts: tuple[int, ...], section_laws: list[list[Hashable]]
+    names: list[str], num_drafts: tuple[int, ...], section_laws: list[list[Hashable]], registry: VerifierRegistry
 ) -> tuple[list[str], list[str]]:
     """The verifiers (default: every installed one) that have a per-token acceptance for some K of
     ``num_drafts`` in some drafter section (K rows taken in turn from its draft configs, whose laws are keyed by
     ``section_laws``), and why each other one is left out. Checked before any model loads."""
-    registry = VerifierRegistry()
     kept, left_out = [], []
     # A recipe without drafts is refused, in its own words, when the analysis is set up.
     rows = [round_robin(laws or [None], k) for laws in section_laws for k in num_drafts]

@@ -31,6 +31,7 @@ from ..bench.tasks import (
 from ..plugins.registry import VerifierRegistry
 from ..results.store import ResultsStore, load_saved
 from . import common, options
+from .progress import token_progress
 
 _recipe = options.DEFAULT_RECIPE
 
@@ -429,7 +430,7 @@ def _conditions(plan: _Plan, output: _Output, store: ResultsStore, err: Console)
 def _generate(runner: "BenchRunner", budget: int, enabled: bool) -> bool:
     """Every pending sample under a progress bar, a failing cell's line and each note printed above it as they come;
     True if stopped."""
-    with common.token_progress(runner.pending() * budget, enabled=enabled, label="samples") as progress:
+    with token_progress(runner.pending() * budget, enabled=enabled, label="samples") as progress:
 
         def on_tokens(cell: str, tokens: int) -> None:
             progress.describe(cell)

@@ -24,6 +24,7 @@ from ..engine.stopping import cut_at_stop
 from ..plugins.registry import VerifierRegistry
 from ..results.stats import INTERVAL_LEVEL, GenerationResult
 from . import common, options
+from .progress import token_progress
 
 if TYPE_CHECKING:  # torch and transformers load only when a command runs models
     from ..engine.decoder import SpeculativeDecoder
@@ -186,16 +187,16 @@ def generate(
     resolved = flags.resolve()
     common.check_batch_sizes([batch_size])
     drafting = {common.flag_name(setting): getattr(flags, setting) for setting in _DRAFTING_SETTINGS}
-    _check_drafting_flags(resolved, names if comparing else None, kl, drafting)
+    _check_drafting_flags(resolved, names if comparing else None, kl, drafting, flags.registry)
     prompts = _prompts(prompt, prompt_file, field)
     common.check_hub_models(resolved)
     common.apply_threads(model.threads, chooses=True)
     choose_threads = model.threads is None  # the calibration then keeps the faster of the default and one thread
     with _quiet_when_the_reader_leaves():
         if comparing:
-            _compare(resolved, names, kl, prompts, num_samples, as_json, recalibrate, choose_threads)
+            _compare(resolved, names, kl, prompts, num_samples, as_json, recalibrate, choose_threads, flags.registry)
         else:
-            _generate(resolved, prompts, num_samples, as_json, recalibrate, choose_threads, batch_size)
+            _generate(resolved, prompts, num_samples, as_json, recalibrate, choose_threads, batch_size, flags.registry)
 
 
 _DRAFTING_SETTINGS = ("num_drafts", "draft_length", "draft_length_schedule", "exact_first")
@@ -214,13 +215,16 @@ def _prompts(prompt: str | None, prompt_file: Path | None, field: str | None) ->
     return prompts
 
 
-def _check_drafting_flags(recipe: Recipe, compared: list[str] | None, kl: float | None, drafting: dict) -> None:
+def _check_drafting_flags(
+    recipe: Recipe, compared: list[str] | None, kl: float | None, drafting: dict, registry: VerifierRegistry
+) -> None:
     """Flags that shape drafts or the KL bound, refused where nothing takes them: with the target alone, or a
     --kl that none of the ``compared`` verifiers (None: the recipe's one, checked as it was resolved) takes."""
     if compared is None and target_alone(recipe.verifier.name):
         _check_nothing_to_draft(kl, drafting)
     elif compared is not None:
-        common.check_kl_bounds([] if kl is None else [kl], compared, recipe.verifier.params, VerifierRegistry())
+        length = recipe.speculation.draft_length
+        common.check_kl_bounds([] if kl is None else [kl], compared, recipe.verifier.params, registry, length)
 
 
 def _verifier_names(verifier: str | None, autoregressive: bool) -> list[str]:
@@ -275,15 +279,16 @@ def _generate(
     as_json: bool,
     recalibrate: bool,
     choose_threads: bool,
-    batch_size: int = 1,
+    batch_size: int,
+    registry: VerifierRegistry,
 ) -> None:
     """One configuration: the text streams as blocks are committed (as samples finish, in a batch), then a table
-    of its statistics."""
+    of its statistics. ``registry``: the command's, which resolved the verifier as it checked the flags."""
     from ..engine.decoder import SpeculativeDecoder
 
     err = Console(stderr=True)
     with err.status(LOADING):
-        decoder = SpeculativeDecoder.from_recipe(recipe)
+        decoder = SpeculativeDecoder.from_recipe(recipe, registry=registry)
     if batch_size > 1:
         decoder.check_batching()
     first = decoder.encode_prompt(prompts[0])
@@ -326,7 +331,7 @@ def _samples(
     prompts, num_samples, batch_size = work
     budget = decoder.config.generation.max_new_tokens
     results: list[GenerationResult] = []
-    with common.token_progress(len(prompts) * num_samples * budget, enabled=show_bar) as progress:
+    with token_progress(len(prompts) * num_samples * budget, enabled=show_bar) as progress:
 
         def on_block(prompt_index: int, sample_index: int, new_tokens: list[int], accepted: list[bool]) -> None:
             progress.advance(len(new_tokens))
@@ -363,13 +368,14 @@ def _compare(
     as_json: bool,
     recalibrate: bool,
     choose_threads: bool,
+    registry: VerifierRegistry,
 ) -> None:
     """Every verifier of ``names`` on the same prompts and seeds, models loaded once: each round's texts
-    as it finishes, then one table over the rounds every verifier finished."""
+    as it finishes, then one table over the rounds every verifier finished (``registry``: the command's, which
+    resolved each as it checked --kl)."""
     from ..engine.decoder import SpeculativeDecoder
     from ..generation.comparison import Comparison, comparison_recipes
 
-    registry = VerifierRegistry()
     recipes = comparison_recipes(recipe, names, kl, registry)
     err = Console(stderr=True)
     first = next((r for r in recipes.values() if not target_alone(r.verifier.name)), next(iter(recipes.values())))
@@ -387,7 +393,7 @@ def _compare(
             err.print(f"note: {note}", highlight=False, soft_wrap=True)
     out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     total = len(recipes) * len(prompts) * num_samples * recipe.generation.max_new_tokens
-    with common.token_progress(total) as progress:
+    with token_progress(total) as progress:
         show = (lambda results: None) if as_json else functools.partial(_print_round, out, comparison.rows)
         interrupted = _until_interrupted(comparison.run(prompts, num_samples, on_tokens=progress.advance), show)
     if interrupted:

@@ -65,8 +65,9 @@ def create_verifier(config: DecodingConfig, rows: DraftRows, registry: VerifierR
         return None
     if rows.count == 0:
         raise UsageError("no draft to speculate with: add a 'draft:' section to the recipe, or use --autoregressive")
-    verifier = registry.create(config.verifier.name, dict(config.verifier.params))
-    registry.told_draft_length(verifier, config.speculation.draft_length)
+    verifier = registry.resolve(
+        config.verifier.name, config.verifier.params, draft_length=config.speculation.draft_length
+    ).verifier
     _check_compilable(config, verifier)
     _check_judged_laws(verifier, rows, registry)
     reason = registry.refusal(config.verifier.name, rows)
@@ -95,8 +96,7 @@ def create_exact_verifier(
     name = exact_verifier_name(config.speculation.exact_verifier, registry)
     if config.speculation.exact_first == 0 or verifier.lossless:
         return None
-    exact = registry.create(name)
-    registry.told_draft_length(exact, config.speculation.draft_length)
+    exact = registry.resolve(name, {}, draft_length=config.speculation.draft_length).verifier
     _check_compilable(config, exact)
     reason = registry.refusal(name, rows)
     if reason is None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from ..base.errors import UsageError
 from ..base.recipe import AUTOREGRESSIVE, Recipe, VerifierConfig, target_alone
 from ..engine.decoder import SpeculativeDecoder
-from ..plugins.parameters import parameter_defaults
 from ..plugins.registry import VerifierRegistry
 from ..results.stats import (
     GenerationResult,
@@ -188,24 +187,29 @@ def _run_rate(result: GenerationResult) -> RunRate:
 def comparison_recipes(
     recipe: Recipe, names: list[str], kl: float | None, registry: VerifierRegistry
 ) -> dict[str, Recipe]:
-    """The recipe for each listed verifier (its parameters from the recipe, --kl where it has a KL bound),
-    each checked against the recipe's drafts before any model loads."""
+    """The recipe for each listed verifier (its parameters from the recipe, --kl where it has a KL bound), each
+    verifier resolved once (the decoders find it built) and checked against the recipe's drafts before any model
+    loads."""
     labels = [AUTOREGRESSIVE if target_alone(n) else registry.canonical(n) for n in names]
     if len(set(labels)) < len(labels):
         raise UsageError(f"--verifier lists a verifier twice ({', '.join(names)}); give each once")
     speculative = [label for label in labels if not target_alone(label)]  # not empty: two labels, at most one none
     bounded = [label for label in speculative if registry.verifier_class(label).kl_bound_parameter]
     if kl is not None and not bounded:  # the one-line error naming verifiers that have a bound
-        registry.with_kl_bound(speculative[0], {}, kl)
+        raise registry.no_kl_bound(speculative[:1])
     recipes = {}
     for name in labels:
-        params = registry.params_for(name, recipe.verifier.params) if name in speculative else {}
-        label = name
-        if name in bounded:
-            parameter = registry.verifier_class(name).kl_bound_parameter
-            params = registry.with_kl_bound(name, params, kl) if kl is not None else params
-            bound = params.get(parameter, parameter_defaults(registry.verifier_class(name))[parameter])
-            label = f"{name} D={bound:g}"
-        recipes[label] = dataclasses.replace(recipe, verifier=VerifierConfig(name=name, params=params))
+        label, verifier = name, VerifierConfig(name=name)
+        if name in speculative:
+            chosen = registry.resolve(
+                name,
+                recipe.verifier.params,
+                kl_bound=kl if name in bounded else None,
+                draft_length=recipe.speculation.draft_length,
+                taken_only=True,
+            )
+            label = label if chosen.bound is None else f"{name} D={chosen.bound:g}"
+            verifier = chosen.config
+        recipes[label] = dataclasses.replace(recipe, verifier=verifier)
         SpeculativeDecoder.check_recipe(recipes[label], registry)
     return recipes

@@ -52,7 +52,7 @@ def parse_sweeps(texts: list[str], registry: VerifierRegistry, params: dict[str,
             raise UsageError(f"--sweep names {name}.{parameter} twice; give its values in one list")
         sweep = ParameterSweep(name, parameter, tuple(values))
         for value in values:
-            registry.create(name, {**registry.params_for(name, params), parameter: value}, set_by=f"--sweep {text}")
+            registry.resolve(name, params, swept=((parameter, value),), taken_only=True, set_by=f"--sweep {text}")
         sweeps.append(sweep)
     return tuple(sweeps)
 

@@ -4,10 +4,14 @@ answer one line naming the plugin when the plugin's own code raises."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..base.errors import SpecdecError, UsageError
-from ..base.recipe import target_alone
+from ..base.recipe import VerifierConfig, target_alone
 from .descriptions import class_summary
 from .parameters import PluginParameterError, PluginParameterValueError, parameter_defaults
 from .plugin_registry import PluginFault, PluginRegistry, class_problem, error_line
@@ -40,6 +44,39 @@ VerifierParameterError, VerifierParameterValueError, VerifierFault = (
 )
 
 
+@dataclass(frozen=True)
+class ResolvedVerifier:
+    """A verifier resolved once (:meth:`VerifierRegistry.resolve`): its name, the parameters it was built with (the
+    recipe's, its KL bound, a sweep point), and the instance they built, checked and told the run's draft length.
+    The command's check, the recipe's check, the decoder and every row or cell of a comparison take this value."""
+
+    name: str
+    """The installed verifier's name, as the registry spells it."""
+    params: dict[str, Any]
+    """Every parameter the instance was built with: what a recipe's ``verifier.params`` gives it."""
+    kl_bound: float | None
+    """The KL bound ``--kl`` gave it (on its ``kl_bound_parameter``); None: none was given."""
+    swept: tuple[tuple[str, Any], ...]
+    """The (parameter, value) pairs a ``--sweep`` point set; empty: none."""
+    draft_length: int | None
+    """The draft length L it was told (:meth:`~.verifiers.BlockVerifier.set_draft_length`); None: not told (a
+    verifier used without a run's blocks, as ``acceptance`` uses it)."""
+    verifier: BlockVerifier
+
+    @property
+    def config(self) -> VerifierConfig:
+        """The recipe's ``verifier`` section that builds this verifier."""
+        return VerifierConfig(name=self.name, params=dict(self.params))
+
+    @property
+    def bound(self) -> float | None:
+        """The KL bound it runs at: the one given, else its parameter's value; None for a rule without one."""
+        parameter = type(self.verifier).kl_bound_parameter
+        if parameter is None:
+            return None
+        return self.params.get(parameter, parameter_defaults(type(self.verifier))[parameter])
+
+
 class VerifierRegistry(PluginRegistry):
     """Verifiers: entry points of the group ``specdec.verifiers``, and what core asks of their classes."""
 
@@ -47,6 +84,49 @@ class VerifierRegistry(PluginRegistry):
     kind = "verifier"
     parameters_hint = "fix verifier.params in the recipe, or --set verifier.params.NAME=VALUE"
     description_types = DESCRIPTION_TYPES
+
+    def __init__(self, extra: Mapping[str, type] | None = None) -> None:
+        self._resolved: dict[tuple[str, str], dict[int | None, ResolvedVerifier]] = {}
+        """What :meth:`resolve` built, by name and parameters, then by the draft length it was told (None: none)."""
+        super().__init__(extra)
+
+    def add(self, name: str, cls: type) -> None:
+        super().add(name, cls)
+        self._resolved = {key: built for key, built in self._resolved.items() if key[0] != name.strip().lower()}
+
+    def resolve(
+        self,
+        name: str,
+        params: Mapping[str, Any],
+        *,
+        kl_bound: float | None = None,
+        swept: tuple[tuple[str, Any], ...] = (),
+        draft_length: int | None = None,
+        taken_only: bool = False,
+        set_by: str | None = None,
+    ) -> ResolvedVerifier:
+        """Verifier ``name`` with ``params`` (a recipe's ``verifier.params``; with ``taken_only``, only those it takes,
+        as a run comparing several verifiers gives each the recipe's), its KL bound set to ``kl_bound`` and the sweep
+        point ``swept`` over them, built, checked and told ``draft_length`` once per registry.
+
+        Asked again for the same parameters, it returns the same instance: one told this length, else one told
+        none yet (a command's check, which knows no length, built it), which is told it now; ``draft_length`` None
+        takes any. Every refusal is one line (``set_by``, the flag that gave the parameters, starts it); a KL bound
+        for a rule without one is --kl's refusal."""
+        canonical = self.canonical(name)
+        given = self.params_for(canonical, dict(params)) if taken_only else dict(params)
+        if kl_bound is not None:
+            given = self.with_kl_bound(canonical, given, kl_bound)
+        given = {**given, **dict(swept)}
+        by_length = self._resolved.setdefault((canonical, json.dumps(given, sort_keys=True, default=repr)), {})
+        known = by_length.get(draft_length) or (next(iter(by_length.values()), None) if draft_length is None else None)
+        if known is None:
+            untold = by_length.pop(None, None)
+            verifier = self.create(canonical, given, set_by=set_by) if untold is None else untold.verifier
+            if draft_length is not None:
+                self.told_draft_length(verifier, draft_length)
+            known = by_length[draft_length] = ResolvedVerifier(canonical, given, None, (), draft_length, verifier)
+        return dataclasses.replace(known, kl_bound=kl_bound, swept=tuple(swept))
 
     def contract_problem(self, loaded: Any) -> str | None:
         from .verifiers import BlockVerifier  # imports torch, which loading any plugin did already
