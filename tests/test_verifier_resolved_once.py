@@ -48,7 +48,9 @@ def _built_once(built: collections.Counter, *expected: tuple[str, dict]) -> None
 )
 def test_generate_builds_each_verifier_once(run, tiny_models, write_recipe, built, verifiers, expected):
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama")))
-    code, _, err = run(["generate", "-r", recipe, "--verifier", verifiers, "--kl", "0.5", "--max-new-tokens", "4", "a b"])
+    code, _, err = run(
+        ["generate", "-r", recipe, "--verifier", verifiers, "--kl", "0.5", "--max-new-tokens", "4", "a b"]
+    )
     assert code == 0, err
     _built_once(built, *expected)
 
