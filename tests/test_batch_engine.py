@@ -229,6 +229,7 @@ def test_a_model_the_static_cache_does_not_suit_keeps_the_dynamic_one_and_says_s
     assert code == 0 and err.count("keeps the dynamic cache: an encoder-decoder") == 2
 
 
+@pytest.mark.xdist_group("compile")  # its --compile steps, on the worker that has compiled them
 def test_bench_says_once_which_models_keep_the_dynamic_cache_and_keeps_it_with_its_results(
     tiny_models, run, write_recipe, data, tmp_path
 ):

@@ -87,6 +87,7 @@ def test_the_static_cache_adds_no_read(tiny_models, conversions, name, num_draft
     assert sum(conversions.values()) <= READS_PER_BLOCK * sum(result.stats.blocks for result in results)
 
 
+@pytest.mark.xdist_group("compile")  # on the worker that has compiled the tiny models' steps
 @pytest.mark.parametrize("batch_size", [1, 4])
 @pytest.mark.parametrize(("name", "num_drafts"), [("speculative", 1), ("specinfer", 3)])
 def test_compiled_model_steps_add_no_read(tiny_models, conversions, name, num_drafts, batch_size):

@@ -110,6 +110,7 @@ def test_batches_give_the_same_tokens_with_both_phases_in_one_step(tiny_models, 
     assert {True, False} in phases, "some step held sequences of both phases"
 
 
+@pytest.mark.xdist_group("compile")  # on the worker that has compiled the tiny models' steps
 def test_compile_compiles_both_rules_and_a_lossless_verifier_changes_nothing(tiny_models):
     compiled = _decoder(tiny_models, 2, 6, compile=True)
     assert compiled.exact_verifier.lossless and not compiled.verifier.lossless
