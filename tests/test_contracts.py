@@ -227,6 +227,7 @@ BUILT_IN_FLAGS = {  # name: (the flags that are True, max_drafts, kl_bound_param
     "block": ({"lossless", *FAST}, 1, None),
     "is-lp": ({"lossless", "token_level", "keyed_randomness", "capturable", "reading_cpu_path"}, None, None),
     "is-truncated": ({"lossless", "token_level", "keyed_randomness", "capturable", "reading_cpu_path"}, None, None),
+    "traversal": ({"lossless", "keyed_randomness"}, None, None),
     "lenient": ({"token_level", "keyed_randomness"}, 1, None),
 }
 FLAGS = ("lossless", "identical_drafts", "token_level", "keyed_randomness", "capturable", "reading_cpu_path")

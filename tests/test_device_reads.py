@@ -55,6 +55,7 @@ BUILT_INS = [
     ("is-truncated", 1, None),
     ("match", 1, None),
     ("match", 3, None),
+    ("traversal", 3, None),
     ("cactus", 1, {"delta": 0.1}),
     ("typical", 1, {"rule": "medusa"}),
     ("fuzzy", 1, {"threshold": 0.1, "laws": "unprocessed"}),

@@ -191,5 +191,5 @@ def test_a_verifier_keeps_its_colour_whatever_else_is_installed():
         for name, info in VerifierRegistry().describe().items()
         if info.get("package", "").startswith("specdec-cli ")
     ]
-    assert len(shipped) == 14 and len({verifier_colour(name) for name in shipped}) == len(shipped)
+    assert len(shipped) == 15 and len({verifier_colour(name) for name in shipped}) == len(shipped)
     assert verifier_colour("optimum") == "#000000"

@@ -27,10 +27,17 @@ _PALETTE = (
     "#f7b6d2",
     "#c7c7c7",
 )
-_FIXED = {"optimum": "#000000", "none": "#555555", "threshold": "#d62728", "fly": "#8c564b", "cactus": "#ff7f0e"}
+_FIXED = {
+    "optimum": "#000000",
+    "none": "#555555",
+    "threshold": "#d62728",
+    "fly": "#8c564b",
+    "cactus": "#ff7f0e",
+    "traversal": "#e377c2",
+}
 """Rows that are not verifiers (the theoretical optimum and the target alone), and the shipped verifiers whose
-name's hash gives a colour another shipped one has (is-lp's, speculative's, threshold's): fixed, so every shipped one
-differs."""
+name's hash gives a colour another shipped one has (is-lp's, speculative's, threshold's, ensemble's): fixed, so every
+shipped one differs."""
 
 
 def verifier_colour(name: str) -> str:
