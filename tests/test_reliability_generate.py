@@ -21,7 +21,7 @@ import torch
 
 from specdec_cli.base.errors import NonFiniteLogitsError
 from specdec_cli.engine.decoder import DecodingRun
-from specdec_cli.generation import calibration
+from specdec_cli.generation import calibration, calibration_figures
 from tests.conftest import one_error_line
 
 PROMPTS = ["a b", "c d", "e a", "b c", "d e", "a c"]
@@ -214,7 +214,7 @@ def test_recalibrate_measures_the_draft_cost_again(run, recipe_path, monkeypatch
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     # A busy CI machine measures slow, with repeats far apart: the figure is cached all the same here.
     monkeypatch.setattr(calibration, "_plausible", lambda cost, decoder: True)
-    monkeypatch.setattr(calibration, "_MAX_SPREAD", math.inf)
+    monkeypatch.setattr(calibration_figures, "_MAX_SPREAD", math.inf)
     monkeypatch.setattr(calibration, "cpu_load", lambda: calibration.CpuLoad(0.0, 2))
     args = ["generate", "-r", recipe_path, "--max-new-tokens", "3", *verifiers, "a b"]
     assert run(args)[0] == 0

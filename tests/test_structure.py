@@ -139,7 +139,7 @@ def test_a_third_party_kl_bound_gets_the_sweep_and_the_kl_column(tiny_models):
 
 
 def test_the_draft_cost_note_says_when_speculation_cannot_pay():
-    from specdec_cli.generation.calibration import DraftCost, draft_cost_note
+    from specdec_cli.generation.calibration_figures import DraftCost, draft_cost_note
 
     slow = DraftCost(
         target_token_s=0.060,

@@ -22,7 +22,7 @@ from specdec_cli.base import timing
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.commands import common
 from specdec_cli.engine.decoder import SpeculativeDecoder
-from specdec_cli.generation import calibration
+from specdec_cli.generation import calibration, calibration_figures
 from specdec_cli.generation.calibration import CpuLoad, DraftCost
 from tests.conftest import bench_on_files, tiny_recipe
 
@@ -153,7 +153,7 @@ def test_a_cpu_found_busy_only_while_measuring_keeps_the_faster_count_and_names_
     """Under a low load the choice times both counts; repeats far apart then make it a busy CPU's figure."""
     load(0.5)
     clock({2: 0.003, 1: 0.001})
-    monkeypatch.setattr(calibration, "_MAX_SPREAD", 0.5)  # every figure's repeats count as far apart
+    monkeypatch.setattr(calibration_figures, "_MAX_SPREAD", 0.5)  # every figure's repeats count as far apart
     calibrated = calibration.calibrate(decoder, PROMPT, choose_threads=True)
     note = calibrated.note
     assert calibrated.threads == 1 and torch.get_num_threads() == 2 and sorted(set(generations)) == [1, 2]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, ClassVar, Optional
@@ -12,12 +10,12 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Optional
 import typer
 from rich.console import Console
 
-from ..base.errors import SpecdecError, UsageError
-from ..base.inputs import check_plot_path, write_atomically
+from ..base.errors import UsageError
+from ..base.inputs import check_plot_path
 from ..base.recipe import Recipe
 from ..bench import distributed, report
 from ..bench.grid import Grid
-from ..bench.results import BenchResults, summarize
+from ..bench.results import summarize
 from ..bench.tasks import (
     DataSource,
     LoadedExamples,
@@ -30,7 +28,7 @@ from ..bench.tasks import (
 )
 from ..plugins.registry import VerifierRegistry
 from ..results.store import ResultsStore, load_saved
-from . import common, options
+from . import bench_results, common, options
 from .progress import token_progress
 
 _recipe = options.DEFAULT_RECIPE
@@ -217,43 +215,12 @@ class _GridOptions:
         return common.grid_values(self.seeds, int, "--seeds") or [base.seed]
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Output:
-    """Where the results go: the results folder (None: nowhere), stdout as JSON or a table, a plot; or the folder
-    whose results to show again."""
-
-    help_panel: ClassVar[str] = "Results"
-    folder: options.OutputOption = None
-    report_folder: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--report", metavar="FOLDER", help="Show the results of a results folder again, without running models."
-        ),
-    ] = None
-    plot: Annotated[
-        Optional[Path],
-        typer.Option(metavar="FILE.png", help="Draw speedup (or token rate) against quality to this PNG."),
-    ] = None
-    as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print results.json instead of the table.")] = (
-        False
-    )
-    allow_mixed_conditions: Annotated[
-        bool,
-        typer.Option(
-            "--allow-mixed-conditions",
-            metavar="",
-            help="Resume an --output folder whose samples ran with other threads, device or versions (the results "
-            "flag the mix).",
-        ),
-    ] = False
-
-
 @options.takes_option_groups
 def bench(
     data: _DataOptions,
     grid: _GridOptions,
     model: options.ModelOptions,
-    output: _Output,
+    output: bench_results.Output,
     compile_steps: options.CompileOption = False,
     stop: options.StopOption = None,
 ) -> None:
@@ -282,7 +249,7 @@ def bench(
     _run(plan, output)
 
 
-def _report(output: _Output) -> None:
+def _report(output: bench_results.Output) -> None:
     """Show a results folder again, without running models."""
     config, records = load_saved(output.folder)
     if not records:
@@ -291,8 +258,8 @@ def _report(output: _Output) -> None:
             f"--output {output.folder} to fill it"
         )
     results = summarize(config, records)
-    _show(results, output, "")
-    _plot(results, output)
+    bench_results.show(results, output, "")
+    bench_results.plot(results, output)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -349,7 +316,7 @@ class _Plan:
         }
 
 
-def _run(plan: _Plan, output: _Output) -> None:
+def _run(plan: _Plan, output: bench_results.Output) -> None:
     """Run what the folder does not hold yet, then write and show the results (also when stopped)."""
     rank, world_size = distributed.init_distributed()
     config = plan.config()
@@ -400,10 +367,10 @@ def _run(plan: _Plan, output: _Output) -> None:
         interrupted=interrupted,
         notes=[*plan.skipped, *plan.notes, *runner.notes],
     )
-    _finish(results, output, len(store.records), plan.busy_cpu)
+    bench_results.finish(results, output, len(store.records), plan.busy_cpu)
 
 
-def _conditions(plan: _Plan, output: _Output, store: ResultsStore, err: Console) -> dict:
+def _conditions(plan: _Plan, output: bench_results.Output, store: ResultsStore, err: Console) -> dict:
     """This run's conditions (threads, device, versions), checked against the samples it would resume beside; on a
     busy CPU a note says that its speed figures are the moment's (printed before any sample, kept with the
     results)."""
@@ -439,85 +406,12 @@ def _generate(runner: "BenchRunner", budget: int, enabled: bool) -> bool:
         try:
             runner.run(
                 on_tokens,
-                on_failure=lambda failure: _above_the_bar(f"error: {failure.line()}"),
-                on_note=lambda note: _above_the_bar(f"note: {note}"),
+                on_failure=lambda failure: bench_results.above_the_bar(f"error: {failure.line()}"),
+                on_note=lambda note: bench_results.above_the_bar(f"note: {note}"),
             )
         except KeyboardInterrupt:
             return True
     return False
-
-
-def _above_the_bar(line: str) -> None:
-    """``line`` on stderr while the progress bar shows: written to ``sys.stderr``, which a bar on a terminal replaces
-    with a proxy that prints each line above the bar; a Console of our own writes past that proxy, so its line
-    landed on the bar's (a resumed run's "note: resuming …" right after "ETA -:--:--")."""
-    sys.stderr.write(line + "\n")
-
-
-def _finish(results: BenchResults, output: _Output, kept: int, busy_cpu: str | None) -> None:
-    """Show the results and write them to the folder, the plot noting ``busy_cpu``; stopped: exit 130, a failed cell:
-    exit 1."""
-    if results.interrupted:
-        where = (
-            f"kept in '{output.folder}'; run the same command to resume"
-            if output.folder is not None
-            else "done, but nothing was saved (no --output): pass --output FOLDER to be able to resume"
-        )
-        note = f"interrupted: {kept} samples {where}"
-    else:
-        note = ""
-    _show(results, output, note)
-    if output.folder is not None:
-        _write_summaries(output.folder, results)
-    _plot(results, output, busy_cpu)  # last: a failing plot never costs the table or the summaries
-    if results.interrupted:
-        raise typer.Exit(130)
-    if any(cell.failure for cell in results.cells):
-        raise typer.Exit(1)  # each failed cell's line came as it failed; a run with one is not a success
-
-
-def _write_summaries(folder: Path, results: BenchResults) -> None:
-    """results.json and the tables, after the table is shown: a full disk costs them, never the table."""
-    summaries = {
-        "results.json": json.dumps(results.to_dict(), indent=2) + "\n",
-        "table.md": report.markdown(results),
-        "table.csv": report.csv_text(results),
-    }
-    for name, text in summaries.items():
-        try:
-            write_atomically(folder / name, text)  # a failed write leaves the previous summary whole
-        except OSError as error:
-            raise SpecdecError(
-                f"could not write '{folder / name}' ({error.strerror}); the samples are kept: free "
-                f"some space and run `specdec bench --report {folder}` to see them again"
-            ) from None
-
-
-def _show(results: BenchResults, output: _Output, note: str) -> None:
-    if output.as_json:
-        sys.stdout.write(json.dumps(results.to_dict(), indent=2) + "\n")
-    else:
-        config = results.config
-        title = f"specdec bench: {config['task']['name']}, {config['data']['examples']} examples"
-        console = Console(width=None if sys.stdout.isatty() else 200)
-        console.print(report.rich_table(results, title))
-        if (categories := report.category_table(results)) is not None:
-            console.print(categories)
-    if note:
-        Console(stderr=True).print(note, highlight=False, soft_wrap=True)
-
-
-def _plot(results: BenchResults, output: _Output, busy_cpu: str | None = None) -> None:
-    """The plot, if asked for, with the run's ``busy_cpu`` note on it (None: a quiet CPU, or a folder shown again
-    with --report); a stopped run's plot that fails is a note, so the stop keeps its exit code 130."""
-    if output.plot is None:
-        return
-    try:
-        common.write_plot(lambda: report.plot(results, output.plot, busy_cpu), output.plot)
-    except SpecdecError as error:
-        if not results.interrupted:
-            raise
-        Console(stderr=True).print(f"note: {error}", highlight=False, soft_wrap=True)
 
 
 def _draft_temperature_sets(text: str | None) -> tuple:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -13,24 +12,19 @@ from typing import TYPE_CHECKING, Annotated, Optional, TypeVar
 
 import typer
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from .. import __version__
 from ..base.errors import UsageError
 from ..base.inputs import require_text
 from ..base.recipe import AUTOREGRESSIVE, Recipe, target_alone
-from ..engine.stopping import cut_at_stop
 from ..plugins.registry import VerifierRegistry
-from ..results.stats import INTERVAL_LEVEL, GenerationResult
+from ..results.stats import GenerationResult
 from . import common, options
+from .generate_output import Stream, comparison_table, json_header, print_notes, print_round, stats_table, write_json
 from .progress import token_progress
 
 if TYPE_CHECKING:  # torch and transformers load only when a command runs models
     from ..engine.decoder import SpeculativeDecoder
-    from ..generation.comparison import ConfigurationResult
 
-ACCEPTED_STYLE = "green"
 LOADING = "Loading models (the first run converts the GGUF weights once)…"
 INTERRUPTED_EXIT = 130  # as the shell reports a run stopped by Ctrl-C
 BROKEN_PIPE_EXIT = 141  # as the shell reports `yes` in `yes | head`: 128 + SIGPIPE
@@ -296,7 +290,7 @@ def _generate(
     _calibrate(err, decoder, first, recalibrate, choose_threads)
     out = Console(highlight=False)
     several = len(prompts) * num_samples > 1
-    stream = None if as_json else _Stream(decoder.target.tokenizer, out, several, recipe.generation.stop)
+    stream = None if as_json else Stream(decoder.target.tokenizer, out, several, recipe.generation.stop)
     began = time.perf_counter()
     # A terminal that shows the text needs no bar; a pipe or --json would otherwise be silent.
     results, interrupted = _samples(decoder, (prompts, num_samples, batch_size), stream, as_json or not out.is_terminal)
@@ -311,9 +305,9 @@ def _generate(
         )
     if as_json:
         samples = {"autoregressive": decoder.verifier is None, "throughput": throughput}
-        _write_json(_json_header(recipe, decoder, interrupted) | samples | {"samples": [r.to_dict() for r in results]})
+        write_json(json_header(recipe, decoder, interrupted) | samples | {"samples": [r.to_dict() for r in results]})
     elif results:
-        err.print(_stats_table(decoder, results, colour_caption=out.is_terminal))
+        err.print(stats_table(decoder, results, colour_caption=out.is_terminal))
         err.print(
             f"batch size {batch_size}: {throughput['new_tokens']} tokens in {throughput['wall_time_s']:.2f} s, "
             f"{throughput['tokens_per_s']:.1f} tokens/s over all samples",
@@ -324,7 +318,7 @@ def _generate(
 
 
 def _samples(
-    decoder: SpeculativeDecoder, work: tuple[list[str], int, int], stream: _Stream | None, show_bar: bool
+    decoder: SpeculativeDecoder, work: tuple[list[str], int, int], stream: Stream | None, show_bar: bool
 ) -> tuple[list[GenerationResult], bool]:
     """Every sample of ``work`` (prompts, samples per prompt, batch size) in prompt order, shown as it comes (a
     sample's blocks as they commit; a batch's samples, which interleave, each whole); True when stopped."""
@@ -394,7 +388,7 @@ def _compare(
     out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     total = len(recipes) * len(prompts) * num_samples * recipe.generation.max_new_tokens
     with token_progress(total) as progress:
-        show = (lambda results: None) if as_json else functools.partial(_print_round, out, comparison.rows)
+        show = (lambda results: None) if as_json else functools.partial(print_round, out, comparison.rows)
         interrupted = _until_interrupted(comparison.run(prompts, num_samples, on_tokens=progress.advance), show)
     if interrupted:
         err.print(
@@ -403,8 +397,8 @@ def _compare(
             highlight=False,
         )
     if as_json:
-        _write_json(
-            _json_header(recipe, base, interrupted)
+        write_json(
+            json_header(recipe, base, interrupted)
             | {
                 "configurations": [
                     row.summary() | {"samples": [r.to_dict() for r in row.results]} for row in comparison.rows
@@ -412,7 +406,7 @@ def _compare(
             }
         )
     elif comparison.rounds:
-        out.print(_comparison_table(comparison.rows, comparison.rounds))
+        out.print(comparison_table(comparison.rows, comparison.rounds))
     if interrupted:
         raise typer.Exit(INTERRUPTED_EXIT)
 
@@ -438,155 +432,4 @@ def _calibrate(
     calibration = calibrate(decoder, prompt_ids, recalibrate, choose_threads)
     if calibration.threads is not None:
         common.apply_threads(calibration.threads)
-    _print_notes(err, decoder, calibration.note)
-
-
-def _print_notes(err: Console, decoder: SpeculativeDecoder, calibration_note: str | None) -> None:
-    """The models that keep the dynamic cache, an ``exact_first`` that changes nothing, and the calibration's note."""
-    exact_first = None if decoder.exact_first_note is None else f"note: {decoder.exact_first_note}"
-    for note in [*decoder.cache_notes, exact_first, calibration_note]:
-        if note is not None:
-            err.print(note, highlight=False, soft_wrap=True)
-
-
-def _print_round(out: Console, rows: list[ConfigurationResult], results: list[GenerationResult]) -> None:
-    """One (prompt, sample)'s text from every configuration (``results`` in the order of ``rows``), written
-    in one go: Ctrl-C in the middle of a rich print leaves its text queued, and the table would repeat it."""
-    with out.capture() as captured:
-        for row, result in zip(rows, results):
-            out.rule(f"prompt {result.prompt_index + 1}.{result.sample_index + 1} · {row.label}", style="dim")
-            out.print(result.text, markup=False)
-    sys.stdout.write(captured.get())
-    sys.stdout.flush()
-
-
-def _json_header(recipe: Recipe, decoder: SpeculativeDecoder, interrupted: bool) -> dict:
-    from ..results.provenance import provenance
-
-    return {
-        "specdec_version": __version__,
-        "recipe": recipe.to_dict(),
-        "environment": provenance(decoder.device),
-        "interrupted": interrupted,
-    }
-
-
-def _write_json(payload: dict) -> None:
-    sys.stdout.write(json.dumps(payload, indent=2) + "\n")
-
-
-def _comparison_table(rows: list[ConfigurationResult], samples: int) -> Table:
-    has_baseline = any(row.speedup is not None for row in rows)
-    caption = (
-        f"{samples} sample(s) per configuration, same prompts and seeds, run in turn; one untimed warm-up "
-        "each; tokens/s excludes loading, with the tokens it counts"
-    )
-    caption += (
-        f"; speedup: token rate over the target alone [{INTERVAL_LEVEL:.0%} interval over the samples]"
-        if has_baseline
-        else "; add none to --verifier for speedups"
-    )
-    table = Table(title="verifiers compared", caption=caption)
-    table.add_column("verifier")
-    for name in ("tokens/s", "speedup", "block efficiency", "acceptance", "seconds"):
-        table.add_column(name, justify="right", overflow="fold")
-    for row in rows:
-        label = "none (target alone)" if not row.speculative else row.label
-        acceptance = "—" if row.acceptance_rate is None else f"{row.acceptance_rate:.1%}"
-        table.add_row(
-            label,
-            row.tokens_per_second_text(),
-            row.speedup_text(),
-            f"{row.block_efficiency:.2f}",
-            acceptance,
-            f"{row.summary()['wall_time_s']:.2f}",
-        )
-    return table
-
-
-class _Stream:
-    """Writes each committed block's text as it arrives, styling accepted draft tokens on a terminal. With stop
-    texts it shows what the result's text will be: nothing from a stop text on, and the last characters that could
-    begin one held back until the text goes on past them or the sample ends."""
-
-    def __init__(self, tokenizer, console: Console, several: bool, stops: tuple[str, ...] = ()):
-        self.tokenizer = tokenizer
-        self.console = console
-        self.several = several
-        self.stops = stops
-        self.held = max(map(len, stops), default=1) - 1  # characters that may be a stop text's beginning
-        self.current: tuple[int, int] | None = None
-        self.tokens: list[int] = []
-        self.shown = ""
-
-    def on_block(self, prompt_index: int, sample_index: int, new_tokens: list[int], accepted: list[bool]) -> None:
-        if self.current != (prompt_index, sample_index):
-            self.finish()
-            self.current, self.tokens, self.shown = (prompt_index, sample_index), [], ""
-            if self.several:
-                self.console.rule(f"prompt {prompt_index + 1}, sample {sample_index + 1}", style="dim")
-        piece = Text()
-        for token, from_draft in zip(new_tokens, accepted):
-            self.tokens.append(token)
-            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for its next token
-                continue
-            cut = cut_at_stop(text, self.stops)
-            text = cut if cut != text else text[: len(text) - self.held]
-            piece.append(text[len(self.shown) :], style=ACCEPTED_STYLE if from_draft else None)
-            self.shown = max(text, self.shown, key=len)
-        self._write(piece)
-
-    def _write(self, piece: Text) -> None:
-        if self.console.is_terminal:
-            self.console.print(piece, end="", soft_wrap=True)
-        else:
-            sys.stdout.write(piece.plain)
-            sys.stdout.flush()
-
-    def finish(self) -> None:
-        if self.current is not None:
-            if self.held:  # what was held back and turned out not to begin a stop text
-                text = cut_at_stop(self.tokenizer.decode(self.tokens, skip_special_tokens=True), self.stops)
-                self._write(Text(text[len(self.shown) :]))
-            if self.console.is_terminal:
-                self.console.print()
-            else:
-                sys.stdout.write("\n")
-                sys.stdout.flush()
-
-
-def _stats_table(decoder: SpeculativeDecoder, results: list[GenerationResult], colour_caption: bool) -> Table:
-    """One row per metric, one column per sample (at most 6, then only the mean); titled with the configuration."""
-    shown = results if len(results) <= 6 else []
-    speculative = decoder.verifier is not None
-    if speculative:
-        title = f"{decoder.verifier.name} · L={decoder.draft_length} · K={decoder.config.speculation.num_drafts}"
-    else:
-        title = "target alone"
-    caption = f"accepted draft tokens in {ACCEPTED_STYLE}" if speculative and colour_caption else None
-    table = Table(title=title, title_style="bold", caption=caption)
-    table.add_column("metric")
-    for r in shown:
-        table.add_column(
-            f"prompt {r.prompt_index + 1}.{r.sample_index + 1}" if len(results) > 1 else "value", justify="right"
-        )
-    if len(results) > 1:
-        table.add_column(f"mean of {len(results)}", justify="right")
-    metrics = [
-        ("generated tokens", lambda s: s.new_tokens, "{:.0f}"),
-        ("block efficiency", lambda s: s.block_efficiency, "{:.2f}"),
-        ("acceptance rate", lambda s: s.acceptance_rate, "{:.1%}"),
-        ("tokens/s", lambda s: s.tokens_per_second, "{:.1f}"),
-        ("seconds (no loading)", lambda s: s.wall_time_s, "{:.2f}"),
-        ("target forwards saved", lambda s: s.target_forwards_saved, "{:.0f}"),
-    ]
-    if not speculative:
-        metrics = [m for m in metrics if m[0] in ("generated tokens", "tokens/s", "seconds (no loading)")]
-    for label, value, fmt in metrics:
-        values = [value(r.stats) for r in results]
-        cells = [fmt.format(v) for v in values[: len(shown)]]
-        if len(results) > 1:
-            cells.append(fmt.format(sum(values) / len(values)))
-        table.add_row(label, *cells)
-    return table
+    print_notes(err, decoder, calibration.note)
