@@ -230,9 +230,9 @@ def bench(
     common.apply_threads(model.threads)
     if output.report_folder is not None:
         return _report(dataclasses.replace(output, folder=output.report_folder))
-    base = common.RecipeOptions.of(model, sets=common.with_compile(model.sets, compile_steps), stop=stop).resolve()
+    flags = common.RecipeOptions.of(model, sets=common.with_compile(model.sets, compile_steps), stop=stop)
+    base, registry = flags.resolve(), flags.registry
     common.check_hub_models(base)
-    registry = VerifierRegistry()
     loaded = data.examples()
     plan = _Plan(
         base=base,
