@@ -45,7 +45,7 @@ from specdec_cli.plugins.laws import TINY, excess_weights, first_accepted, ratio
 from specdec_cli.plugins.single_draft import SingleDraftRule
 from specdec_cli.plugins.verifiers import Verifier, reads_are_free
 
-from ._mentored_solve import _Groups, _normalised, _Solution, solve, verify  # noqa: F401 (_Groups: tests reach it here)
+from ._mentored_solve import _normalised, _Solution, solve, verify
 from .speculative import SpeculativeSampling
 
 _AGAINST_BLEND = SpeculativeSampling()

@@ -204,3 +204,42 @@ if __name__ == "__main__":
     found = problems(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT)
     print("\n".join(found))
     sys.exit(1 if found else 0)
+
+
+MODULE_LINES, FUNCTION_LINES = 500, 60
+"""The house's sizes: a module a reader holds in mind, a function read in one screen."""
+
+
+def oversized(root: Path = ROOT) -> list[str]:
+    """The modules over :data:`MODULE_LINES` lines and the functions over :data:`FUNCTION_LINES` (a function's
+    lines from its ``def`` to its last, docstring included), as ``path: what``."""
+    found = []
+    for path in modules(root).values():
+        text = path.read_text()
+        where = path.relative_to(root)
+        if text.count("\n") > MODULE_LINES:
+            found.append(f"{where}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    found.append(f"{where}:{node.lineno}: {node.name} is {length} lines")
+    return found
+
+
+def test_no_module_over_500_lines_and_no_function_over_60():
+    found = oversized()
+    assert not found, "\n" + "\n".join(found)
+
+
+def test_the_size_check_finds_a_long_module_and_a_long_function(tmp_path):
+    package = tmp_path / "specdec_cli"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    body = "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LINES))
+    (package / "long.py").write_text("def long():\n" + body + "\n" * MODULE_LINES)
+    (tmp_path / "specdec_plugins").mkdir()
+    assert oversized(tmp_path) == [
+        f"specdec_cli/long.py: {FUNCTION_LINES + 1 + MODULE_LINES} lines",
+        f"specdec_cli/long.py:1: long is {FUNCTION_LINES + 1} lines",
+    ]

@@ -15,7 +15,9 @@ from specdec_cli.engine.device_path import OperationCount
 from specdec_cli.kit.testing import random_distributions
 from specdec_cli.plugins.registry import load_verifier
 from specdec_cli.plugins.verifiers import device_path
+from specdec_plugins import _mentored_sets as mentored_sets
 from specdec_plugins import _mentored_solve as mentored
+from specdec_plugins import _mentored_sorted as mentored_sorted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -209,7 +211,7 @@ def test_the_device_path_meets_the_bound_to_rounding():
 
 def test_the_bound_check_sees_a_root_left_unfinished(monkeypatch):
     """Negative control: without the Newton steps the grid alone leaves the root 1e-7 short."""
-    monkeypatch.setattr(mentored, "_NEWTON_STEPS", 0)
+    monkeypatch.setattr(mentored_sorted, "_NEWTON_STEPS", 0)
     assert _bound_misses(vocabularies=(3, 1000)) > 1e-9
 
 
@@ -269,8 +271,8 @@ def test_the_cpu_path_accepts_outright_where_the_root_is_below_float64s_range(mo
     draft = (target.log() + noise).softmax(-1)  # KL(q ‖ p) ≈ 0.04 on the rest
     draft[:, :5] = 0.0
     target[:, :5] = torch.tensor([[1e-40], [1e-3]], dtype=target.dtype) / 5
-    monkeypatch.setattr(mentored._Groups, "segments", None)  # no set step on the CPU path,
-    monkeypatch.setattr(mentored, "_SortedTable", None)  # nor a sort
+    monkeypatch.setattr(mentored_sets._Groups, "segments", None)  # no set step on the CPU path,
+    monkeypatch.setattr(mentored_sets, "_SortedTable", None)  # nor a sort
     on_cpu = mentored.solve(target[:1], draft[:1], 0.3, lazy=True)
     assert float(on_cpu.rejected_mass) == 0 and (on_cpu.acceptance_of(torch.arange(200).view(1, -1)) == 1).all()
     monkeypatch.undo()
@@ -280,13 +282,13 @@ def test_the_cpu_path_accepts_outright_where_the_root_is_below_float64s_range(mo
     assert 0 < float(solved.rejected_mass) == pytest.approx(float(on_device.rejected_mass[1]), rel=1e-9)
 
 
-def _groups_near(threshold: float, offsets: list[float]) -> tuple[mentored._Groups, float]:
+def _groups_near(threshold: float, offsets: list[float]) -> tuple[mentored_sets._Groups, float]:
     """One row whose ratios t = q/p sit at ``threshold`` × (1 + offset) for each offset, and at 1/16 and 16,
     and the scale its renormalisation divides them by."""
     ratios = torch.tensor([threshold * (1 + offset) for offset in offsets] + [1 / 16, 16.0], dtype=torch.float64)
     draft = torch.full_like(ratios, 1 / len(ratios))  # [V]
     target = draft * ratios  # [V]: renormalising scales every ratio alike
-    groups = mentored._Groups(target.unsqueeze(0), draft.unsqueeze(0))
+    groups = mentored_sets._Groups(target.unsqueeze(0), draft.unsqueeze(0))
     scale = float(target.sum())
     return groups, scale
 
@@ -315,7 +317,7 @@ def test_the_float32_steps_only_bring_the_sets_near_the_root(monkeypatch):
     """The float64 steps settle the root alone: skipping the float32 steps, or making them stop at once,
     changes no decision of the CPU path."""
     expected = _decisions(0.1, lazy=True)
-    monkeypatch.setattr(mentored, "_COARSE_TOLERANCE", 1.0)
+    monkeypatch.setattr(mentored_sets, "_COARSE_TOLERANCE", 1.0)
     assert _decisions(0.1, lazy=True) == expected
 
 
@@ -323,6 +325,6 @@ def test_the_float64_steps_settle_when_the_float32_check_cannot_answer(monkeypat
     """A token within the check's margin of the root (common at V = 32k) keeps it answering no; the groups'
     sums repeating must still settle the row, without the sorted fallback (20 ms a solve at V = 128k)."""
     expected = _decisions(0.1, lazy=True)
-    monkeypatch.setattr(mentored._Groups, "same_groups", lambda *_: False)
-    monkeypatch.setattr(mentored, "_SortedTable", None)
+    monkeypatch.setattr(mentored_sets._Groups, "same_groups", lambda *_: False)
+    monkeypatch.setattr(mentored_sets, "_SortedTable", None)
     assert _decisions(0.1, lazy=True) == expected

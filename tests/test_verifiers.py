@@ -325,11 +325,11 @@ def test_mentored_is_exact_on_sparse_laws_and_from_the_sorted_table(monkeypatch,
     """Zero-q tokens, p = 0 < q tokens and bounds from 1e-6 to 1 nat: KL(q ‖ output) = D wherever
     D < KL(q ‖ p) and the root is representable. With one set step no row settles, so the same
     answers must come from the sorted-table fallback."""
-    from specdec_plugins import _mentored_solve as mentored
+    from specdec_plugins import _mentored_sets as mentored_sets
 
     if max_set_steps:
-        monkeypatch.setattr(mentored, "_MAX_SET_STEPS", max_set_steps)
-        monkeypatch.setattr(mentored._Groups, "same_groups", lambda *_: False)
+        monkeypatch.setattr(mentored_sets, "_MAX_SET_STEPS", max_set_steps)
+        monkeypatch.setattr(mentored_sets._Groups, "same_groups", lambda *_: False)
     generator = torch.Generator().manual_seed(21)
     checked = 0
     for vocab in (3, 40, 3000):

@@ -27,62 +27,33 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..base.errors import SpecdecError, UsageError
-from ..base.randomness import Draws, sample_key
+from ..base.randomness import sample_key
 from ..base.recipe import Recipe, VerifierConfig
 from ..base.sampling import judged_params, probs_from_logits
-from ..base.theory import (
-    MAX_TWO_DRAFT_SUPPORT,
-    optimal_acceptance,
-    optimal_acceptance_two_drafts,
-    tv_optimal_acceptance,
-    two_draft_support,
-)
+from ..base.theory import tv_optimal_acceptance
 from ..engine.decoder import SpeculativeDecoder
-from ..engine.decoding import Draft, exact_verifier_name, load_drafts
+from ..engine.decoding import exact_verifier_name, load_drafts
 from ..engine.session import next_token_logits
 from ..models.pool import ModelPool
 from ..plugins.divergences import DIVERGENCES, kl_divergence, total_variation
-from ..plugins.draft_rows import DraftRows, round_robin
+from ..plugins.draft_rows import DraftRows
 from ..plugins.registry import VerifierRegistry, error_line
 from ..plugins.sweeps import swept_params
 from ..plugins.verifiers import BlockVerifier, JudgedLaws, judged_argument
+from .memory import _check_memory
+from .position_values import _acceptance, _exact_first, _optimum
+from .proposing import _LoadedSection, _proposed_laws, _ProposingRows
 from .results import OPTIMUM, AcceptanceReport, AcceptanceRequest, AcceptanceRow, DrafterSection, PromptAcceptance
 
 KL_FRACTIONS = (0.1, 0.3, 1.0)
 """Default KL bounds, as fractions of the pair's mean KL(q ‖ p)."""
 FALLBACK_KL_VALUES = (0.05, 0.2, 0.5)
 """Bounds when that mean is zero or not finite (identical models; a draft that rules out target tokens)."""
-
-PositionValues = Callable[[torch.Tensor, torch.Tensor, list[int], JudgedLaws], tuple[torch.Tensor | None, str]]
-"""(target ``[T', V]``, drafts ``[T', K', V]`` of the rows that proposed, those rows' places among the K, and the
-laws a verifier judges drafts by there, or None) → (a value at each of the T' positions ``[T']``, or None and why
-there is none)."""
-
-
-@dataclass
-class _LoadedSection:
-    """A drafter section with its entries loaded."""
-
-    drafter: str | None
-    drafts: list[Draft]
-    laws: list[Hashable]
-    """Each entry's law key (as the engine keys its rows: equal keys, equal laws)."""
-    proposers: dict[int, SpeculativeDecoder]
-    """Entry index → a decoder whose one drafter is that entry's, set up by the engine (entries without a model)."""
-
-    def choice(self, num_drafts: int) -> list[int]:
-        """The entry of each of K = ``num_drafts`` rows, taken in turn."""
-        return [k % len(self.drafts) for k in range(num_drafts)]
-
-    def rows(self, num_drafts: int) -> DraftRows:
-        return round_robin(self.laws, num_drafts)
 
 
 class AcceptanceAnalysis:
@@ -468,175 +439,3 @@ class AcceptanceAnalysis:
             rows = slice(position, position + 1)
             values[position] = rule.acceptance_probability(target[rows], draft[rows].unsqueeze(1))[0]
         return values
-
-
-@dataclass(frozen=True)
-class _ProposingRows:
-    """A prompt's positions grouped by which of the K rows proposed there: few patterns, since a row with a model
-    always proposes and a row without one either does or not."""
-
-    positions: int
-    groups: list[tuple[torch.Tensor, torch.Tensor]]
-    """(positions ``[T']``, rows ``[K']``) of each pattern in which at least one row proposed."""
-
-    @classmethod
-    def of(cls, proposed: torch.Tensor) -> _ProposingRows:
-        """From where each row proposed ``[T, K]``."""
-        patterns, inverse = torch.unique(proposed, dim=0, return_inverse=True)  # [P, K], [T]
-        groups = [
-            ((inverse == number).nonzero().squeeze(-1), pattern.nonzero().squeeze(-1))
-            for number, pattern in enumerate(patterns)
-            if bool(pattern.any())
-        ]
-        return cls(proposed.shape[0], groups)
-
-    def values(
-        self, value: PositionValues, target: torch.Tensor, drafts: torch.Tensor, judged: JudgedLaws = None
-    ) -> tuple[list[float] | None, str]:
-        """``value`` over the rows that proposed at each position, for target ``[T, V]``, drafts ``[T, K, V]`` and the
-        laws a verifier judges drafts by (shaped as those two, or None); 0 where no row proposed (the block is the
-        target's own token: nothing is accepted). None and why where ``value`` gives none for some group."""
-        result = torch.zeros(self.positions, dtype=torch.float64, device=target.device)  # [T]
-        for positions, rows in self.groups:
-            laws = _taken(judged, positions, rows)
-            values, reason = value(target[positions], drafts[positions][:, rows], rows.tolist(), laws)  # [T']
-            if values is None:
-                return None, reason
-            result[positions] = values.to(result)
-        return result.tolist(), ""
-
-    def laws(
-        self,
-        law: Callable[[torch.Tensor, torch.Tensor, JudgedLaws], torch.Tensor | None],
-        target: torch.Tensor,
-        drafts: torch.Tensor,
-        judged: JudgedLaws = None,
-    ) -> torch.Tensor | None:
-        """The output law ``law`` gives over the rows that proposed at each position ``[T, V]``, for target ``[T, V]``,
-        drafts ``[T, K, V]`` and the laws a verifier judges drafts by (or None): q where no row proposed (the
-        target's own token); None where ``law`` gives none."""
-        result = target.clone()  # [T, V]
-        for positions, rows in self.groups:
-            values = law(target[positions], drafts[positions][:, rows], _taken(judged, positions, rows))  # [T', V]
-            if values is None:
-                return None
-            result[positions] = values.to(result)
-        return result
-
-    @property
-    def proposed(self) -> torch.Tensor:
-        """The positions where some row proposed ``[P]`` (int64)."""
-        found = [positions for positions, _ in self.groups]
-        return torch.cat(found) if found else torch.zeros(0, dtype=torch.long)
-
-
-def _proposed_laws(
-    decoder: SpeculativeDecoder, prompt_ids: list[int], tokens: list[int], key: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``decoder``'s one drafter (no model) proposes after each prefix of the target's continuation ``tokens``,
-    asked through the engine's draft step (:class:`~specdec_cli.engine.block_steps.DraftStep`), as a run asks it:
-    started on the prompt, then at each position a block of one token with the sample's keyed uniforms, of whose row
-    nothing is committed. → the law of its first token ``[T, V]`` (zeros where it proposed nothing) and where it
-    proposed ``[T]``."""
-    step, device = decoder.steps.draft, decoder.device
-    context = decoder.target.decoder_start_ids if decoder.target.is_encoder_decoder else list(prompt_ids)
-    step.reset()
-    step.start([prompt_ids], [context], None)
-    draws = Draws.batch([key], device)
-    laws = torch.zeros(len(tokens), decoder.vocab_size, dtype=torch.float64, device=device)  # [T, V]
-    proposed = torch.zeros(len(tokens), dtype=torch.bool, device=device)  # [T]
-    for position, token in enumerate(tokens):
-        draws.block_start.fill_(position)
-        drafted, _ = step.propose([context], [1], draws, decoder.steps.sampling_law, None)
-        decoder.guards.check_block_flags(step.drafters, True, drafted.finite.tolist(), drafted.in_vocab.tolist())
-        if drafted.lengths[0]:
-            laws[position], proposed[position] = drafted.laws[0, 0, 0], True
-        step.keep([[0]], [[len(context)]])
-        context.append(token)  # committed in place, as the engine commits a block
-    return laws, proposed
-
-
-def _acceptance(
-    verifier: BlockVerifier,
-    laws: tuple[torch.Tensor, torch.Tensor, JudgedLaws],
-    refusal: str | None,
-    groups: _ProposingRows,
-) -> tuple[list[float] | None, str]:
-    """(acceptance at each position, or None and why) for ``laws``: target ``[T, V]``, drafts ``[T, K, V]`` and the
-    two the verifier judges drafts by (or None), over the rows that proposed at each position (``groups``)."""
-    target, drafts, judged = laws
-    if not verifier.token_level:
-        return (
-            None,
-            f"{verifier.name} decides whole blocks: a per-token acceptance is not defined (compare it with bench)",
-        )
-    if refusal is not None:
-        return None, refusal
-    try:
-        return groups.values(
-            lambda q, p, _kept, laws: (verifier.acceptance_probability(q, p, **judged_argument(laws)), ""),
-            target,
-            drafts,
-            judged,
-        )
-    except SpecdecError as error:
-        return None, str(error)
-
-
-def _taken(judged: JudgedLaws, positions: torch.Tensor, rows: torch.Tensor) -> JudgedLaws:
-    """Judged laws (target ``[T, V]``, drafts ``[T, K, V]``) at ``positions`` ``[T']`` for the draft ``rows``
-    ``[K']``, as the sampling laws are taken; None stays None."""
-    return None if judged is None else (judged[0][positions], judged[1][positions][:, rows])
-
-
-def _exact_first(
-    values: list[float], exact: tuple[list[float] | None, str], first: int
-) -> tuple[list[float] | None, str]:
-    """A lossy row's ``values`` at each position with the exact rule's (``exact``: its values, or None and why) at
-    the first ``first``: what a run with ``speculation.exact_first`` accepts there. None and why where the exact rule
-    has no value."""
-    exact_values, reason = exact
-    if exact_values is None:
-        return None, f"exact first {first}: {reason}"
-    return exact_values[:first] + values[first:], ""
-
-
-def _optimum(target: torch.Tensor, drafts: torch.Tensor, identical: bool) -> tuple[torch.Tensor | None, str]:
-    """The optimum at each position ``[T]`` for target ``[T, V]`` and drafts ``[T, K, V]``, or why it is not given."""
-    num_drafts = drafts.shape[1]
-    if identical:
-        return optimal_acceptance(target, drafts[:, 0], num_drafts), ""
-    if num_drafts > 2:
-        return None, "not computed for K > 2 different drafts (exact here for identical drafts and for K = 2)"
-    support = int(two_draft_support(drafts[:, 0], drafts[:, 1]).max())
-    if support > MAX_TWO_DRAFT_SUPPORT:
-        return None, (
-            f"not computed: the two different drafts share up to {support} tokens, and the exact optimum "
-            f"for different drafts takes at most {MAX_TWO_DRAFT_SUPPORT} (restrict sampling, e.g. --top-k 50)"
-        )
-    values = [float(optimal_acceptance_two_drafts(q, p[0], p[1])) for q, p in zip(target, drafts)]
-    return torch.tensor(values, dtype=torch.float64), ""
-
-
-def _check_memory(positions: int, num_drafts: int, vocab_size: int, device: torch.device) -> None:
-    """A prompt's K draft laws, ``[T, K, V]`` in float64, must fit the device's memory: refuse a
-    ``--num-drafts`` or ``--max-new-tokens`` too large for it in one line, before allocating."""
-    needed = positions * num_drafts * vocab_size * 8
-    available = _device_memory(device)
-    if available is not None and needed > available:
-        raise UsageError(
-            f"--num-drafts {num_drafts} with --max-new-tokens {positions} needs {needed / 2**30:.3g} GiB "
-            "for the draft laws "
-            f"alone ({positions} positions × {num_drafts} drafts × {vocab_size} tokens × 8 bytes) and this device has "
-            f"{available / 2**30:.3g} GiB; lower --num-drafts or --max-new-tokens"
-        )
-
-
-def _device_memory(device: torch.device) -> int | None:
-    """Total memory of ``device`` in bytes (None where it cannot be told)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None

@@ -3,7 +3,7 @@ asks every drafter for its proposals, the target's scoring, the sampling law, an
 the verifier's one call (:meth:`~specdec_cli.verifiers.BlockVerifier.verify`) for every group of sequences, compiled
 or replayed from a CUDA graph under ``--compile``.
 
-The draft step is also how ``acceptance`` asks a drafter for its laws (:mod:`specdec_cli.acceptance.analysis`): one
+The draft step is also how ``acceptance`` asks a drafter for its laws (:mod:`specdec_cli.acceptance.proposing`): one
 code path asks drafters for proposals, whoever asks.
 """
 
