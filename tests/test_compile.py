@@ -25,7 +25,8 @@ from tests.conftest import random_block, tiny_recipe
 # The first torch.compile in a process imports inductor, whose torch.utils.mkldnn still declares script methods.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-    pytest.mark.xdist_group("compile"),  # one worker compiles the tiny models' steps once, and its other tests reuse them
+    # One worker compiles the tiny models' steps once, and its other tests reuse them.
+    pytest.mark.xdist_group("compile"),
 ]
 
 
