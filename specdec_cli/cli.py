@@ -21,7 +21,7 @@ try:
     from .base.errors import SpecdecError
     from .commands.acceptance import acceptance
     from .commands.bench import bench
-    from .commands.common import stdout_to_nowhere
+    from .commands.common import GLOBAL_FLAGS, stdout_to_nowhere
     from .commands.drafters import drafters
     from .commands.generate import generate
     from .commands.verifiers import verifiers
@@ -92,10 +92,16 @@ def _global_options(
     ] = False,
     debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show full tracebacks for errors.")] = False,
     verbose: Annotated[
-        bool, typer.Option("--verbose", metavar="", help="Let the libraries' own progress bars and warnings through.")
+        bool,
+        typer.Option(
+            "--verbose",
+            metavar="",
+            help="Let the libraries' own progress bars and warnings through, and say what the compile cache reused.",
+        ),
     ] = False,
 ) -> None:
     """Speculative decoding: generate with exact, pluggable verifiers; measure acceptance and speed."""
+    GLOBAL_FLAGS.verbose = verbose
 
 
 def _quiet_libraries(verbose: bool) -> None:

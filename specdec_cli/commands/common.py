@@ -31,6 +31,18 @@ from ..plugins.sweeps import ParameterSweep, parse_sweeps
 from .options import ModelOptions
 
 
+@dataclass
+class GlobalFlags:
+    """The flags given before the command (``specdec --verbose generate …``), as the CLI's callback read them for
+    this invocation."""
+
+    verbose: bool = False
+    """Let the libraries' own output through, and say more of what specdec did (what the compile cache reused)."""
+
+
+GLOBAL_FLAGS = GlobalFlags()
+
+
 def with_compile(sets: list[str] | None, compile_steps: bool) -> list[str]:
     """The --set list, with what --compile means added when it is given."""
     return [*(sets or []), *(["speculation.compile=true"] if compile_steps else [])]

@@ -14,6 +14,7 @@ from .. import __version__
 from ..base.recipe import Recipe
 from ..engine.stopping import cut_at_stop
 from ..results.stats import INTERVAL_LEVEL, GenerationResult
+from . import common
 
 if TYPE_CHECKING:  # torch and transformers load only when a command runs models
     from ..engine.decoder import SpeculativeDecoder
@@ -23,11 +24,21 @@ ACCEPTED_STYLE = "green"
 
 
 def print_notes(err: Console, decoder: SpeculativeDecoder, calibration_note: str | None) -> None:
-    """The models that keep the dynamic cache, an ``exact_first`` that changes nothing, and the calibration's note."""
+    """The models that keep the dynamic cache, an ``exact_first`` that changes nothing, the calibration's note, and
+    under ``--verbose --compile`` what each model's compile cache entry gave this run."""
     exact_first = None if decoder.exact_first_note is None else f"note: {decoder.exact_first_note}"
-    for note in [*decoder.cache_notes, exact_first, calibration_note]:
+    for note in [*decoder.cache_notes, exact_first, calibration_note, *_compile_cache_notes(decoder)]:
         if note is not None:
             err.print(note, highlight=False, soft_wrap=True)
+
+
+def _compile_cache_notes(decoder: SpeculativeDecoder) -> list[str]:
+    """Under ``--verbose``, one line per model whose steps ``--compile`` compiled: what its compile cache entry gave."""
+    if not (common.GLOBAL_FLAGS.verbose and decoder.config.speculation.compile):
+        return []
+    from ..engine import compile_cache  # torch: only once a model has loaded
+
+    return [use.summary() for use in compile_cache.uses()]
 
 
 def print_round(out: Console, rows: list[ConfigurationResult], results: list[GenerationResult]) -> None:

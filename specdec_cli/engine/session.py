@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -38,6 +39,8 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from ..base.timing import RegionTimer
 from ..base.waits import waiting
 from ..models.loading import LoadedModel
+from . import compile_cache
+from .compile_cache import CompileCacheUse
 from .slots import SlotCache
 from .steps import CAPACITY_BUCKET, StepCompiler, step_compiler
 
@@ -282,14 +285,14 @@ class ModelSession:
 
     def _compiling(self, inputs: torch.Tensor) -> AbstractContextManager[None]:
         """A compiled step of a shape (``inputs`` ``[rows, m]`` over the cache's capacity) that the model's steps have
-        not run yet compiles its graph, which takes seconds to minutes on a CPU: a wait, said while it lasts. A shape
-        run before passes in silence."""
+        not run yet compiles its graph, which takes seconds to minutes on a CPU: a wait, said while it lasts, after
+        which what was compiled is kept (:func:`~.compile_cache.save`). A shape run before passes in silence."""
         shape = (*inputs.shape, self.cache.capacity)
         seen = _STEP_SHAPES.setdefault(self.steps, set())
         if shape in seen:
             return nullcontext()
         seen.add(shape)
-        return waiting(compiling_steps())
+        return _compiling_and_keeping(self.steps.cache_use)
 
     def _forward_arguments(self, inputs: torch.Tensor, keep: int, padding: list[int]) -> dict[str, Any]:
         """The model's keyword arguments for ``inputs`` ``[rows, m]`` after the held columns: where rows may be
@@ -399,14 +402,26 @@ _STEP_SHAPES: weakref.WeakKeyDictionary[StepCompiler, set[tuple[int, ...]]] = we
 """The shapes (rows, inputs, capacity) each model's compiled steps have run: a new one may compile a graph."""
 
 
-def compiling_steps() -> str:
-    """What a compiled step of a new shape is doing, and what of it a later run keeps."""
+@contextmanager
+def _compiling_and_keeping(use: CompileCacheUse) -> Iterator[None]:
+    """The wait of a compiled step's new shape, then its artifacts written to the model's compile cache entry."""
+    with waiting(compiling_steps(use)):
+        use.noted = True
+        yield
+    compile_cache.save()
+
+
+def compiling_steps(use: CompileCacheUse | None = None) -> str:
+    """What a compiled step of a new shape is doing, and what of it a later run keeps (``use``: the model's compile
+    cache entry, which says whether an earlier run's kernels are reused, or why they could not be)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    return (
-        "compiling the model steps with torch.compile, as each new step shape comes in the first blocks (the "
-        f"compiled kernels are cached in {cache_dir()} for later runs)"
-    )
+    doing = "compiling the model steps with torch.compile, as each new step shape comes in the first blocks"
+    if use is not None and use.reused:
+        return f"{doing} (tracing them again; their kernels are reused from {use.entry})"
+    if use is not None and use.note and not use.noted:
+        return f"{use.note}: {doing} (the compiled kernels are cached in {cache_dir()} for later runs)"
+    return f"{doing} (the compiled kernels are cached in {cache_dir()} for later runs)"
 
 
 @torch.inference_mode()

@@ -18,6 +18,9 @@ compiles the same graphs without CUDA graphs.
 
 A step that cannot be compiled (a model dynamo cannot trace, a backend missing) runs eager from then on, with one
 warning that says why.
+
+What inductor compiles is kept under specdec's cache directory for later runs, one entry per model
+(:mod:`.compile_cache`), prepared before the model's first compiled step.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from . import compile_cache
 
 __all__ = ["CAPACITY_BUCKET", "StepCompiler", "step_compiler"]
 
@@ -49,6 +54,8 @@ class StepCompiler:
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, _RECOMPILE_LIMIT * 4
         )
+        self.cache_use = compile_cache.prepare(model)
+        """The model's compile cache entry: what it reused, or why it was not trusted."""
         mode = "reduce-overhead" if self.on_gpu else None
         self.forward: Callable[..., Any] | None = torch.compile(model.forward, mode=mode)
         """None once compiling failed: every step then runs eager."""
