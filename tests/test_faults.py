@@ -103,7 +103,8 @@ def test_a_bench_killed_by_each_signal_resumes_to_the_uninterrupted_records(run,
 
 
 class _FullDisk:
-    """A file that takes ``room`` more characters, then fails as a full disk does (mid-line)."""
+    """A file that takes ``room`` more characters, then fails as a full disk does, mid-line: where the room ends
+    exactly at a line's end (the records' lengths vary with their timings), in the middle of the next line."""
 
     def __init__(self, handle, room: int):
         self._handle, self._room = handle, room
@@ -115,7 +116,7 @@ class _FullDisk:
 
     def write(self, text: str) -> int:
         if len(text) > self._room:
-            self._handle.write(text[: self._room])
+            self._handle.write(text[: self._room or len(text) // 2])
             self._handle.flush()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self._room -= len(text)
