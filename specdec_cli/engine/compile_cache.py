@@ -17,6 +17,8 @@ Two things are kept, in ``<cache>/compile/``:
 An entry is written whole or not at all (:func:`~specdec_cli.base.inputs.write_cache_file`) and trusted only when it
 is plausible: its own key equal to the model's, its digest that of its artifacts, and torch able to read
 them. Anything else is one note (:attr:`CompileCacheUse.note`), and the model's steps compile afresh and replace it.
+A torch that does not serialise its artifacts as specdec reads them (:data:`ARTIFACTS_KEPT`: the API is private, and
+of torch 2.7 on) gets that note and no entry; its steps still compile, with inductor's caches under specdec's.
 
 What stays on every start: dynamo traces each step's Python again (its guards decide whether a compiled graph
 fits); the cache spares inductor's compilation, not the tracing (benchmarks/results/compile_cache_cpu/).
@@ -37,19 +39,27 @@ from collections import defaultdict
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
-from torch.compiler._cache import (
-    CacheArtifact,
-    CacheArtifactManager,
-    _deserialize_single_cache,
-    _serialize_single_cache,
-)
-from torch.utils._appending_byte_serializer import AppendingByteSerializer
 
 from ..base.inputs import cache_dir, write_cache_file
+
+try:  # torch's serialised compile artifacts: private, and of torch 2.7 on (the project takes torch >= 2.2)
+    from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache, _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    ARTIFACTS_KEPT = all(
+        hasattr(CacheArtifactManager, method) for method in ("populate_caches", "_ensure_cache_artifacts_registered")
+    )
+except ImportError:
+    ARTIFACTS_KEPT = False
+"""Whether this torch serialises what it compiled as specdec reads it; without, every start compiles (inductor's own
+caches under specdec's directory still serve it), and importing the engine never fails for want of it."""
+
+if TYPE_CHECKING:
+    from torch.compiler._cache import CacheArtifact
 
 __all__ = ["CompileCacheUse", "CompileKey", "compile_cache_dir", "prepare", "save", "uses"]
 
@@ -133,7 +143,12 @@ def prepare(model: torch.nn.Module) -> CompileCacheUse:
                 atexit.register(save)
             entry = compile_cache_dir() / f"{key.digest()}.json"
             use = CompileCacheUse(key, entry)
-            _load(use)
+            if ARTIFACTS_KEPT:
+                _load(use)
+            else:
+                use.note = (
+                    f"torch {torch.__version__} does not serialise what it compiles as specdec reads it: no entry kept"
+                )
             _uses[key] = use
         return _uses[key]
 
@@ -149,7 +164,7 @@ def save() -> None:
     entry gets all of them: a model's graphs are among them, and inductor's keys keep the others from ever matching
     it). An entry only grows: a warm run records only some of what it looks up, and what it leaves out stays."""
     with _lock:
-        if not _uses:
+        if not (_uses and ARTIFACTS_KEPT):
             return
         serialised = torch.compiler.save_cache_artifacts()
         if serialised is None:
