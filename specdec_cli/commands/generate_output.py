@@ -33,12 +33,13 @@ def print_notes(err: Console, decoder: SpeculativeDecoder, calibration_note: str
 
 
 def _compile_cache_notes(decoder: SpeculativeDecoder) -> list[str]:
-    """Under ``--verbose``, one line per model whose steps ``--compile`` compiled: what its compile cache entry gave."""
+    """Under ``--verbose``, one line per model whose steps ``--compile`` compiled: what its compile cache entry gave
+    (an entry's note that its first compile wait already said is not said twice)."""
     if not (common.GLOBAL_FLAGS.verbose and decoder.config.speculation.compile):
         return []
     from ..engine import compile_cache  # torch: only once a model has loaded
 
-    return [use.summary() for use in compile_cache.uses()]
+    return [use.summary() for use in compile_cache.uses() if not (use.note and use.noted)]
 
 
 def print_round(out: Console, rows: list[ConfigurationResult], results: list[GenerationResult]) -> None:
