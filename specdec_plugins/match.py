@@ -50,6 +50,7 @@ class SampleMatching(Verifier):
     name = "match"
     lossless = True
     max_drafts = None
+    dependent_drafts = True
     batches_by_vmap = True
 
     def conditional(self, target_probs, draft_probs, draft_tokens):

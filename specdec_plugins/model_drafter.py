@@ -15,12 +15,20 @@ the rows of one entry still share one law). The block keeps its length: a shorte
 read on the host before the target's forward. Where reads are free (the CPU, outside
 :func:`~specdec_cli.plugins.verifiers.device_path`) the forwards stop once every row has ended; on a GPU they run
 on, since stopping would read the device at every position, and their logits go unused.
+
+``branch_after: d`` (0: K independent rows) drafts one path for the first d tokens of a block and K continuations
+from it: at t < d an entry's first row draws and its other rows carry that token under a one-hot law, its law given
+the rows before it (they copy it), and from t = d on every row draws alone, from the same law given the same prefix.
+A verifier exact on rows that are not independent (SpecInfer's chain, traversal's tree, sample matching) stays exact;
+one that needs K independent rows of one law (SpecTr, is-lp, is-truncated) is not (docs/drafters.md, "Delayed
+branching"). The copies' forwards at t < d still run, in the batch, and go unused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 
@@ -36,6 +44,20 @@ class ModelDrafter(Drafter):
     name = "model"
     uses_model = True
     reports_judged_laws = True
+    branch_after = 0  # a subclass whose constructor does not take it (early-exit) drafts K independent rows
+
+    def __init__(
+        self,
+        *,
+        branch_after: Annotated[
+            int,
+            "tokens of each block drafted once before the rows branch: the first row draws them, the others copy "
+            "them (0: K independent rows; only specinfer, traversal and match take copies)",
+        ] = 0,
+    ):
+        if branch_after < 0:  # a whole number: the base class checked the type
+            raise ValueError(f"model: branch_after must be a whole number >= 0 (tokens), got {branch_after!r}")
+        self.branch_after = branch_after
 
     def entry_problem(self, entry):
         if entry.model is None:
@@ -51,6 +73,7 @@ class ModelDrafter(Drafter):
             setup.model, setup.vocab_size, setup.kv_cache, setup.cache_headroom, setup.compile_steps
         )
         self.row_params: list[SamplingParams] = [setup.sampling] * setup.rows  # [rows]: each row's settings
+        self.copies = [_Copy(row, 0, self.branch_after) for row in range(1, setup.rows) if self.branch_after]
         eos = sorted(setup.target.eos_ids)
         self.eos_ids = torch.tensor(eos, dtype=torch.long, device=setup.device)  # [eos ids]: the ids that end a row
 
@@ -62,6 +85,10 @@ class ModelDrafter(Drafter):
     def label(self) -> str:
         return self.draft_setup.model.name
 
+    @property
+    def independent_rows(self) -> bool:
+        return not self.branch_after
+
     @classmethod
     def joined(cls, drafters: Sequence[Drafter]) -> list[Drafter]:
         """One drafter per model: entries that share a model share its session and its forwards."""
@@ -69,6 +96,8 @@ class ModelDrafter(Drafter):
         for drafter in drafters:
             first = by_model.setdefault(id(drafter.draft_setup.model.model), drafter)
             if first is not drafter:
+                offset = first.rows
+                first.copies = first.copies + [copy.shifted(offset) for copy in drafter.copies]
                 first.row_params = first.row_params + drafter.row_params
         return list(by_model.values())
 
@@ -101,6 +130,7 @@ class ModelDrafter(Drafter):
                 step = table.tokens[:, t - 1 : t] if t else None  # [B K, 1]: each row's last draft token
                 logits = session.forward(contexts if t == 0 else None, step, 1, request.timer)[:, -1]  # [B K, V]
                 finite &= table.draw(t, logits.to(device), request, by_params)
+                table.copy_rows(t, self._copied_at(t, batch))
                 forwards += 1
             table.end_rows(t, self.eos_ids)
         return Proposal(
@@ -112,12 +142,33 @@ class ModelDrafter(Drafter):
             judged_laws=None if table.judged is None else table.judged.view(batch, rows, length, vocab),
         )
 
+    def _copied_at(self, t: int, batch: int) -> tuple[list[int], list[int]]:
+        """The rows of every sequence (indices into ``[B K]``) that copy a token at ``t``, and the rows they copy."""
+        rows, copying = self.rows, [copy for copy in self.copies if t < copy.tokens]
+        return (
+            [b * rows + copy.row for b in range(batch) for copy in copying],
+            [b * rows + copy.source for b in range(batch) for copy in copying],
+        )
+
     def _rows_by_params(self) -> list[tuple[SamplingParams, list[int]]]:
         """Rows that share sampling settings, so each settings' law is computed in one call."""
         grouped: dict[SamplingParams, list[int]] = {}
         for row, params in enumerate(self.row_params):
             grouped.setdefault(params, []).append(row)
         return list(grouped.items())
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """A row that carries another row's first tokens (``branch_after``): its entry's first row, ``source``."""
+
+    row: int
+    source: int
+    tokens: int  # how many of a block's first tokens it copies
+
+    def shifted(self, offset: int) -> _Copy:
+        """The same copy once its entry's rows come after ``offset`` rows of other entries (a joined drafter)."""
+        return _Copy(self.row + offset, self.source + offset, self.tokens)
 
 
 @dataclass
@@ -154,6 +205,17 @@ class _DraftTable:
                 self.judged[same, t] = request.sampling_law(logits[same], judged_params(params, request.judged_view))[0]
         self.tokens[:, t] = sample_with(self.laws[:, t], request.uniforms[:, t].reshape(-1))
         return finite
+
+    def copy_rows(self, t: int, copied: tuple[list[int], list[int]]) -> None:
+        """Rows ``copied[0]`` carry the tokens of rows ``copied[1]`` at ``t`` (indices into ``[B K]``), under the
+        one-hot law: a copy's law given the rows before it, whatever its own forward drew."""
+        rows, sources = copied
+        if not rows:
+            return
+        self.tokens[rows, t] = self.tokens[sources, t]
+        copies = one_hot_laws(self.tokens[rows, t], self.laws.shape[-1]).to(self.laws.dtype)  # [copies, V]
+        for laws in (self.laws,) if self.judged is None else (self.laws, self.judged):
+            laws[rows, t] = copies
 
     def end_rows(self, t: int, eos_ids: torch.Tensor) -> None:
         """Rows that ended before ``t`` repeat their EOS there, under a one-hot law (whatever their forward drew, or

@@ -35,6 +35,7 @@ class SpecInfer(Verifier):
     name = "specinfer"
     lossless = True
     max_drafts = None
+    dependent_drafts = True
     batches_by_vmap = True
     reading_cpu_path = True
 

@@ -58,6 +58,7 @@ class TraversalVerification(BlockVerifier):
     name = "traversal"
     lossless = True
     max_drafts = None
+    dependent_drafts = True
     keyed_randomness = True
 
     def verify(self, target_probs, draft_probs, draft_tokens, randomness=None, judged=None):

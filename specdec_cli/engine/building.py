@@ -69,7 +69,9 @@ class SpeculativeDecoder:
         self.guards = PluginGuards(self.registry, self.drafter_registry, self.vocab_size, self.device)
         """The guards around this decoder's plugins (:mod:`specdec_cli.engine.guards`)."""
         self.drafters, row_laws = self._drafters() if config.speculative else ([], [])
-        rows = dataclasses.replace(DraftRows.of(row_laws), unjudged=self._unjudged_drafters())
+        rows = dataclasses.replace(
+            DraftRows.of(row_laws), unjudged=self._unjudged_drafters(), dependent=self._dependent_drafters()
+        )
         self.verifier = create_verifier(config, rows, self.registry)
         self.exact_verifier = create_exact_verifier(config, rows, self.registry, self.verifier)
         """The lossless rule of the blocks that start before :attr:`exact_first`; None where no block needs one."""
@@ -104,6 +106,14 @@ class SpeculativeDecoder:
         as the recipe's rows give it before the models load)."""
         classes = [(draft.drafter, self.drafter_registry.plugin_class(draft.drafter)) for draft in self.drafts]
         return tuple(name for name, cls in classes if not (cls.deterministic or cls.reports_judged_laws))
+
+    def _dependent_drafters(self) -> tuple[str, ...]:
+        """The drafters of this decoder's entries whose rows are not independent samples (:attr:`DraftRows.dependent`,
+        as the recipe's rows give it before the models load)."""
+        num_drafts, registry = self.config.speculation.num_drafts, self.drafter_registry
+        return tuple(
+            draft.drafter for draft in self.drafts if registry.dependent_rows(draft.drafter, draft.params, num_drafts)
+        )
 
     @property
     def judged_view(self) -> str | None:

@@ -73,6 +73,8 @@ def create_verifier(config: DecodingConfig, rows: DraftRows, registry: VerifierR
     reason = registry.refusal(config.verifier.name, rows)
     if reason is None:
         return verifier
+    if rows.dependent and not verifier.dependent_drafts:  # the reason names the rules that take such rows
+        raise UsageError(reason)
     if rows.count > (verifier.max_drafts or rows.count):
         takes_more = registry.names_where(lambda cls: cls.max_drafts is None or cls.max_drafts >= rows.count)
         hint = f"lower --num-drafts (K × draft configs = {rows.count}), or use {', '.join(takes_more)}"

@@ -193,6 +193,10 @@ class BlockVerifier(metaclass=_ContractMeta):
     max_drafts: ClassVar[int | None]
     identical_drafts: ClassVar[bool] = False
     """True for schemes defined only for K samples of one draft law (SpecTr)."""
+    dependent_drafts: ClassVar[bool] = False
+    """True for rules that stay exact on draft rows that are not independent, each row's law reported given the rows
+    before it (a model drafter's ``branch_after``: rows that copy a token report the one-hot law at it). False: the
+    rule needs independent rows, and the registry refuses the others (:attr:`DraftRows.dependent`)."""
     token_level: ClassVar[bool] = False
     keyed_randomness: ClassVar[bool] = False
     """True when :meth:`verify_block` draws only through the :class:`~specdec_cli.randomness.Draws` it is handed,

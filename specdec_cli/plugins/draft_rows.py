@@ -29,6 +29,10 @@ class DraftRows:
     unjudged: tuple[str, ...] = ()
     """The drafters of rows that sample without reporting the laws a verifier may judge drafts by (``judged_laws``):
     not deterministic, and no ``reports_judged_laws``."""
+    dependent: tuple[str, ...] = ()
+    """The drafters whose K rows of one entry are not independent samples (:attr:`Drafter.independent_rows`: the model
+    drafter's ``branch_after``, whose rows copy their first row's first tokens): a verifier takes them only where it
+    declares ``dependent_drafts``."""
 
     @classmethod
     def of(cls, row_laws: Sequence[Hashable]) -> "DraftRows":
@@ -54,14 +58,16 @@ def every_config(
     num_drafts: int,
     deterministic: Sequence[bool] = (),
     unjudged: Sequence[str] = (),
+    dependent: Sequence[str] = (),
 ) -> DraftRows:
     """A block's rows: :func:`rows_per_config` of each draft config (how the engine drafts); ``deterministic``:
-    one flag per config (none given: no config is); ``unjudged``: :attr:`DraftRows.unjudged`."""
+    one flag per config (none given: no config is); ``unjudged``, ``dependent``: :attr:`DraftRows.unjudged`,
+    :attr:`DraftRows.dependent`."""
     flags = list(deterministic) or [False] * len(config_laws)
     rows = DraftRows.of(
         [law for law, single in zip(config_laws, flags) for _ in range(rows_per_config(single, num_drafts))]
     )
-    return DraftRows(rows.count, rows.identical_laws, tuple(unjudged))
+    return DraftRows(rows.count, rows.identical_laws, tuple(unjudged), tuple(dependent))
 
 
 def round_robin(config_laws: Sequence[Hashable], num_drafts: int) -> DraftRows:

@@ -75,6 +75,13 @@ class DrafterRegistry(PluginRegistry):
         cls = self.plugin_class(self.entry_drafter(entry)[0])
         return not (cls.deterministic or cls.reports_judged_laws)
 
+    def dependent_rows(self, name: str, params: dict[str, Any], num_drafts: int) -> bool:
+        """Whether drafter ``name`` with ``params`` fills rows that are not independent samples
+        (:attr:`DraftRows.dependent`): ``num_drafts`` > 1 sampled rows, of an instance that says so."""
+        if num_drafts < 2 or self.plugin_class(name).deterministic:
+            return False
+        return not self.create(name, params).independent_rows
+
     def check_entries(self, entries: tuple[DraftConfig, ...]) -> None:
         """Each entry's drafter is installed, takes its parameters and its model fields: a UsageError naming the
         entry otherwise (before any model loads)."""
@@ -134,4 +141,7 @@ def recipe_draft_rows(recipe: Recipe, drafters: DrafterRegistry | None = None) -
     laws = [draft_law(draft, recipe.generation, drafters) for draft in recipe.drafts]
     deterministic = [drafters.entry_deterministic(draft) for draft in recipe.drafts]
     unjudged = [drafters.entry_drafter(draft)[0] for draft in recipe.drafts if drafters.entry_unjudged(draft)]
-    return every_config(laws, recipe.speculation.num_drafts, deterministic, unjudged)
+    num_drafts = recipe.speculation.num_drafts
+    entries = [drafters.entry_drafter(draft) for draft in recipe.drafts]
+    dependent = [name for name, params in entries if drafters.dependent_rows(name, params, num_drafts)]
+    return every_config(laws, num_drafts, deterministic, unjudged, dependent)

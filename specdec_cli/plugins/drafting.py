@@ -177,6 +177,13 @@ class Drafter(ABC):
         """How messages name it ("draft NAME produced non-finite logits")."""
         return self.name
 
+    @property
+    def independent_rows(self) -> bool:
+        """Its rows of one entry are independent samples: True unless its parameters make rows share drawn tokens
+        (the model drafter's ``branch_after``), which only a verifier with ``dependent_drafts`` verifies exactly.
+        Read before any model loads, from an instance that has not been set up."""
+        return True
+
     @abstractmethod
     def add_sequences(self, prompts: list[list[int]], contexts: list[list[int]], timer: RegionTimer | None) -> None:
         """Sequences join the batch, after the ones it holds: their prompts and committed ids."""

@@ -186,6 +186,12 @@ class VerifierRegistry(PluginRegistry):
         """Why verifier ``name`` cannot take these draft rows (None if it can): its class's
         ``reason_to_refuse``, where a plugin's own exception becomes one line naming the plugin."""
         cls = self.verifier_class(name)
+        if rows.dependent and not cls.dependent_drafts:
+            takers = ", ".join(self.names_where(lambda verifier: verifier.dependent_drafts))
+            return (
+                f"verifier '{cls.name}' needs independent draft rows, and drafter '{rows.dependent[0]}' copies its "
+                f"first row's first tokens into the others (branch_after); use {takers}, or branch_after: 0"
+            )
         try:
             return cls.reason_to_refuse(rows.count, rows.identical_laws)
         except SpecdecError:

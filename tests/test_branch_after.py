@@ -1,0 +1,278 @@
+"""The model drafter's ``branch_after: d`` (issue #43): one path for a block's first d tokens, then K continuations.
+
+Exact enumeration on a 3-token vocabulary (the joint law of the rows is no longer a product, so the draft blocks
+are enumerated here, not by the kit): SpecInfer, traversal and sample matching keep the target's law on such rows;
+copies reported under the draft law (negative control) and is-lp on such rows (why it is refused) do not.
+SpecInfer's device path (what a GPU runs) decides such blocks as its CPU walk does. The drafter's proposal: rows
+share their first d tokens under one-hot laws, then branch, within their own entry. Through
+``specdec generate``: the first tokens follow the target's law (chi-square) for traversal at K = 2 and 4 and SpecInfer
+at K = 4, with a misreporting drafter failing the same test at K = 4; the rules that need independent rows and a
+bad ``branch_after`` are one line before any model loads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from specdec_cli import SpeculativeDecoder
+from specdec_cli.base.randomness import Draws
+from specdec_cli.base.recipe import build_recipe
+from specdec_cli.base.sampling import SamplingParams, sampling_law
+from specdec_cli.kit.testing import (
+    EOS_ID,
+    SequenceLaw,
+    chi_square_p_value,
+    decision_outcomes,
+    exact_sequence_law,
+    random_distributions,
+    random_sequence_laws,
+    target_sequence_law,
+)
+from specdec_cli.plugins.drafting import DraftRequest, one_hot_laws
+from specdec_cli.plugins.registry import load_verifier
+from specdec_cli.plugins.verifiers import device_path
+from specdec_plugins.model_drafter import _DraftTable
+from tests.conftest import one_error_line, tiny_recipe
+
+VOCAB, LENGTH = 3, 3
+
+# --------------------------------------------------------------------------- exact enumeration
+
+
+def delayed_blocks(draft_law: SequenceLaw, num_rows: int, branch_after: int):
+    """Every draft block ``[K][L]`` of the delayed-branch process with its probability: row 1 draws the first
+    ``branch_after`` tokens, every row carries them, then each row draws its own continuation."""
+    tail = LENGTH - branch_after
+    for shared in itertools.product(range(VOCAB), repeat=branch_after):
+        for continuations in itertools.product(range(VOCAB), repeat=num_rows * tail):
+            rows = [shared + continuations[k * tail : (k + 1) * tail] for k in range(num_rows)]
+            draws = [(rows[0], t) for t in range(branch_after)]
+            draws += [(row, t) for row in rows for t in range(branch_after, LENGTH)]
+            weight = math.prod(float(draft_law(row[:t])[row[t]]) for row, t in draws)
+            if weight > 0:
+                yield rows, weight
+
+
+def reported_laws(draft_law: SequenceLaw, rows: list[tuple[int, ...]], branch_after: int, copies_as_drawn: bool):
+    """The laws ``[K, L, V]`` the drafter reports: a copy's one-hot law at its copied tokens (its law given the rows
+    before it), or, with ``copies_as_drawn`` (the negative control), the draft law the copied token came from."""
+    laws = torch.stack([torch.stack([draft_law(row[:t]) for t in range(LENGTH)]) for row in rows])  # [K, L, V]
+    if not copies_as_drawn:
+        copied = torch.tensor([row[:branch_after] for row in rows[1:]]).view(len(rows) - 1, branch_after)  # [K-1, d]
+        laws[1:, :branch_after] = one_hot_laws(copied, VOCAB).to(laws.dtype)
+    return laws
+
+
+def committed_law(verifier, target_law, draft_law, num_rows: int, branch_after: int, copies_as_drawn: bool = False):
+    """The exact law of the tokens one block commits, summed over every delayed-branch draft block."""
+    outcomes: dict[tuple[int, ...], float] = {}
+    for rows, weight in delayed_blocks(draft_law, num_rows, branch_after):
+        target_probs = torch.stack([torch.stack([target_law(row[:t]) for t in range(LENGTH + 1)]) for row in rows])
+        draft_probs = reported_laws(draft_law, rows, branch_after, copies_as_drawn)
+        block = verifier.block_law(target_probs, draft_probs, torch.tensor(rows))  # [K, L+1, V]
+        for sequence, mass in decision_outcomes(block, torch.tensor(rows)).items():
+            outcomes[sequence] = outcomes.get(sequence, 0.0) + weight * mass
+    return outcomes
+
+
+def largest_gap(verifier_name: str, num_rows: int, branch_after: int, copies_as_drawn: bool = False) -> float:
+    """The largest gap between the law of the first L+1 tokens (one block, then the target alone) and the target's."""
+    generator = torch.Generator().manual_seed(1)
+    target_law, draft_law = (random_sequence_laws(generator, VOCAB, LENGTH + 1).__getitem__ for _ in range(2))
+    committed = committed_law(
+        load_verifier(verifier_name), target_law, draft_law, num_rows, branch_after, copies_as_drawn
+    )
+
+    def through_block(sequence: tuple[int, ...]) -> float:  # committed prefixes, then the target's own tokens
+        return sum(
+            committed.get(sequence[:n], 0.0)
+            * math.prod(float(target_law(sequence[:t])[sequence[t]]) for t in range(n, LENGTH + 1))
+            for n in range(1, LENGTH + 2)
+        )
+
+    exact = target_sequence_law(target_law, VOCAB, LENGTH + 1)
+    return max(
+        abs(through_block(sequence) - exact.get(sequence, 0.0))
+        for sequence in itertools.product(range(VOCAB), repeat=LENGTH + 1)
+    )
+
+
+@pytest.mark.parametrize("verifier", ["specinfer", "traversal", "match"])
+@pytest.mark.parametrize("num_rows, branch_after", [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_rows_that_branch_late_keep_the_target_law(verifier, num_rows, branch_after):
+    assert largest_gap(verifier, num_rows, branch_after) < 1e-12
+
+
+def test_negative_control_copies_reported_under_the_draft_law_are_lossy_for_specinfer():
+    """A copy of x tested again under p after x was rejected makes the residual (cur - p)+ instead of cur."""
+    assert largest_gap("specinfer", 2, 1, copies_as_drawn=True) > 1e-3
+
+
+def test_a_rule_for_independent_rows_is_lossy_on_them():
+    """Why is-lp and is-truncated refuse such rows: their pair selection weighs x2 as drawn independently of x1.
+    (SpecTr, defined for K draws of one law, would stop at the copies' one-hot laws.)"""
+    assert largest_gap("is-lp", 2, 2) > 1e-2
+
+
+def copied_block(seed: int, num_rows: int = 4, branch_after: int = 2, vocab: int = 6):
+    """A block as the drafter makes it: one law and row 1's tokens before ``branch_after``, copies under one-hot
+    laws, then each row's own draws → (target_probs ``[K, L+1, V]``, draft_probs ``[K, L, V]``, tokens ``[K, L]``)."""
+    generator = torch.Generator().manual_seed(seed)
+    target = random_distributions(generator, (num_rows, LENGTH + 1, vocab), sparsity=0.0)  # [K, L+1, V]
+    draft = random_distributions(generator, (num_rows, LENGTH, vocab), sparsity=0.0)  # [K, L, V]
+    shared = slice(None, branch_after + 1)  # the laws after the prefixes the rows share (0..d tokens)
+    target[:, shared], draft[:, shared] = target[:1, shared], draft[:1, shared]
+    tokens = torch.multinomial(draft.flatten(0, 1), 1, generator=generator).view(num_rows, LENGTH)  # [K, L]
+    tokens[1:, :branch_after] = tokens[:1, :branch_after]
+    draft[1:, :branch_after] = one_hot_laws(tokens[1:, :branch_after], vocab).to(draft.dtype)
+    return target, draft, tokens
+
+
+def test_specinfers_device_path_decides_copied_rows_as_its_cpu_walk():
+    """What a GPU runs (every problem solved at once) commits what the CPU's walk commits, from the same draws."""
+    verifier, lengths = load_verifier("specinfer"), Counter()
+    for seed in range(60):
+        block, draws = copied_block(seed), Draws.create(key=seed)
+        walked = verifier.verify_block(*block, draws)
+        with device_path():
+            solved = verifier.verify_block(*block, draws)
+        accepted = int(walked.num_accepted)
+        assert int(solved.num_accepted) == accepted
+        assert torch.equal(solved.tokens[: accepted + 1], walked.tokens[: accepted + 1])
+        lengths[accepted] += 1
+    assert len(lengths) == LENGTH + 1, lengths  # blocks ended at every position, the copied ones included
+
+
+# --------------------------------------------------------------------------- the drafter's proposal
+
+
+def test_rows_share_their_first_tokens_then_branch_within_their_entry(tiny_models):
+    """Two entries of one model (one joined drafter, 2 K rows): the first entry's rows carry its first row's first 2
+    tokens under one-hot laws, then draw alone from one law; the second entry's rows stay independent."""
+    num_rows, batch = 3, 8
+    recipe = tiny_recipe(tiny_models, verifier={"name": "specinfer"}, speculation={"num_drafts": num_rows})
+    draft = recipe.pop("draft")
+    recipe["drafts"] = [{**draft, "params": {"branch_after": 2}}, {**draft, "temperature": 0.7}]
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    (drafter,) = decoder.drafters
+    assert drafter.rows == 2 * num_rows and not drafter.independent_rows
+    prompt = decoder.encode_prompt("a b c d")
+    drafter.remove_sequences([])
+    drafter.add_sequences([prompt] * batch, [prompt] * batch, None)
+    uniforms = torch.rand(batch, LENGTH, 2 * num_rows, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        proposal = drafter.propose(DraftRequest([prompt] * batch, [LENGTH] * batch, uniforms, sampling_law))
+    tokens, laws = proposal.tokens[:, :num_rows], proposal.laws[:, :num_rows]  # [B, K, L], [B, K, L, V]: entry 1
+    assert torch.equal(tokens[:, 1:, :2], tokens[:, :1, :2].expand(-1, num_rows - 1, -1))
+    assert torch.equal(laws[:, 1:, :2], one_hot_laws(tokens[:, 1:, :2], laws.shape[-1]))
+    assert laws[:, 0, :2].amax(-1).lt(1).all()  # the first row reports the law it drew from
+    torch.testing.assert_close(laws[:, :, 2], laws[:, :1, 2].expand(-1, num_rows, -1))  # one prefix, one law
+    assert (tokens[:, :, 2] != tokens[:, :1, 2]).any()  # the rows branch
+    assert proposal.laws[:, num_rows:, 0].amax(-1).lt(1).all()  # entry 2: no copies
+
+
+# --------------------------------------------------------------------------- through the CLI
+
+PROMPT, DEPTH, SAMPLES = "e e a", 3, 1200
+DRAFT_TEMPERATURE = 0.5
+"""The target's own checkpoint drafts at this temperature: close enough to the target that blocks reach the branch
+(about 0.8 of the draft tokens are accepted), far enough that its law is told apart from the target's."""
+
+
+def copies_reported_as_drawn(table: _DraftTable, t: int, copied: tuple[list[int], list[int]]) -> None:
+    """The tokens copied, the laws left as the copies' own forwards gave them (the draft law, not the one-hot)."""
+    rows, sources = copied
+    if rows:
+        table.tokens[rows, t] = table.tokens[sources, t]
+
+
+def laws_copied_without_tokens(table: _DraftTable, t: int, copied: tuple[list[int], list[int]]) -> None:
+    """One-hot laws at the first row's token, while each copy keeps the token its own forward drew."""
+    rows, sources = copied
+    if rows:
+        table.laws[rows, t] = one_hot_laws(table.tokens[sources, t], table.laws.shape[-1]).to(table.laws.dtype)
+
+
+def branching_recipe(models, verifier: str, num_drafts: int, branch_after) -> dict:
+    recipe = tiny_recipe(
+        models,
+        verifier={"name": verifier},
+        speculation={"draft_length": LENGTH, "num_drafts": num_drafts},
+        generation={"max_new_tokens": DEPTH + 1},  # the first block then drafts L = 3 tokens: 2 shared, 1 branched
+    )
+    draft = {"model": str(models["llama-target"]), "device": "cpu", "temperature": DRAFT_TEMPERATURE}
+    recipe.pop("draft")
+    recipe["drafts"] = [{**draft, "params": {"branch_after": branch_after}}]
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def first_token_laws(tiny_models) -> dict[str, dict]:
+    """The exact laws of the first tokens: the target's, and its checkpoint's at the draft's temperature."""
+    recipe = branching_recipe(tiny_models, "specinfer", 1, 0)
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe), autoregressive=True)
+    prompt = decoder.encode_prompt(PROMPT)
+    return {
+        role: exact_sequence_law(
+            decoder.target.model, prompt, DEPTH, SamplingParams(temperature), decoder.vocab_size, {EOS_ID}
+        )
+        for role, temperature in (("target", 1.0), ("draft", DRAFT_TEMPERATURE))
+    }
+
+
+@pytest.mark.parametrize(
+    "verifier, num_drafts, misreport",
+    [
+        ("traversal", 2, None),
+        ("traversal", 4, None),
+        ("specinfer", 4, None),
+        ("traversal", 4, laws_copied_without_tokens),
+        ("specinfer", 4, copies_reported_as_drawn),
+    ],
+    ids=["traversal-2", "traversal-4", "specinfer-4", "traversal-4-lossy", "specinfer-4-lossy"],
+)
+def test_the_first_tokens_follow_the_target_law_through_the_cli(
+    tiny_models, write_recipe, run, monkeypatch, first_token_laws, verifier, num_drafts, misreport
+):
+    """`specdec generate` with branch_after 2: chi-square of the first 3 tokens against the target's law, and against
+    the draft's (power). Negative controls: a drafter that misreports the copies' laws fails the same test. Traversal
+    reads only the law of a node's owner, and a copy is never one, so only copies whose tokens differ from the first
+    row's can mislead it: at K = 2 such a bug is too rare at this draft to fail 1200 samples reliably (p from 2e-3 to
+    4e-2 over three seeds), at K = 4 it fails them by far."""
+    if misreport is not None:
+        monkeypatch.setattr(_DraftTable, "copy_rows", misreport)
+    recipe = write_recipe(branching_recipe(tiny_models, verifier, num_drafts, 2))
+    code, out, err = run(
+        ["generate", "-r", str(recipe), "--json", "--num-samples", str(SAMPLES), "--batch-size", "64", PROMPT]
+    )
+    assert code == 0, err
+    counts = Counter(tuple(sample["token_ids"][:DEPTH]) for sample in json.loads(out)["samples"])
+    target = chi_square_p_value(counts, first_token_laws["target"])
+    assert target < 1e-3 if misreport is not None else target > 1e-3
+    assert chi_square_p_value(counts, first_token_laws["draft"]) < 1e-6
+
+
+# --------------------------------------------------------------------------- refusals, before any model loads
+
+
+@pytest.mark.parametrize("verifier", ["spectr", "is-lp", "is-truncated"])
+def test_rules_that_need_independent_rows_refuse_them_in_one_line(tiny_models, write_recipe, run, verifier):
+    recipe = write_recipe(branching_recipe(tiny_models, verifier, 2, 2))
+    code, _, err = run(["generate", "-r", str(recipe), PROMPT])
+    assert code == 2
+    one_error_line(err, f"verifier '{verifier}' needs independent draft rows")
+    assert "use match, specinfer, traversal, or branch_after: 0" in err
+
+
+@pytest.mark.parametrize("value, message", [(-1, "branch_after must be a whole number >= 0"), ("two", "whole number")])
+def test_a_bad_branch_after_is_one_line(tiny_models, write_recipe, run, value, message):
+    recipe = write_recipe(branching_recipe(tiny_models, "specinfer", 2, value))
+    code, _, err = run(["generate", "-r", str(recipe), PROMPT])
+    assert code == 2
+    one_error_line(err, message)
