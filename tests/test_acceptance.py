@@ -99,8 +99,8 @@ def test_analytic_acceptance_matches_the_engine(tiny_models, name):
     expected = sum(first_positions) / len(first_positions)
     decoder = SpeculativeDecoder.from_recipe(recipe)
     samples = 1200
-    # 16 samples at a time: each keeps its own key, and decides as it would alone (tests/test_batch_engine.py).
-    results = decoder.generate(PROMPTS, num_samples=samples, batch_size=16)
+    # 64 samples at a time: each keeps its own key, and decides as it would alone (tests/test_batch_engine.py).
+    results = decoder.generate(PROMPTS, num_samples=samples, batch_size=64)
     accepted = sum(result.stats.accepted_per_position[:1] == [1] for result in results)
     assert len(results) == samples * len(PROMPTS)
     measured = accepted / (samples * len(PROMPTS))

@@ -248,11 +248,11 @@ def test_block_keeps_the_target_law_through_the_cli(tiny_models, write_recipe, r
     # Seed 1: with seed 0 the first 1200 samples of the llama pair are a rare fluctuation for every verifier
     # (they share the draft's draws: p = 6e-6 for block and speculative alike, where seeds 1-7 give 0.2-0.86
     # and seed 0's next 4000 samples give 0.59).
-    # --batch-size 16: each sample keeps its own seed, so these are the very samples decoded one at a time (checked on
+    # --batch-size 64: each sample keeps its own seed, so these are the very samples decoded one at a time (checked on
     # both families: all 1200 token sequences equal), decoded in half the time or less.
     code, out, err = run(
         ["generate", "-r", str(write_recipe(recipe)), "--json", "--num-samples", str(samples), "--seed", "1"]
-        + ["--batch-size", "16", "a b c d"]
+        + ["--batch-size", "64", "a b c d"]
     )
     assert code == 0, err
     results = json.loads(out)["samples"]

@@ -43,7 +43,7 @@ def test_first_tokens_follow_the_target_law(tiny_models, family, draft_length, s
     )
     prompt_ids = decoder.encode_prompt(PROMPT)
     law = exact_sequence_law(decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
-    results = keyed_samples(decoder, PROMPT, samples, 16)
+    results = keyed_samples(decoder, PROMPT, samples, 64)
     by_key = {result.prompt_index: result.token_ids for result in results}  # keyed_samples: prompt index = key
     assert {r.prompt_index: r.token_ids for r in keyed_samples(decoder, PROMPT, alone, 1)} == {
         key: by_key[key] for key in range(alone)

@@ -77,13 +77,13 @@ LOSSLESS = sorted(name for name in VerifierRegistry().names() if VerifierRegistr
 
 @pytest.mark.parametrize("verifier", LOSSLESS)
 def test_the_first_tokens_follow_the_targets_law_through_every_lossless_verifier(models, verifier):
-    """1000 keyed samples at B = 16, chi-square against the law enumerated from the target alone; K = 2 independent
+    """1000 keyed samples at B = 64, chi-square against the law enumerated from the target alone; K = 2 independent
     rows where the verifier takes them. The draft: the target's weights under the draft's ids, sampled at
     :data:`NEAR_THE_TARGET`."""
     num_drafts = 2 if VerifierRegistry().load_class(verifier).max_drafts is None else 1
     decoder = _decoder(models, "same-weights", verifier, num_drafts, draft_temperature=NEAR_THE_TARGET)
     assert decoder.num_draft_rows == num_drafts
-    counts, law, acceptance = first_tokens(decoder, 1000, batch_size=16)
+    counts, law, acceptance = first_tokens(decoder, 1000, batch_size=64)
     assert 0.05 < acceptance < 0.95, "the drafts must be accepted sometimes and rejected sometimes"
     assert chi_square_p_value(counts, law) > 1e-3
 
@@ -104,7 +104,7 @@ class MisreportingSampler(SampledRetokenizedDrafter):
 
 def test_a_misreported_law_fails_the_same_chi_square(models):
     lying = _decoder(models, "same-weights", drafter=MisreportingSampler, draft_temperature=NEAR_THE_TARGET)
-    counts, law, _ = first_tokens(lying, 1000, batch_size=16)
+    counts, law, _ = first_tokens(lying, 1000, batch_size=64)
     assert chi_square_p_value(counts, law) < 1e-3
 
 
