@@ -380,7 +380,7 @@ def _complete(
     return complete
 
 
-def keyed_samples(decoder: Any, prompt: str, samples: int, batch_size: int = 16) -> list[GenerationResult]:
+def keyed_samples(decoder: Any, prompt: str, samples: int, batch_size: int = 64) -> list[GenerationResult]:
     """The samples of keys 0 .. ``samples`` - 1 of ``prompt`` (what ``decoder.generate_ids(ids, key)`` gives each),
     decoded ``batch_size`` at a time: a sample's tokens do not depend on its batch."""
     prompt_ids = decoder.encode_prompt(prompt)
