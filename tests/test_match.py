@@ -261,7 +261,9 @@ def test_generate_with_match_keeps_the_target_law_through_the_cli(tiny_models, w
     """`specdec generate --verifier match`: the first three tokens of 1200 samples follow the target's exact law
     (a chi-square), and not the draft's (the check has power); with one draft row and with two."""
     recipe = _recipe(tiny_models, "match", num_drafts)
-    arguments = ["--json", "--num-samples", str(SAMPLES), "--seed", "1", "--verifier", "match", PROMPT]
+    # --batch-size 64: each sample keeps its own key, so these are the samples decoded one at a time, sooner.
+    arguments = ["--json", "--num-samples", str(SAMPLES), "--seed", "1", "--verifier", "match", "--batch-size", "64"]
+    arguments.append(PROMPT)
     code, out, err = run(["generate", "-r", str(write_recipe(recipe)), *arguments])
     assert code == 0, err
     results = json.loads(out)["samples"]
