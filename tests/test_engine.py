@@ -16,6 +16,9 @@ from specdec_cli import SpeculativeDecoder
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.base.sampling import SamplingParams, probs_from_logits
 from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_law, keyed_samples
+from specdec_cli.plugins.verifier_registry import VerifierRegistry
+from specdec_plugins._problem_walk import verify_by_problems
+from specdec_plugins.specinfer import SpecInfer
 from tests.conftest import tiny_recipe
 
 PROMPT = "a b c d"
@@ -217,16 +220,89 @@ def _multi_draft_recipe(models, name: str, num_drafts: int, distinct: bool, **ge
     return recipe
 
 
+def _rows_that_matter_recipe(models, name: str, num_drafts: int, distinct: bool, **generation) -> dict:
+    """:func:`_multi_draft_recipe` drafting from the target's own checkpoint at T = 0.5 (and 0.8, 1.1 for distinct
+    rows). The tiny llama draft is rejected where p > q, where the residual leaves later rows nothing: SpecInfer at
+    K = 3 then accepted exactly what K = 1 did (0.233 both), and its K-row law was never tested."""
+    recipe = _multi_draft_recipe(models, name, num_drafts, distinct, **generation)
+    target = str(models["llama-target"])
+    recipe["drafts"] = [
+        {**draft, "model": target, "temperature": 0.5 + 0.3 * k} for k, draft in enumerate(recipe["drafts"])
+    ]
+    return recipe
+
+
+def _first_tokens(decoder: SpeculativeDecoder, samples: int) -> tuple[Counter, float]:
+    results = keyed_samples(decoder, PROMPT, samples)
+    accepted = sum(result.stats.accepted_tokens for result in results)
+    return Counter(tuple(r.token_ids) for r in results), accepted / sum(r.stats.drafted_tokens for r in results)
+
+
 @pytest.mark.parametrize(("name", "num_drafts", "distinct"), MULTI_DRAFT_CASES)
-def test_multi_draft_verifiers_keep_the_target_law(tiny_models, name, num_drafts, distinct):
+def test_multi_draft_verifiers_keep_the_target_law(tiny_models, one_row_acceptance, name, num_drafts, distinct):
+    """The first tokens follow the target's law, not the first draft's (the check has power), and K > 1 rows accept
+    more than one row does on the same keys (the later rows are in the decisions the test checks)."""
     depth, samples = 2, 700
-    recipe = _multi_draft_recipe(tiny_models, name, num_drafts, distinct, max_new_tokens=depth, temperature=1.0)
+    recipe = _rows_that_matter_recipe(tiny_models, name, num_drafts, distinct, max_new_tokens=depth, temperature=1.0)
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
     assert decoder.num_draft_rows == num_drafts
     prompt_ids = decoder.encode_prompt(PROMPT)
-    law = exact_sequence_law(decoder.target.model, prompt_ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
-    counts = Counter(tuple(r.token_ids) for r in keyed_samples(decoder, PROMPT, samples))
-    assert chi_square_p_value(counts, law) > 1e-3
+    counts, acceptance = _first_tokens(decoder, samples)
+    laws = {
+        temperature: exact_sequence_law(
+            decoder.target.model, prompt_ids, depth, SamplingParams(temperature), decoder.vocab_size, {EOS_ID}
+        )
+        for temperature in (1.0, 0.5)
+    }
+    assert chi_square_p_value(counts, laws[1.0]) > 1e-3
+    assert chi_square_p_value(counts, laws[0.5]) < 1e-6
+    if num_drafts > 1:
+        assert acceptance > one_row_acceptance(name)
+
+
+class _SpecInferWithoutResidualUpdates(SpecInfer):
+    """Negative control: SpecInfer that tests every candidate against q itself and draws from q once all are rejected
+    (it never subtracts a rejected candidate's law)."""
+
+    name = "specinfer-without-residual-updates"
+
+    def verify_block(self, target_probs, draft_probs, draft_tokens, randomness=None):
+        def stale_step(target_probs, draft_probs):
+            def decide(t: int, alive: list[int], tokens: list[list[int]], uniforms: list[list[float]]):
+                law = target_probs[alive[0], t]  # [V]
+                for j in alive:
+                    if uniforms[t][j] < min(1.0, float(law[tokens[j][t]]) / float(draft_probs[j, t, tokens[j][t]])):
+                        return j, None
+                return None, law
+
+            return decide
+
+        return verify_by_problems(target_probs, draft_probs, draft_tokens, randomness, stale_step, None)
+
+
+def test_negative_control_the_law_test_rejects_specinfer_without_residual_updates(tiny_models):
+    recipe = _rows_that_matter_recipe(tiny_models, _SpecInferWithoutResidualUpdates.name, 3, False, max_new_tokens=2)
+    registry = VerifierRegistry(extra={_SpecInferWithoutResidualUpdates.name: _SpecInferWithoutResidualUpdates})
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe), registry=registry)
+    law = exact_sequence_law(
+        decoder.target.model, decoder.encode_prompt(PROMPT), 2, SamplingParams(1.0), decoder.vocab_size, {EOS_ID}
+    )
+    assert chi_square_p_value(_first_tokens(decoder, 700)[0], law) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def one_row_acceptance(tiny_models):
+    """one_row_acceptance(name) → the acceptance of verifier ``name`` with one row, on the law test's keys
+    (decoded once per verifier)."""
+    found: dict[str, float] = {}
+
+    def acceptance(name: str) -> float:
+        if name not in found:
+            recipe = _rows_that_matter_recipe(tiny_models, name, 1, False, max_new_tokens=2, temperature=1.0)
+            found[name] = _first_tokens(SpeculativeDecoder.from_recipe(build_recipe(recipe)), 700)[1]
+        return found[name]
+
+    return acceptance
 
 
 @pytest.mark.parametrize("name", ["specinfer", "spectr", "is-lp", "is-truncated", "mentored", "block"])
