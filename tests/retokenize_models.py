@@ -20,6 +20,7 @@ from specdec_cli.kit.testing import (
     tiny_model,
     tiny_tokenizer,
 )
+from specdec_cli.results.stats import GenerationResult
 
 DRAFT_VOCAB = ["<pad>", "</s>", "<unk>", "e", "d", "c", "b", "a", "f", "g"]
 """The target's words under other ids, and two words it does not have."""
@@ -78,18 +79,16 @@ def retokenize_recipe(models, draft="same-weights", entry=None, drafter="retoken
     }
 
 
-def first_tokens(decoder, samples: int, batch_size: int) -> tuple[Counter, dict, float]:
+def first_tokens(decoder, samples: int, batch_size: int) -> tuple[Counter, dict, list[GenerationResult]]:
     """The first tokens of ``samples`` keyed samples of ``PROMPTS[0]`` counted, the law enumerated from the target
-    alone, and the share of draft tokens accepted."""
+    alone, and the samples (their acceptance: tests/row_acceptance.py)."""
     prompt = PROMPTS[0]
     results = keyed_samples(decoder, prompt, samples, batch_size)
     counts = Counter(tuple(result.token_ids) for result in results)
-    accepted = sum(result.stats.accepted_tokens for result in results)
-    drafted = sum(result.stats.drafted_tokens for result in results)
     depth = decoder.config.generation.max_new_tokens
     ids = decoder.encode_prompt(prompt)
     law = exact_sequence_law(decoder.target.model, ids, depth, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
-    return counts, law, accepted / max(drafted, 1)
+    return counts, law, results
 
 
 def samples_in_order(decoder, prompt: str, samples: int, batch_size: int) -> list[list[int]]:

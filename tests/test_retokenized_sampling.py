@@ -31,6 +31,7 @@ from tests.retokenize_models import (
     samples_in_order,
     save_draft,
 )
+from tests.row_acceptance import ONE_ROW_KEYS, acceptance, one_row_acceptance
 
 SAMPLE = SampledRetokenizedDrafter.name
 LONG_PROMPTS = [" ".join(["a b c d"] * 4), *PROMPTS]
@@ -78,13 +79,16 @@ LOSSLESS = sorted(name for name in VerifierRegistry().names() if VerifierRegistr
 @pytest.mark.parametrize("verifier", LOSSLESS)
 def test_the_first_tokens_follow_the_targets_law_through_every_lossless_verifier(models, verifier):
     """1000 keyed samples at B = 64, chi-square against the law enumerated from the target alone; K = 2 independent
-    rows where the verifier takes them. The draft: the target's weights under the draft's ids, sampled at
-    :data:`NEAR_THE_TARGET`."""
+    rows where the verifier takes them, which accept more than one row on the same keys (the first 300: 0.80 to 0.86
+    against 0.66; match 0.53 against 0.29): the second row is in the decisions the test checks. The draft: the
+    target's weights under the draft's ids, sampled at :data:`NEAR_THE_TARGET`."""
     num_drafts = 2 if VerifierRegistry().load_class(verifier).max_drafts is None else 1
     decoder = _decoder(models, "same-weights", verifier, num_drafts, draft_temperature=NEAR_THE_TARGET)
     assert decoder.num_draft_rows == num_drafts
-    counts, law, acceptance = first_tokens(decoder, 1000, batch_size=64)
-    assert 0.05 < acceptance < 0.95, "the drafts must be accepted sometimes and rejected sometimes"
+    counts, law, results = first_tokens(decoder, 1000, batch_size=64)
+    assert 0.05 < acceptance(results) < 0.95, "the drafts must be accepted sometimes and rejected sometimes"
+    if num_drafts > 1:
+        assert acceptance(results, ONE_ROW_KEYS) > one_row_acceptance(decoder.with_config(num_drafts=1), PROMPTS[0])
     assert chi_square_p_value(counts, law) > 1e-3
 
 
