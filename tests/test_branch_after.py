@@ -276,3 +276,18 @@ def test_a_bad_branch_after_is_one_line(tiny_models, write_recipe, run, value, m
     code, _, err = run(["generate", "-r", str(recipe), PROMPT])
     assert code == 2
     one_error_line(err, message)
+
+
+@pytest.mark.parametrize("num_drafts", [2, 1])
+def test_acceptance_refuses_rows_that_share_a_prefix_and_takes_one_row(tiny_models, write_recipe, run, num_drafts):
+    """`specdec acceptance` evaluates every position with K independent candidates: with branch_after it would be
+    wrong at a block's first d positions, so at K = 2 it refuses in one line; at K = 1 nothing is copied and it runs
+    (the check can pass)."""
+    recipe = write_recipe(branching_recipe(tiny_models, "specinfer", num_drafts, 2))
+    arguments = ["acceptance", "-r", str(recipe), "--num-drafts", str(num_drafts), "--verifier", "specinfer"]
+    code, _, err = run([*arguments, "--max-new-tokens", "2", "--json", PROMPT])
+    if num_drafts == 1:
+        assert code == 0, err
+    else:
+        assert code == 2
+        one_error_line(err, "drafts.0: drafter 'model' shares a block's first tokens across its rows (branch_after)")

@@ -42,6 +42,7 @@ from ..engine.session import next_token_logits
 from ..models.pool import ModelPool
 from ..plugins.divergences import DIVERGENCES, kl_divergence, total_variation
 from ..plugins.draft_rows import DraftRows
+from ..plugins.drafter_registry import DrafterRegistry
 from ..plugins.registry import VerifierRegistry, error_line
 from ..plugins.sweeps import swept_params
 from ..plugins.verifiers import BlockVerifier, JudgedLaws, judged_argument
@@ -54,6 +55,22 @@ KL_FRACTIONS = (0.1, 0.3, 1.0)
 """Default KL bounds, as fractions of the pair's mean KL(q ‖ p)."""
 FALLBACK_KL_VALUES = (0.05, 0.2, 0.5)
 """Bounds when that mean is zero or not finite (identical models; a draft that rules out target tokens)."""
+
+
+def _refuse_rows_that_share_a_prefix(sections: Sequence[DrafterSection], num_drafts: int) -> None:
+    """A UsageError where an entry's K rows copy their first row's first tokens (the model drafter's
+    ``branch_after``): acceptance evaluates every position with K independent candidates, which those positions
+    do not have, so its figures there would be wrong."""
+    drafters = DrafterRegistry()
+    for section in sections:
+        for index, entry in enumerate(section.drafts):
+            name, params = drafters.entry_drafter(entry)
+            if drafters.dependent_rows(name, params, num_drafts):
+                raise UsageError(
+                    f"drafts.{index}: drafter '{name}' shares a block's first tokens across its rows (branch_after), "
+                    "and acceptance evaluates every position with K independent rows: set branch_after: 0 or "
+                    "--num-drafts 1, or compare with `specdec bench`"
+                )
 
 
 class AcceptanceAnalysis:
@@ -75,6 +92,7 @@ class AcceptanceAnalysis:
             raise UsageError("--num-drafts values must be >= 1")
         if any(d < 0 for d in request.kl_values or ()):
             raise UsageError("--kl values must be >= 0")
+        _refuse_rows_that_share_a_prefix(sections, max(request.num_drafts))
         self.recipe = recipe
         self.request = request
         self.registry = registry or VerifierRegistry()
