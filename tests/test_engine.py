@@ -239,25 +239,51 @@ def _first_tokens(decoder: SpeculativeDecoder, samples: int) -> tuple[Counter, f
 
 
 @pytest.mark.parametrize(("name", "num_drafts", "distinct"), MULTI_DRAFT_CASES)
-def test_multi_draft_verifiers_keep_the_target_law(tiny_models, one_row_acceptance, name, num_drafts, distinct):
+def test_multi_draft_verifiers_keep_the_target_law(tiny_models, one_row, first_token_laws, name, num_drafts, distinct):
     """The first tokens follow the target's law, not the first draft's (the check has power), and K > 1 rows accept
     more than one row does on the same keys (the later rows are in the decisions the test checks)."""
-    depth, samples = 2, 700
-    recipe = _rows_that_matter_recipe(tiny_models, name, num_drafts, distinct, max_new_tokens=depth, temperature=1.0)
+    if num_drafts == 1:
+        counts, acceptance = one_row(name)
+    else:
+        recipe = _rows_that_matter_recipe(tiny_models, name, num_drafts, distinct, max_new_tokens=2, temperature=1.0)
+        decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+        assert decoder.num_draft_rows == num_drafts
+        counts, acceptance = _first_tokens(decoder, MULTI_DRAFT_SAMPLES)
+        assert acceptance > one_row(name)[1]
+    assert chi_square_p_value(counts, first_token_laws["target"]) > 1e-3
+    assert chi_square_p_value(counts, first_token_laws["draft"]) < 1e-6
+
+
+MULTI_DRAFT_SAMPLES = 500
+
+
+@pytest.fixture(scope="module")
+def first_token_laws(tiny_models) -> dict[str, dict]:
+    """The exact laws of the first two tokens: the target's, and its checkpoint's at the first draft's T = 0.5."""
+    recipe = _rows_that_matter_recipe(tiny_models, "specinfer", 1, False, max_new_tokens=2)
     decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
-    assert decoder.num_draft_rows == num_drafts
     prompt_ids = decoder.encode_prompt(PROMPT)
-    counts, acceptance = _first_tokens(decoder, samples)
-    laws = {
-        temperature: exact_sequence_law(
-            decoder.target.model, prompt_ids, depth, SamplingParams(temperature), decoder.vocab_size, {EOS_ID}
+    return {
+        role: exact_sequence_law(
+            decoder.target.model, prompt_ids, 2, SamplingParams(temperature), decoder.vocab_size, {EOS_ID}
         )
-        for temperature in (1.0, 0.5)
+        for role, temperature in (("target", 1.0), ("draft", 0.5))
     }
-    assert chi_square_p_value(counts, laws[1.0]) > 1e-3
-    assert chi_square_p_value(counts, laws[0.5]) < 1e-6
-    if num_drafts > 1:
-        assert acceptance > one_row_acceptance(name)
+
+
+@pytest.fixture(scope="module")
+def one_row(tiny_models):
+    """one_row(name) → the counts of the first tokens and the acceptance of verifier ``name`` with one row, on the
+    law test's keys (decoded once per verifier: the K = 1 case and the K > 1 cases' comparison)."""
+    found: dict[str, tuple[Counter, float]] = {}
+
+    def decoded(name: str) -> tuple[Counter, float]:
+        if name not in found:
+            recipe = _rows_that_matter_recipe(tiny_models, name, 1, False, max_new_tokens=2, temperature=1.0)
+            found[name] = _first_tokens(SpeculativeDecoder.from_recipe(build_recipe(recipe)), MULTI_DRAFT_SAMPLES)
+        return found[name]
+
+    return decoded
 
 
 class _SpecInferWithoutResidualUpdates(SpecInfer):
@@ -287,22 +313,7 @@ def test_negative_control_the_law_test_rejects_specinfer_without_residual_update
     law = exact_sequence_law(
         decoder.target.model, decoder.encode_prompt(PROMPT), 2, SamplingParams(1.0), decoder.vocab_size, {EOS_ID}
     )
-    assert chi_square_p_value(_first_tokens(decoder, 700)[0], law) < 1e-6
-
-
-@pytest.fixture(scope="module")
-def one_row_acceptance(tiny_models):
-    """one_row_acceptance(name) → the acceptance of verifier ``name`` with one row, on the law test's keys
-    (decoded once per verifier)."""
-    found: dict[str, float] = {}
-
-    def acceptance(name: str) -> float:
-        if name not in found:
-            recipe = _rows_that_matter_recipe(tiny_models, name, 1, False, max_new_tokens=2, temperature=1.0)
-            found[name] = _first_tokens(SpeculativeDecoder.from_recipe(build_recipe(recipe)), 700)[1]
-        return found[name]
-
-    return acceptance
+    assert chi_square_p_value(_first_tokens(decoder, MULTI_DRAFT_SAMPLES)[0], law) < 1e-6
 
 
 @pytest.mark.parametrize("name", ["specinfer", "spectr", "is-lp", "is-truncated", "mentored", "block"])
