@@ -214,8 +214,12 @@ class _DraftTable:
             return
         self.tokens[rows, t] = self.tokens[sources, t]
         copies = one_hot_laws(self.tokens[rows, t], self.laws.shape[-1]).to(self.laws.dtype)  # [copies, V]
-        for laws in (self.laws,) if self.judged is None else (self.laws, self.judged):
+        for laws in self._law_tables():
             laws[rows, t] = copies
+
+    def _law_tables(self) -> tuple[torch.Tensor, ...]:
+        """The laws reported beside the tokens: the sampling laws, and the judged ones where asked."""
+        return (self.laws,) if self.judged is None else (self.laws, self.judged)
 
     def end_rows(self, t: int, eos_ids: torch.Tensor) -> None:
         """Rows that ended before ``t`` repeat their EOS there, under a one-hot law (whatever their forward drew, or
@@ -224,6 +228,6 @@ class _DraftTable:
             previous = self.tokens[:, t - 1]  # [B K]
             self.tokens[:, t] = torch.where(self.ended, previous, self.tokens[:, t])
             repeated = one_hot_laws(previous, self.laws.shape[-1]).to(self.laws.dtype)  # [B K, V]
-            for laws in (self.laws,) if self.judged is None else (self.laws, self.judged):
+            for laws in self._law_tables():
                 laws[:, t] = torch.where(self.ended.view(-1, 1), repeated, laws[:, t])
         self.ended |= torch.isin(self.tokens[:, t], eos_ids)

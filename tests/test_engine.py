@@ -19,6 +19,7 @@ from specdec_cli.kit.testing import EOS_ID, chi_square_p_value, exact_sequence_l
 from specdec_cli.plugins.verifier_registry import VerifierRegistry
 from specdec_plugins._problem_walk import verify_by_problems
 from specdec_plugins.specinfer import SpecInfer
+from tests import row_acceptance
 from tests.conftest import tiny_recipe
 
 PROMPT = "a b c d"
@@ -234,8 +235,7 @@ def _rows_that_matter_recipe(models, name: str, num_drafts: int, distinct: bool,
 
 def _first_tokens(decoder: SpeculativeDecoder, samples: int) -> tuple[Counter, float]:
     results = keyed_samples(decoder, PROMPT, samples)
-    accepted = sum(result.stats.accepted_tokens for result in results)
-    return Counter(tuple(r.token_ids) for r in results), accepted / sum(r.stats.drafted_tokens for r in results)
+    return Counter(tuple(r.token_ids) for r in results), row_acceptance.acceptance(results)
 
 
 @pytest.mark.parametrize(("name", "num_drafts", "distinct"), MULTI_DRAFT_CASES)

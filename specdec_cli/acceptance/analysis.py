@@ -63,14 +63,13 @@ def _refuse_rows_that_share_a_prefix(sections: Sequence[DrafterSection], num_dra
     do not have, so its figures there would be wrong."""
     drafters = DrafterRegistry()
     for section in sections:
-        for index, entry in enumerate(section.drafts):
-            name, params = drafters.entry_drafter(entry)
-            if drafters.dependent_rows(name, params, num_drafts):
-                raise UsageError(
-                    f"drafts.{index}: drafter '{name}' shares a block's first tokens across its rows (branch_after), "
-                    "and acceptance evaluates every position with K independent rows: set branch_after: 0 or "
-                    "--num-drafts 1, or compare with `specdec bench`"
-                )
+        entries = [drafters.entry_drafter(entry) for entry in section.drafts]
+        for index, name in drafters.dependent_entries(entries, num_drafts)[:1]:
+            raise UsageError(
+                f"drafts.{index}: drafter '{name}' shares a block's first tokens across its rows (branch_after), "
+                "and acceptance evaluates every position with K independent rows: set branch_after: 0 or "
+                "--num-drafts 1, or compare with `specdec bench`"
+            )
 
 
 class AcceptanceAnalysis:

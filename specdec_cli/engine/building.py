@@ -110,10 +110,9 @@ class SpeculativeDecoder:
     def _dependent_drafters(self) -> tuple[str, ...]:
         """The drafters of this decoder's entries whose rows are not independent samples (:attr:`DraftRows.dependent`,
         as the recipe's rows give it before the models load)."""
-        num_drafts, registry = self.config.speculation.num_drafts, self.drafter_registry
-        return tuple(
-            draft.drafter for draft in self.drafts if registry.dependent_rows(draft.drafter, draft.params, num_drafts)
-        )
+        entries = [(draft.drafter, draft.params) for draft in self.drafts]
+        dependent = self.drafter_registry.dependent_entries(entries, self.config.speculation.num_drafts)
+        return tuple(name for _, name in dependent)
 
     @property
     def judged_view(self) -> str | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from ..base.errors import SpecdecError, UsageError
@@ -82,6 +82,17 @@ class DrafterRegistry(PluginRegistry):
             return False
         return not self.create(name, params).independent_rows
 
+    def dependent_entries(
+        self, drafters: Sequence[tuple[str, dict[str, Any]]], num_drafts: int
+    ) -> list[tuple[int, str]]:
+        """(index, name) of each of the (name, parameters) ``drafters`` whose rows are not independent samples
+        (:meth:`dependent_rows`), in their order."""
+        return [
+            (index, name)
+            for index, (name, params) in enumerate(drafters)
+            if self.dependent_rows(name, params, num_drafts)
+        ]
+
     def check_entries(self, entries: tuple[DraftConfig, ...]) -> None:
         """Each entry's drafter is installed, takes its parameters and its model fields: a UsageError naming the
         entry otherwise (before any model loads)."""
@@ -143,5 +154,5 @@ def recipe_draft_rows(recipe: Recipe, drafters: DrafterRegistry | None = None) -
     unjudged = [drafters.entry_drafter(draft)[0] for draft in recipe.drafts if drafters.entry_unjudged(draft)]
     num_drafts = recipe.speculation.num_drafts
     entries = [drafters.entry_drafter(draft) for draft in recipe.drafts]
-    dependent = [name for name, params in entries if drafters.dependent_rows(name, params, num_drafts)]
+    dependent = [name for _, name in drafters.dependent_entries(entries, num_drafts)]
     return every_config(laws, num_drafts, deterministic, unjudged, dependent)
