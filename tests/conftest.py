@@ -168,6 +168,21 @@ def start_specdec(args: list[str]) -> subprocess.Popen:
     )
 
 
+def wait_until_importing_the_commands(process: subprocess.Popen, timeout: float = 120) -> None:
+    """Return once ``process`` (a `specdec` child) has loaded numpy's core library, which the CLI first imports
+    inside the block that turns an early Ctrl-C into exit 130: from then on SIGINT must stop it as a user's would.
+    A fixed sleep raced a loaded machine: a signal before the interpreter's own handler kills the child outright."""
+    deadline = time.monotonic() + timeout
+    maps = Path(f"/proc/{process.pid}/maps")
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if "_multiarray_umath" in maps.read_text():
+                return
+        except OSError:  # the child ended between the poll and the read
+            return
+        time.sleep(0.002)
+
+
 def wait_for_samples(folder: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
     """Return once ``folder`` holds ``count`` sample lines, ``process`` has ended, or ``timeout`` seconds passed."""
     deadline = time.monotonic() + timeout

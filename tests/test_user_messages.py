@@ -9,7 +9,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -27,6 +26,7 @@ from tests.conftest import (
     start_specdec,
     tiny_recipe,
     wait_for_samples,
+    wait_until_importing_the_commands,
 )
 
 FLAG_VALUES = [  # (flag and value, the one line's text after "error: ")
@@ -286,7 +286,7 @@ def test_acceptance_stopped_by_ctrl_c_exits_130_with_its_records_whole(tiny_mode
     if moment == "running":
         wait_for_samples(out, 1, process)
     else:
-        time.sleep(0.6)  # the interpreter is up and importing the commands (about a second on an idle machine)
+        wait_until_importing_the_commands(process)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err
