@@ -156,6 +156,47 @@ def test_a_sample_does_not_depend_on_its_batch(tiny_models, family, verifier, nu
     assert sum(a.token_ids != b.token_ids for a, b in zip(runs[0], reseeded)) >= 3
 
 
+@pytest.mark.parametrize("family,static_cache", [("llama", False), ("llama", True), ("t5", False)])
+def test_the_samples_of_a_prompt_joining_one_after_another_share_one_read_of_it(tiny_models, family, static_cache):
+    """At batch 3 the four samples of each prompt join one after another (three at once, one as a row leaves): each
+    model reads a prompt once (its encoder, or its prefill), the next samples copy that read, and the samples are
+    batch one's token for token (numbers equal to a read of their own, not merely close)."""
+    recipe = tiny_recipe(
+        tiny_models,
+        family,
+        speculation={"static_cache": static_cache},
+        generation={"max_new_tokens": 12, "temperature": 0.0},
+    )
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    prompts = ["a b c d e a b c d", "e d c b a e d c b a e"]  # no prompt is as long as a step (1, 2 or L + 1 ids)
+    reads: Counter = Counter()
+
+    def count(name: str, length_of_a_read: set[int] | None):
+        def hook(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)  # [rows, m]
+            if length_of_a_read is None or (ids.shape[0] == 1 and ids.shape[1] in length_of_a_read):
+                reads[name] += 1
+
+        return hook
+
+    models = {"target": decoder.target.model, "draft": decoder.drafts[0].model.model}
+    lengths = {len(decoder.encode_prompt(prompt)) for prompt in prompts}
+    hooks = [
+        (model.get_encoder() if family == "t5" else model).register_forward_pre_hook(
+            count(name, None if family == "t5" else lengths), with_kwargs=True
+        )
+        for name, model in models.items()
+    ]
+    try:
+        batched = decoder.generate(prompts, num_samples=4, batch_size=3)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert reads == {"target": 2, "draft": 2}
+    alone = decoder.generate(prompts, num_samples=4)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+
+
 def test_stats_are_kept_per_sequence(tiny_models):
     decoder = _decoder(tiny_models, "llama", max_new_tokens=12, temperature=1.0)
     with device_path():  # where reads are free, a sample alone runs no draft forward after its rows' EOS; a batch may

@@ -17,7 +17,8 @@ from specdec_cli.base import waits
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.commands.progress import WAIT_SAID_AFTER_S, LongWaitsOnStderr
 from specdec_cli.engine.decoder import SpeculativeDecoder
-from specdec_cli.engine.session import ModelSession, compiling_steps
+from specdec_cli.engine.session import ModelSession
+from specdec_cli.engine.steps import compiling_steps
 from specdec_cli.generation import calibration
 from specdec_cli.generation.calibration import CpuLoad
 from specdec_cli.kit.testing import tiny_model, tiny_tokenizer

@@ -21,26 +21,22 @@ With a ``headroom`` (``speculation.static_cache``), a decoder-only model's sessi
 rejected suffix hidden by the mask until the next block overwrites it, so nothing is cropped or realigned and the
 buffers keep their shape (they widen only for a sequence that joins longer than them).
 
-Sequences join (:meth:`ModelSession.add`, each prompt read on its own) and leave (:meth:`ModelSession.select`)
-between blocks, so a long answer does not hold the others.
+Sequences join (:meth:`ModelSession.add`, each prompt read on its own, once for all its samples) and leave
+(:meth:`ModelSession.select`) between blocks, so a long answer does not hold the others.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
-import weakref
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from ..base.timing import RegionTimer
-from ..base.waits import waiting
 from ..models.loading import LoadedModel
-from . import compile_cache
-from .compile_cache import CompileCacheUse
 from .slots import SlotCache
 from .steps import CAPACITY_BUCKET, StepCompiler, step_compiler
 
@@ -128,6 +124,7 @@ class ModelSession:
         self.encoder_mask: torch.Tensor | None = None  # [rows, source] 1 on each row's prompt
         self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.cache_argument = cache_argument(self.model)
+        self._last_read: tuple[tuple, ModelSession] | None = None  # ((prompt, context), the one-row session it read)
 
     @property
     def rows(self) -> int:
@@ -140,25 +137,45 @@ class ModelSession:
         each of ``contexts`` (the committed ids) and holds all of it but its last id, which the next block feeds.
 
         Each sequence is read on its own: reading prompts of different lengths together would compute their
-        padding too, and on a compute-bound device that costs more than it saves. One sequence joining an empty
-        session (a single sample) is read with its first block instead: one forward less, and nothing to align."""
+        padding too, which on a compute-bound device costs more than it saves; the next sample of a prompt (they join
+        one after another) takes a copy of what the last read computed. One sequence joining an empty session (a
+        single sample) is read with its first block instead: one forward less, and nothing to align."""
         deferred = not self.lengths and len(contexts) == 1
         for prompt, context in zip(prompts, contexts):
-            joining = ModelSession(self.loaded, self.vocab_size, self.use_cache, self.headroom, self.steps is not None)
-            if self.headroom is not None:
-                layers = self.model.config.get_text_config().num_hidden_layers
-                joining.cache = SlotCache(layers, self._capacity(len(context) + self.headroom + 1))
-            if self.loaded.is_encoder_decoder:
-                joining.encoder_hidden, joining.encoder_mask = self._encode(prompt)
-            joining.starts, joining.lengths = [0], [0]
-            if not deferred:
-                ids = torch.tensor([context], dtype=torch.long, device=self.device)  # [1, context]
-                if self.use_cache:
-                    joining._run(ids, 1, timer)
-                else:  # nothing to compute: the next forward reads every id again
-                    joining.ids, joining.columns = ids, ids.shape[1]
-                joining.lengths = [len(context) - 1]
+            key = (tuple(prompt), tuple(context))
+            if deferred or self._last_read is None or self._last_read[0] != key:
+                joining = self._read(prompt, context, deferred, timer)
+                self._last_read = None if deferred else (key, joining._copy())
+            else:
+                joining = self._last_read[1]._copy()
             self._merge(joining)
+
+    @torch.no_grad()  # what a read computes is copied (_copy), which a tensor with a grad_fn refuses
+    def _read(self, prompt: list[int], context: list[int], deferred: bool, timer: RegionTimer | None) -> ModelSession:
+        """A session of one row that has read ``prompt`` (an encoder-decoder's) and ``context`` (but for its last id),
+        or, ``deferred``, that will read them with its first block."""
+        joining = ModelSession(self.loaded, self.vocab_size, self.use_cache, self.headroom, self.steps is not None)
+        if self.headroom is not None:
+            layers = self.model.config.get_text_config().num_hidden_layers
+            joining.cache = SlotCache(layers, self._capacity(len(context) + self.headroom + 1))
+        if self.loaded.is_encoder_decoder:
+            joining.encoder_hidden, joining.encoder_mask = self._encode(prompt)
+        joining.starts, joining.lengths = [0], [0]
+        if not deferred:
+            ids = torch.tensor([context], dtype=torch.long, device=self.device)  # [1, context]
+            if self.use_cache:
+                joining._run(ids, 1, timer)
+            else:  # nothing to compute: the next forward reads every id again
+                joining.ids, joining.columns = ids, ids.shape[1]
+            joining.lengths = [len(context) - 1]
+        return joining
+
+    def _copy(self) -> ModelSession:
+        """This session with its own cache, which forwards write in place (ids and encoder outputs are replaced)."""
+        twin = copy.copy(self)
+        twin.cache = copy.deepcopy(self.cache)
+        twin.lengths, twin.starts = list(self.lengths), list(self.starts)
+        return twin
 
     def _encode(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder's output for ``prompt`` → (hidden ``[1, source, d]``, mask ``[1, source]``, all ones)."""
@@ -272,7 +289,7 @@ class ModelSession:
         # A compiled step computes the logits of all its inputs (0: keep all): a step's few positions cost little
         # beside its weights, and a number of logits kept per call would be one more value its graphs specialise on.
         arguments = self._forward_arguments(inputs, 0 if extends else keep, padding)
-        with self._compiling(inputs) if extends else nullcontext():
+        with self.steps.compiling((*inputs.shape, self.cache.capacity)) if extends else nullcontext():
             with timer.region("forward") if timer is not None else nullcontext():
                 output = forward(**arguments)
         self.cache = getattr(output, self.cache_argument) if self.use_cache else None
@@ -282,17 +299,6 @@ class ModelSession:
         else:
             self.lengths = [length + inputs.shape[1] - pad for length, pad in zip(self.lengths, padding)]
         return output.logits[:, -keep:, : self.vocab_size]  # [rows, keep, vocab]
-
-    def _compiling(self, inputs: torch.Tensor) -> AbstractContextManager[None]:
-        """A compiled step of a shape (``inputs`` ``[rows, m]`` over the cache's capacity) that the model's steps have
-        not run yet compiles its graph, which takes seconds to minutes on a CPU: a wait, said while it lasts, after
-        which what was compiled is kept (:func:`~.compile_cache.save`). A shape run before passes in silence."""
-        shape = (*inputs.shape, self.cache.capacity)
-        seen = _STEP_SHAPES.setdefault(self.steps, set())
-        if shape in seen:
-            return nullcontext()
-        seen.add(shape)
-        return _compiling_and_keeping(self.steps.cache_use)
 
     def _forward_arguments(self, inputs: torch.Tensor, keep: int, padding: list[int]) -> dict[str, Any]:
         """The model's keyword arguments for ``inputs`` ``[rows, m]`` after the held columns: where rows may be
@@ -396,32 +402,6 @@ class ModelSession:
             index = source.view(rows, 1, width, 1).expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = layer.keys.gather(2, index)  # [rows, heads, W', d]
             layer.values = layer.values.gather(2, index)
-
-
-_STEP_SHAPES: weakref.WeakKeyDictionary[StepCompiler, set[tuple[int, ...]]] = weakref.WeakKeyDictionary()
-"""The shapes (rows, inputs, capacity) each model's compiled steps have run: a new one may compile a graph."""
-
-
-@contextmanager
-def _compiling_and_keeping(use: CompileCacheUse) -> Iterator[None]:
-    """The wait of a compiled step's new shape, then its artifacts written to the model's compile cache entry."""
-    with waiting(compiling_steps(use)):
-        use.noted = True
-        yield
-    compile_cache.save()
-
-
-def compiling_steps(use: CompileCacheUse | None = None) -> str:
-    """What a compiled step of a new shape is doing, and what of it a later run keeps (``use``: the model's compile
-    cache entry, which says whether an earlier run's kernels are reused, or why they could not be)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    doing = "compiling the model steps with torch.compile, as each new step shape comes in the first blocks"
-    if use is not None and use.reused:
-        return f"{doing} (tracing them again; their kernels are reused from {use.entry})"
-    if use is not None and use.note and not use.noted:
-        return f"{use.note}: {doing} (the compiled kernels are cached in {cache_dir()} for later runs)"
-    return f"{doing} (the compiled kernels are cached in {cache_dir()} for later runs)"
 
 
 @torch.inference_mode()

@@ -26,14 +26,17 @@ What inductor compiles is kept under specdec's cache directory for later runs, o
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
+from ..base.waits import waiting
 from . import compile_cache
+from .compile_cache import CompileCacheUse
 
-__all__ = ["CAPACITY_BUCKET", "StepCompiler", "step_compiler"]
+__all__ = ["CAPACITY_BUCKET", "StepCompiler", "compiling_steps", "step_compiler"]
 
 CAPACITY_BUCKET = 128
 """Compiled steps round a static cache's slots per row up to a multiple of this, so that prompts of different
@@ -59,6 +62,17 @@ class StepCompiler:
         mode = "reduce-overhead" if self.on_gpu else None
         self.forward: Callable[..., Any] | None = torch.compile(model.forward, mode=mode)
         """None once compiling failed: every step then runs eager."""
+        self.shapes: set[tuple[int, ...]] = set()
+        """The shapes (rows, inputs, capacity) its steps have run: a new one may compile a graph."""
+
+    def compiling(self, shape: tuple[int, ...]) -> AbstractContextManager[None]:
+        """A step of a ``shape`` (rows, inputs, the cache's capacity) not run yet compiles its graph, which takes
+        seconds to minutes on a CPU: a wait, said while it lasts, after which what was compiled is kept
+        (:func:`~.compile_cache.save`). A shape run before passes in silence."""
+        if shape in self.shapes:
+            return nullcontext()
+        self.shapes.add(shape)
+        return _compiling_and_keeping(self.cache_use)
 
     def __call__(self, **kwargs: Any) -> Any:
         """The model's output for ``kwargs``: compiled, or eager where compiling failed (said once)."""
@@ -80,6 +94,28 @@ class StepCompiler:
                     output.logits = output.logits.clone()
                 return output
         return self.model(**kwargs)
+
+
+@contextmanager
+def _compiling_and_keeping(use: CompileCacheUse) -> Iterator[None]:
+    """The wait of a compiled step's new shape, then its artifacts written to the model's compile cache entry."""
+    with waiting(compiling_steps(use)):
+        use.noted = True
+        yield
+    compile_cache.save()
+
+
+def compiling_steps(use: CompileCacheUse | None = None) -> str:
+    """What a compiled step of a new shape is doing, and what of it a later run keeps (``use``: the model's compile
+    cache entry, which says whether an earlier run's kernels are reused, or why they could not be)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    doing = "compiling the model steps with torch.compile, as each new step shape comes in the first blocks"
+    if use is not None and use.reused:
+        return f"{doing} (tracing them again; their kernels are reused from {use.entry})"
+    if use is not None and use.note and not use.noted:
+        return f"{use.note}: {doing} (the compiled kernels are cached in {cache_dir()} for later runs)"
+    return f"{doing} (the compiled kernels are cached in {cache_dir()} for later runs)"
 
 
 def _reason(error: Exception) -> str:
