@@ -1,8 +1,10 @@
 """The model drafter's ``branch_after: d`` (issue #43): one path for a block's first d tokens, then K continuations.
 
-Exact enumeration on a 3-token vocabulary (the joint law of the rows is no longer a product, so the draft blocks
-are enumerated here, not by the kit): SpecInfer, traversal and sample matching keep the target's law on such rows;
-copies reported under the draft law (negative control) and is-lp on such rows (why it is refused) do not.
+Exact enumeration on a 3-token vocabulary (the joint law of the rows is no longer a product: the kit's
+specdec_cli/kit/dependent_rows.py enumerates the delayed process, and check_verifier holds every rule that declares
+``dependent_drafts`` to it): SpecInfer, traversal and sample matching keep the target's law on such rows; copies
+reported under the draft law (negative control) and is-lp on such rows (why it is refused) do not, and is-lp
+declaring ``dependent_drafts`` fails the kit.
 SpecInfer's device path (what a GPU runs) decides such blocks as its CPU walk does. The drafter's proposal: rows
 share their first d tokens under one-hot laws, then branch, within their own entry. Through
 ``specdec generate``: the first tokens follow the target's law (chi-square) for traversal at K = 2 and 4 and SpecInfer
@@ -12,9 +14,7 @@ bad ``branch_after`` are one line before any model loads.
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 from collections import Counter
 
 import pytest
@@ -24,100 +24,49 @@ from specdec_cli import SpeculativeDecoder
 from specdec_cli.base.randomness import Draws
 from specdec_cli.base.recipe import build_recipe
 from specdec_cli.base.sampling import SamplingParams, sampling_law
+from specdec_cli.kit.conformance import ConformanceError, check_verifier
+from specdec_cli.kit.dependent_rows import LENGTH, largest_gap
 from specdec_cli.kit.testing import (
     EOS_ID,
-    SequenceLaw,
     chi_square_p_value,
-    decision_outcomes,
     exact_sequence_law,
     random_distributions,
-    random_sequence_laws,
-    target_sequence_law,
 )
 from specdec_cli.plugins.drafting import DraftRequest, one_hot_laws
 from specdec_cli.plugins.registry import load_verifier
 from specdec_cli.plugins.verifiers import device_path
+from specdec_plugins.is_lp import ImportanceSamplingLP
 from specdec_plugins.model_drafter import _DraftTable
 from tests.conftest import one_error_line, tiny_recipe
 
-VOCAB, LENGTH = 3, 3
-
-# --------------------------------------------------------------------------- exact enumeration
-
-
-def delayed_blocks(draft_law: SequenceLaw, num_rows: int, branch_after: int):
-    """Every draft block ``[K][L]`` of the delayed-branch process with its probability: row 1 draws the first
-    ``branch_after`` tokens, every row carries them, then each row draws its own continuation."""
-    tail = LENGTH - branch_after
-    for shared in itertools.product(range(VOCAB), repeat=branch_after):
-        for continuations in itertools.product(range(VOCAB), repeat=num_rows * tail):
-            rows = [shared + continuations[k * tail : (k + 1) * tail] for k in range(num_rows)]
-            draws = [(rows[0], t) for t in range(branch_after)]
-            draws += [(row, t) for row in rows for t in range(branch_after, LENGTH)]
-            weight = math.prod(float(draft_law(row[:t])[row[t]]) for row, t in draws)
-            if weight > 0:
-                yield rows, weight
-
-
-def reported_laws(draft_law: SequenceLaw, rows: list[tuple[int, ...]], branch_after: int, copies_as_drawn: bool):
-    """The laws ``[K, L, V]`` the drafter reports: a copy's one-hot law at its copied tokens (its law given the rows
-    before it), or, with ``copies_as_drawn`` (the negative control), the draft law the copied token came from."""
-    laws = torch.stack([torch.stack([draft_law(row[:t]) for t in range(LENGTH)]) for row in rows])  # [K, L, V]
-    if not copies_as_drawn:
-        copied = torch.tensor([row[:branch_after] for row in rows[1:]]).view(len(rows) - 1, branch_after)  # [K-1, d]
-        laws[1:, :branch_after] = one_hot_laws(copied, VOCAB).to(laws.dtype)
-    return laws
-
-
-def committed_law(verifier, target_law, draft_law, num_rows: int, branch_after: int, copies_as_drawn: bool = False):
-    """The exact law of the tokens one block commits, summed over every delayed-branch draft block."""
-    outcomes: dict[tuple[int, ...], float] = {}
-    for rows, weight in delayed_blocks(draft_law, num_rows, branch_after):
-        target_probs = torch.stack([torch.stack([target_law(row[:t]) for t in range(LENGTH + 1)]) for row in rows])
-        draft_probs = reported_laws(draft_law, rows, branch_after, copies_as_drawn)
-        block = verifier.block_law(target_probs, draft_probs, torch.tensor(rows))  # [K, L+1, V]
-        for sequence, mass in decision_outcomes(block, torch.tensor(rows)).items():
-            outcomes[sequence] = outcomes.get(sequence, 0.0) + weight * mass
-    return outcomes
-
-
-def largest_gap(verifier_name: str, num_rows: int, branch_after: int, copies_as_drawn: bool = False) -> float:
-    """The largest gap between the law of the first L+1 tokens (one block, then the target alone) and the target's."""
-    generator = torch.Generator().manual_seed(1)
-    target_law, draft_law = (random_sequence_laws(generator, VOCAB, LENGTH + 1).__getitem__ for _ in range(2))
-    committed = committed_law(
-        load_verifier(verifier_name), target_law, draft_law, num_rows, branch_after, copies_as_drawn
-    )
-
-    def through_block(sequence: tuple[int, ...]) -> float:  # committed prefixes, then the target's own tokens
-        return sum(
-            committed.get(sequence[:n], 0.0)
-            * math.prod(float(target_law(sequence[:t])[sequence[t]]) for t in range(n, LENGTH + 1))
-            for n in range(1, LENGTH + 2)
-        )
-
-    exact = target_sequence_law(target_law, VOCAB, LENGTH + 1)
-    return max(
-        abs(through_block(sequence) - exact.get(sequence, 0.0))
-        for sequence in itertools.product(range(VOCAB), repeat=LENGTH + 1)
-    )
+# --------------------------------------------------------------------------- exact enumeration (the kit's)
 
 
 @pytest.mark.parametrize("verifier", ["specinfer", "traversal", "match"])
 @pytest.mark.parametrize("num_rows, branch_after", [(2, 1), (2, 2), (3, 1), (3, 2)])
 def test_rows_that_branch_late_keep_the_target_law(verifier, num_rows, branch_after):
-    assert largest_gap(verifier, num_rows, branch_after) < 1e-12
+    assert largest_gap(load_verifier(verifier), num_rows, branch_after) < 1e-12
 
 
 def test_negative_control_copies_reported_under_the_draft_law_are_lossy_for_specinfer():
     """A copy of x tested again under p after x was rejected makes the residual (cur - p)+ instead of cur."""
-    assert largest_gap("specinfer", 2, 1, copies_as_drawn=True) > 1e-3
+    assert largest_gap(load_verifier("specinfer"), 2, 1, copies_as_drawn=True) > 1e-3
 
 
 def test_a_rule_for_independent_rows_is_lossy_on_them():
     """Why is-lp and is-truncated refuse such rows: their pair selection weighs x2 as drawn independently of x1.
     (SpecTr, defined for K draws of one law, would stop at the copies' one-hot laws.)"""
-    assert largest_gap("is-lp", 2, 2) > 1e-2
+    assert largest_gap(load_verifier("is-lp"), 2, 2) > 1e-2
+
+
+class _IsLpClaimingDependentRows(ImportanceSamplingLP):
+    name = "is-lp-dependent"
+    dependent_drafts = True
+
+
+def test_the_kit_fails_a_rule_that_declares_dependent_drafts_and_is_lossy_on_them():
+    with pytest.raises(ConformanceError, match=r"is-lp-dependent: declares dependent_drafts, but on K = 2 rows"):
+        check_verifier(_IsLpClaimingDependentRows, samples=300)
 
 
 def copied_block(seed: int, num_rows: int = 4, branch_after: int = 2, vocab: int = 6):

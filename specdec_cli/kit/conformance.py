@@ -8,7 +8,8 @@ each position for a lossy one; then that ``verify_block``, drawing as the engine
 (a chi-square), with decisions of the right types, shapes and values. A lossy token-level rule is also held to the
 frontier: on random law pairs, the acceptance it claims is at most the KL-optimal rule's (mentored's) at the
 KL(q ‖ π) its output law spends, and is the acceptance its ``block_law`` gives on one-token blocks; its
-``output_law``, where given, is the law its ``conditional`` gives. The built-ins pass it, over the registry; a
+``output_law``, where given, is the law its ``conditional`` gives. A lossless rule that declares ``dependent_drafts``
+keeps the target's law on rows that share a prefix (:mod:`.dependent_rows`). The built-ins pass it, over the registry; a
 verifier that accepts every draft token while calling itself lossless fails it, and so does a lossy one that claims
 more than the frontier allows.
 
@@ -73,10 +74,8 @@ class ConformanceError(AssertionError):
 class ConformanceReport:
     """What :func:`check_verifier` or :func:`check_drafter` checked of a plugin class, every check of which passed."""
 
-    kind: str
-    """"verifier" or "drafter"."""
-    name: str
-    """The class's ``name``."""
+    kind: str  # "verifier" or "drafter"
+    name: str  # the class's ``name``
     params: dict[str, Any]
     """The parameters it was checked with."""
     checks: tuple[str, ...] = field(default=())
@@ -292,7 +291,29 @@ def check_verifier(
         checks.append(f"K={num_drafts}: {_check_capabilities(cls, verifier, cases)}")
     if not cls.lossless and cls.token_level and not cls.identical_drafts:
         checks.append(_check_frontier(cls, verifier))
+    if cls.dependent_drafts:
+        checks.append(_check_dependent_rows(cls, verifier))
     return ConformanceReport(kind="verifier", name=cls.name, params=dict(params or {}), checks=tuple(checks))
+
+
+def _check_dependent_rows(cls: type, verifier: Any) -> str:
+    """A rule that declares ``dependent_drafts`` keeps the target's law on rows that share their first d tokens, each
+    copy reported one-hot (:mod:`.dependent_rows`); a lossy one has no law to be held to there."""
+    from .dependent_rows import LENGTH, VOCAB, largest_gap
+
+    if not cls.lossless:
+        return "dependent_drafts: not checked (a lossy rule promises no law on rows that share a prefix)"
+    cases = [(k, d) for k, d in ((2, 1), (2, 2), (3, 1)) if cls.max_drafts is None or k <= cls.max_drafts]
+    for num_rows, branch_after in cases:
+        gap = largest_gap(verifier, num_rows, branch_after)
+        if gap > 1e-9:
+            raise ConformanceError(
+                f"{cls.name}: declares dependent_drafts, but on K = {num_rows} rows that share their first "
+                f"{branch_after} token(s) its output law differs from the target's by {gap:.3g} (V = {VOCAB}, "
+                f"L = {LENGTH}); declare dependent_drafts = False if it needs independent rows"
+            )
+    shown = ", ".join(f"K={k} d={d}" for k, d in cases)
+    return f"dependent_drafts: rows sharing their first d tokens ({shown}; V={VOCAB}, L={LENGTH}) keep the target's law"
 
 
 def _verifier_cases(num_drafts: int, identical: bool) -> list:
