@@ -37,6 +37,13 @@ from specdec_cli.engine.session import ModelSession
 from specdec_cli.plugins.drafting import Drafter, DraftRequest, DraftSetup, Proposal, one_hot_laws
 from specdec_cli.plugins.verifiers import reads_are_free
 
+BranchAfter = Annotated[
+    int,
+    "tokens of each block drafted once before the rows branch: the first row draws them, the others copy them "
+    "(0: K independent rows; only specinfer, traversal and match take copies)",
+]
+"""The ``branch_after`` parameter of the drafters that draft with a model (this one and early-exit)."""
+
 
 class ModelDrafter(Drafter):
     """A draft model (the entry's ``model:``) samples each row's tokens from its own law."""
@@ -44,19 +51,11 @@ class ModelDrafter(Drafter):
     name = "model"
     uses_model = True
     reports_judged_laws = True
-    branch_after = 0  # a subclass whose constructor does not take it (early-exit) drafts K independent rows
+    branch_after = 0  # a subclass whose constructor does not call this one drafts K independent rows
 
-    def __init__(
-        self,
-        *,
-        branch_after: Annotated[
-            int,
-            "tokens of each block drafted once before the rows branch: the first row draws them, the others copy "
-            "them (0: K independent rows; only specinfer, traversal and match take copies)",
-        ] = 0,
-    ):
+    def __init__(self, *, branch_after: BranchAfter = 0):
         if branch_after < 0:  # a whole number: the base class checked the type
-            raise ValueError(f"model: branch_after must be a whole number >= 0 (tokens), got {branch_after!r}")
+            raise ValueError(f"{self.name}: branch_after must be a whole number >= 0 (tokens), got {branch_after!r}")
         self.branch_after = branch_after
 
     def entry_problem(self, entry):

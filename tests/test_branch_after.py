@@ -207,13 +207,62 @@ def test_the_first_tokens_follow_the_target_law_through_the_cli(
     assert chi_square_p_value(counts, first_token_laws["draft"]) < 1e-6
 
 
+def early_exit_recipe(models) -> dict:
+    """SpecInfer at K = 4 over rows of the early-exit drafter (the target's first layer) that branch after 2 tokens."""
+    recipe = branching_recipe(models, "specinfer", 4, 2)
+    recipe["drafts"] = [{"early_exit": 1, "params": {"branch_after": 2}}]
+    return recipe
+
+
+def early_exit_first_tokens(recipe: dict, write_recipe, run) -> tuple[Counter, dict, dict]:
+    """`specdec generate` of the recipe: the counts of its samples' first DEPTH tokens, and the exact laws of those
+    tokens at T = 1 by the target and by the early exit."""
+    code, out, err = run(
+        ["generate", "-r", str(write_recipe(recipe)), "--json", "--num-samples", str(SAMPLES), "--batch-size", "64"]
+        + [PROMPT]
+    )
+    assert code == 0, err
+    counts = Counter(tuple(sample["token_ids"][:DEPTH]) for sample in json.loads(out)["samples"])
+    decoder = SpeculativeDecoder.from_recipe(build_recipe(recipe))
+    prompt = decoder.encode_prompt(PROMPT)
+    laws = [
+        exact_sequence_law(model, prompt, DEPTH, SamplingParams(1.0), decoder.vocab_size, {EOS_ID})
+        for model in (decoder.target.model, decoder.drafts[0].model.model)
+    ]
+    return counts, *laws
+
+
+def test_early_exit_rows_branch_after_their_shared_tokens_and_keep_the_target_law(tiny_models, write_recipe, run):
+    """The early-exit drafter takes branch_after as the model drafter does (its rows copy through the same table, which
+    the negative control below misreports): through `specdec generate` the first tokens follow the target's law, not
+    the early exit's own (the test's power)."""
+    recipe = early_exit_recipe(tiny_models)
+    (drafter,) = SpeculativeDecoder.from_recipe(build_recipe(recipe)).drafters
+    assert drafter.name == "early-exit" and drafter.branch_after == 2 and not drafter.independent_rows
+    counts, target_law, early_exit_law = early_exit_first_tokens(recipe, write_recipe, run)
+    assert chi_square_p_value(counts, target_law) > 1e-3
+    assert chi_square_p_value(counts, early_exit_law) < 1e-6
+
+
+def test_negative_control_early_exit_copies_reported_under_the_draft_law_fail_the_same_test(
+    tiny_models, write_recipe, run, monkeypatch
+):
+    monkeypatch.setattr(_DraftTable, "copy_rows", copies_reported_as_drawn)
+    counts, target_law, _ = early_exit_first_tokens(early_exit_recipe(tiny_models), write_recipe, run)
+    assert chi_square_p_value(counts, target_law) < 1e-3
+
+
 # --------------------------------------------------------------------------- refusals, before any model loads
 
 
-@pytest.mark.parametrize("verifier", ["spectr", "is-lp", "is-truncated"])
-def test_rules_that_need_independent_rows_refuse_them_in_one_line(tiny_models, write_recipe, run, verifier):
-    recipe = write_recipe(branching_recipe(tiny_models, verifier, 2, 2))
-    code, _, err = run(["generate", "-r", str(recipe), PROMPT])
+@pytest.mark.parametrize(
+    "verifier, drafter", [("spectr", "model"), ("is-lp", "model"), ("is-truncated", "model"), ("spectr", "early-exit")]
+)
+def test_rules_that_need_independent_rows_refuse_them_in_one_line(tiny_models, write_recipe, run, verifier, drafter):
+    recipe = branching_recipe(tiny_models, verifier, 2, 2)
+    if drafter == "early-exit":
+        recipe["drafts"] = [{"early_exit": 1, "params": {"branch_after": 2}}]
+    code, _, err = run(["generate", "-r", str(write_recipe(recipe)), PROMPT])
     assert code == 2
     one_error_line(err, f"verifier '{verifier}' needs independent draft rows")
     assert "use match, specinfer, traversal, or branch_after: 0" in err

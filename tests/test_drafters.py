@@ -304,7 +304,7 @@ def test_drafters_lists_the_built_ins(run):
     listed = {row["name"]: row for row in json.loads(out)["drafters"]}
     assert code == 0 and {"model", "early-exit", "prompt-lookup"} <= set(listed)
     assert listed["prompt-lookup"]["deterministic"] and not listed["prompt-lookup"]["uses_model"]
-    assert listed["early-exit"]["parameters"] == {"layers": "<required>"}
+    assert listed["early-exit"]["parameters"] == {"layers": "<required>", "branch_after": 0}
 
 
 def test_a_bare_model_and_a_bare_early_exit_keep_their_meaning():
