@@ -28,6 +28,7 @@ import torch
 import specdec_cli
 from specdec_cli import SpeculativeDecoder
 from specdec_cli.base.recipe import load_recipe
+from specdec_cli.results.provenance import cpu_model
 
 GROUNDED = Path(__file__).resolve().parents[1] / "examples" / "grounded_prompts.jsonl"
 
@@ -59,7 +60,7 @@ def main() -> None:
             {
                 "tree": str(tree),
                 "commit": commit.stdout.strip(),
-                "cpu": _cpu_name(),
+                "cpu": cpu_model(),
                 "threads": args.threads,
                 "torch": torch.__version__,
                 "prompts": args.prompts,
@@ -72,13 +73,6 @@ def main() -> None:
             }
         )
     )
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

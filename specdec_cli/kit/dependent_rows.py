@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..plugins.drafting import one_hot_laws
-from .testing import SequenceLaw, decision_outcomes, random_sequence_laws, target_sequence_law
+from .testing import SequenceLaw, _complete, decision_outcomes, random_sequence_laws, target_sequence_law
 
 __all__ = ["LENGTH", "VOCAB", "committed_law", "delayed_blocks", "largest_gap", "reported_laws"]
 
@@ -81,16 +81,9 @@ def largest_gap(verifier: Any, num_rows: int, branch_after: int, copies_as_drawn
     generator = torch.Generator().manual_seed(1)
     target_law, draft_law = (random_sequence_laws(generator, VOCAB, LENGTH + 1).__getitem__ for _ in range(2))
     committed = committed_law(verifier, target_law, draft_law, num_rows, branch_after, copies_as_drawn)
-
-    def through_block(sequence: tuple[int, ...]) -> float:  # committed prefixes, then the target's own tokens
-        return sum(
-            committed.get(sequence[:n], 0.0)
-            * math.prod(float(target_law(sequence[:t])[sequence[t]]) for t in range(n, LENGTH + 1))
-            for n in range(1, LENGTH + 2)
-        )
-
+    through_block = _complete(committed, target_law, VOCAB, LENGTH + 1)  # committed prefixes, then the target's own
     exact = target_sequence_law(target_law, VOCAB, LENGTH + 1)
     return max(
-        abs(through_block(sequence) - exact.get(sequence, 0.0))
+        abs(through_block.get(sequence, 0.0) - exact.get(sequence, 0.0))
         for sequence in itertools.product(range(VOCAB), repeat=LENGTH + 1)
     )
